@@ -1,0 +1,50 @@
+"""Prompt text for an example.
+
+``chat``: Qwen2.5's chat template around one user message, the question followed by Qwen2.5-Math's
+instruction ``Please reason step by step, and put your final answer within \\boxed{}.``
+``plain``: the example's short ``prompt`` field as is (``"3+5="``), for tiny models with tiny context.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+STYLES = ("chat", "plain")
+
+
+class ChatTokenizer(Protocol):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False) -> Any: ...
+
+
+def format_prompt(
+    question: str,
+    tokenizer: ChatTokenizer,
+    *,
+    instruction: str = MATH_INSTRUCTION,
+    system: str | None = None,
+) -> str:
+    """Chat prompt ending in ``<|im_start|>assistant\\n``; ``system=None`` keeps Qwen's default."""
+    content = f"{question}\n{instruction}" if instruction else question
+    messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def build_prompt(
+    example: Mapping[str, Any],
+    tokenizer: ChatTokenizer | None = None,
+    *,
+    style: str = "chat",
+    instruction: str = MATH_INSTRUCTION,
+    system: str | None = None,
+) -> str:
+    """Prompt text of a dataset example (a dict with ``question`` and ``prompt``) in ``style``."""
+    if style == "plain":
+        return str(example["prompt"])
+    if style != "chat":
+        raise ValueError(f"unknown prompt style {style!r}; expected one of {STYLES}")
+    if tokenizer is None:
+        raise ValueError("prompt style 'chat' needs a tokenizer with apply_chat_template")
+    return format_prompt(str(example["question"]), tokenizer, instruction=instruction, system=system)

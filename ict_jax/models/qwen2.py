@@ -1,0 +1,229 @@
+"""Qwen2 / Qwen2.5 decoder in Flax NNX.
+
+Einsum letters match parameter and sharding names:
+  B batch, T query length, S key length, D embed, N heads, K kv_heads, G groups (N/K),
+  H head_dim, F mlp, V vocab.
+Parameters carry logical axis names in their `axes` metadata (see `models/axes.py`).
+The KV cache is an explicit pytree passed in and returned, so decoding is a pure function.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ict_jax.models.axes import constrain
+from ict_jax.models.config import Qwen2Config
+
+Array = jax.Array
+_INIT_STD = 0.02
+
+
+class LayerCache(NamedTuple):
+  k: Array  # [B, S, K, H]
+  v: Array  # [B, S, K, H]
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None):
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones")
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:  # [..., D]
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(dtype) * x32.astype(dtype)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """[B, T] int positions -> cos, sin [B, T, H] in float32 (HF `Qwen2RotaryEmbedding`)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """x [B, T, *, H]; cos/sin [B, T, H]."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  extra = (None,) * (x.ndim - 3)
+  c = cos[:, :, *extra, :].astype(x.dtype)
+  s = sin[:, :, *extra, :].astype(x.dtype)
+  return x * c + rotated * s
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pd = _dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.q_proj = nnx.Dict(kernel=_param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd),
+                           bias=_param(rngs, (n, h), ("heads", "head_dim"), pd, "zeros"))
+    self.k_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
+                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
+    self.v_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
+                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
+    self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd))
+
+  def __call__(self, x: Array, cos: Array, sin: Array, bias: Array,
+               cache: LayerCache | None, cache_index: Array | None):
+    """x [B,T,D]; bias [B,1,1,T,S] additive mask; returns ([B,T,D], new cache)."""
+    cfg, dt = self.cfg, x.dtype
+    w = lambda p: p[...].astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
+    k = jnp.einsum("BTD,DKH->BTKH", x, w(self.k_proj["kernel"])) + w(self.k_proj["bias"])
+    v = jnp.einsum("BTD,DKH->BTKH", x, w(self.v_proj["kernel"])) + w(self.v_proj["bias"])
+    q = constrain(q, ("act_batch", "act_length", "act_heads", None))
+    k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
+    v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:  # write the T new keys/values at cache_index, attend to all S
+      k = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache_index, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache_index, axis=1)
+      cache = LayerCache(k, v)
+      k, v = k.astype(dt), v.astype(dt)
+    b, t = q.shape[:2]
+    q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+    probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    out = constrain(out, ("act_batch", "act_length", "act_heads", None))
+    return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    d, f, pd = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype)
+    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
+    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
+    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd))
+
+  def __call__(self, x: Array) -> Array:  # [B,T,D]
+    dt = x.dtype
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj["kernel"][...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj["kernel"][...].astype(dt))
+    hidden = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
+    return jnp.einsum("BTF,FD->BTD", hidden, self.down_proj["kernel"][...].astype(dt))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, cos, sin, bias, cache, cache_index):
+    h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index)
+    x = x + h
+    x = x + self.mlp(self.post_attn_norm(x))
+    return constrain(x, ("act_batch", "act_length", "act_embed")), cache
+
+
+def _remat_layer(layer: DecoderLayer, x, cos, sin, bias):
+  return layer(x, cos, sin, bias, None, None)[0]
+
+
+class Qwen2(nnx.Module):
+  """`Qwen2ForCausalLM` in NNX: `model(input_ids, attention_mask)` -> logits [B, T, V] (float32)."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.embed = nnx.Dict(embedding=_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd))
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Dict(kernel=_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd))
+
+  # ---- pieces the train step fuses with its chunked loss ------------------------------------
+  def head_kernel(self) -> Array:
+    """The LM head as [D, V] (the transposed embedding when tied)."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed["embedding"][...].T
+    return self.lm_head["kernel"][...]
+
+  def logits_from_hidden(self, h: Array) -> Array:
+    """h [B, T, D] (after the final norm) -> float32 logits [B, T, V]."""
+    logits = jnp.einsum("BTD,DV->BTV", h, self.head_kernel().astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+
+  def init_cache(self, batch: int, length: int, dtype=None) -> list[LayerCache]:
+    cfg = self.cfg
+    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    dt = dtype or _dtype(cfg.dtype)
+    names = ("act_batch", "act_cache_length", "act_kv_heads", None)
+    zeros = lambda: constrain(jnp.zeros(shape, dt), names)
+    return [LayerCache(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
+
+  def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
+                    positions: Array | None = None, cache: list[LayerCache] | None = None,
+                    cache_index: Array | None = None, kv_mask: Array | None = None):
+    """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
+
+    input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).
+    positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
+    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1."""
+    cfg = self.cfg
+    b, t = input_ids.shape
+    if attention_mask is None:
+      attention_mask = jnp.ones((b, t), jnp.int32)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    if cache is None:  # keys are the T tokens themselves
+      q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
+    else:
+      s = cache[0].k.shape[1]
+      q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
+      k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
+    bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
+    x = constrain(x, ("act_batch", "act_length", "act_embed"))
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      if cache is None and cfg.remat:
+        x = nnx.remat(_remat_layer)(layer, x, cos, sin, bias)
+      else:
+        x, c = layer(x, cos, sin, bias, None if cache is None else cache[i], cache_index)
+        new_cache.append(c)
+    h = self.final_norm(x)
+    return h if cache is None else (h, new_cache)
+
+  def __call__(self, input_ids: Array, attention_mask: Array | None = None, **kw) -> Any:
+    out = self.hidden_states(input_ids, attention_mask, **kw)
+    if kw.get("cache") is None:
+      return self.logits_from_hidden(out)
+    h, cache = out
+    return self.logits_from_hidden(h), cache
+
+
+def init_model(cfg: Qwen2Config, seed: int = 0) -> Qwen2:
+  """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
+  return Qwen2(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: Qwen2Config) -> Qwen2:
+  """The model's structure with `ShapeDtypeStruct` leaves: no memory, for planning shardings."""
+  return nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(params=0)))
