@@ -1,0 +1,257 @@
+"""The training configuration: an `ml_collections.ConfigDict` validated into frozen dataclasses.
+
+`configs/*.py` files define `get_config()` returning a ConfigDict (usually `default_config()`
+with a few fields changed). `validate(cd)` turns it into a `Config`, raising one `ConfigError`
+that names the key and what was expected for an unknown key, a wrong type or a bad value.
+This runs at start-up, before anything is compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+  """A bad configuration value; the message names the key (`config.a.b`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  preset: str = "tiny"            # Qwen2Config preset when `path` is empty
+  path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
+  dtype: str = "float32"          # compute dtype
+  param_dtype: str = "float32"    # parameter / optimizer dtype
+  remat: bool = False             # jax.checkpoint each decoder layer in the train step
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  fsdp: int = -1                  # -1: the rest of the devices
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  name: str = "synthetic_arith"   # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes
+  config: str = "level1"          # builder config (e.g. synthetic level), "" for the default
+  data_dir: str = ""              # tfds data_dir ("" -> <workdir>/data)
+  manual_dir: str = ""            # where the downloaded GSM8K / MATH files are
+  prompt_style: str = "plain"     # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
+  train_split: str = "train"
+  eval_split: str = "test"
+  max_prompt_len: int = 512       # longer prompts are skipped and counted
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  prompts_per_step: int = 8       # prompts in one step's batch (all hosts)
+  group_size: int = 8             # G completions per prompt
+  max_new_tokens: int = 8
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class IctConfig:
+  method: str = "ict"             # grpo | entropy | stapo | ict
+  top_fraction: float = 0.1       # ICT: share of each response's tokens kept (by JS)
+  warmup_steps: int = 10          # ICT: dense GRPO for the first steps
+  entropy_top_fraction: float = 0.2  # 20-Entropy: share of the batch's tokens kept
+  stapo_tau_p: float = 0.002
+  stapo_tau_h_quantile: float = 0.8
+  chunk_size: int = 128           # sequence chunk of the fused LM-head / statistics pass
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  loss_type: str = "grpo"         # grpo | bnpo | dr_grpo | dapo (for method=grpo)
+  advantage_scale: str = "group"  # group | batch | none
+  beta: float = 0.0               # k3 KL coefficient; a frozen reference is loaded when > 0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-6
+  schedule: str = "constant"      # constant | cosine | linear
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  kind: str = "math"              # math | choice
+  format_weight: float = 0.0      # added weight of the format reward
+  num_workers: int = 2            # verifier processes (0: in-process)
+  timeout_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+  """Brief supervised warm-start of a randomly initialised model (the CPU default), so that
+  RL starts from a policy that sometimes succeeds. Ignored when model.path is set."""
+  sft_steps: int = 0
+  sft_batch_size: int = 32
+  sft_learning_rate: float = 3e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 100
+  num_iterations: int = 1         # passes over each rollout batch (old log-probs kept)
+  micro_batch_size: int = 0       # sequences per micro-batch (0: the whole batch)
+  seed: int = 0
+  log_every: int = 1
+  checkpoint_every: int = 50
+  keep_checkpoints: int = 3
+  async_checkpointing: bool = True
+  eval_every: int = 0             # 0: no periodic eval
+  eval_samples: int = 4           # samples per held-out prompt for pass@k at eval time
+  eval_prompts: int = 64
+  sigterm_grace_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  data: DataConfig = DataConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  ict: IctConfig = IctConfig()
+  loss: LossConfig = LossConfig()
+  optim: OptimConfig = OptimConfig()
+  reward: RewardConfig = RewardConfig()
+  warm_start: WarmStartConfig = WarmStartConfig()
+  train: TrainConfig = TrainConfig()
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "data.prompt_style": ("plain", "chat"),
+    "ict.method": ("grpo", "entropy", "stapo", "ict"),
+    "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
+    "loss.advantage_scale": ("group", "batch", "none"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "reward.kind": ("math", "choice"),
+}
+_POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+             "train.steps", "train.num_iterations", "train.log_every", "train.checkpoint_every",
+             "train.keep_checkpoints", "ict.chunk_size", "data.max_prompt_len",
+             "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
+             "train.eval_samples", "train.eval_prompts")
+_NON_NEGATIVE = ("ict.warmup_steps", "train.micro_batch_size", "train.eval_every",
+                 "warm_start.sft_steps", "optim.warmup_steps", "optim.weight_decay",
+                 "optim.max_grad_norm", "rollout.temperature", "rollout.top_k", "loss.beta",
+                 "loss.epsilon_low", "loss.epsilon_high", "reward.num_workers",
+                 "reward.format_weight", "train.sigterm_grace_s")
+_FRACTIONS = ("ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile",
+              "rollout.top_p")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The full default configuration as a ConfigDict (what `configs/*.py` start from).
+
+  The defaults are the embedded CPU run: the tiny model, the synthetic task, a brief
+  supervised warm-start, then ICT."""
+  return ml_collections.ConfigDict(dataclasses.asdict(Config()))
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """`python -m ict_jax.train` with no --config loads this file: the embedded default."""
+  return default_config()
+
+
+def _check_type(key: str, value: Any, typ) -> Any:
+  if typ is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"config.{key}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+  if typ is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"config.{key}: expected an int, got {type(value).__name__} {value!r}")
+    return value
+  if typ is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"config.{key}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+  if typ is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"config.{key}: expected a string, got {type(value).__name__} {value!r}")
+    return value
+  raise TypeError(typ)
+
+
+def _build(cls, values: Any, prefix: str):
+  if isinstance(values, ml_collections.ConfigDict):
+    values = values.to_dict()
+  if not isinstance(values, dict):
+    raise ConfigError(f"config.{prefix}: expected a section (dict), got {type(values).__name__}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    where = f"config.{prefix}." if prefix else "config."
+    raise ConfigError(f"{where}{unknown[0]}: unknown key; known keys are {sorted(fields)}")
+  kwargs = {}
+  for name, value in values.items():
+    key = f"{prefix}.{name}" if prefix else name
+    typ = hints[name]
+    if dataclasses.is_dataclass(typ):
+      kwargs[name] = _build(typ, value, key)
+    else:
+      kwargs[name] = _check_type(key, value, typ)
+  return cls(**kwargs)
+
+
+def _get(cfg: Config, key: str):
+  section, name = key.split(".")
+  return getattr(getattr(cfg, section), name)
+
+
+def validate(cd: ml_collections.ConfigDict | dict) -> Config:
+  """ConfigDict -> frozen `Config`; one `ConfigError` naming the first bad key."""
+  cfg = _build(Config, cd, "")
+  for key, choices in _CHOICES.items():
+    if _get(cfg, key) not in choices:
+      raise ConfigError(f"config.{key}: expected one of {choices}, got {_get(cfg, key)!r}")
+  for key in _POSITIVE:
+    if not _get(cfg, key) > 0:
+      raise ConfigError(f"config.{key}: expected > 0, got {_get(cfg, key)!r}")
+  for key in _NON_NEGATIVE:
+    if not _get(cfg, key) >= 0:
+      raise ConfigError(f"config.{key}: expected >= 0, got {_get(cfg, key)!r}")
+  for key in _FRACTIONS:
+    if not 0.0 < _get(cfg, key) <= 1.0:
+      raise ConfigError(f"config.{key}: expected a value in (0, 1], got {_get(cfg, key)!r}")
+  for axis in ("data", "fsdp", "tensor"):
+    size = getattr(cfg.mesh, axis)
+    if size == 0 or size < -1:
+      raise ConfigError(f"config.mesh.{axis}: expected a positive size or -1, got {size}")
+  mb = cfg.train.micro_batch_size
+  total = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  if mb and total % mb:
+    raise ConfigError(f"config.train.micro_batch_size: {mb} does not divide the "
+                      f"{total} sequences of a step (prompts_per_step x group_size)")
+  if cfg.rollout.group_size < 2:
+    raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
+  return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+  return validate(d)
+

@@ -1,0 +1,240 @@
+"""The jitted GRPO / ICT train step: `(state, batch) -> (state, metrics, logp)`.
+
+Per micro-batch (a whole number of groups): one forward pass to the final hidden states, then a
+fused, chunked LM head over the completion positions that yields in one pass over each
+[N, chunk, V] float32 logits block the sampled tokens' log-probs (differentiated) and, with no
+gradient, Shannon / Renyi-2 entropy and the ICT JS score. The selection mask, the clipped
+surrogate and its (numerator, denominator) follow; gradients of the numerators are summed over
+micro-batches (`lax.scan`) and divided by the summed denominators, so micro-batching equals one
+big batch exactly. Then global-norm clipping and AdamW (optax), skipped when anything is
+non-finite (`optax.apply_if_finite`).
+
+Selection thresholds that look across rows (20-Entropy's top-k, STAPO's entropy quantile) are
+taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-batch invariant.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ict_jax import grpo, selection
+from ict_jax.config import Config, OptimConfig
+from ict_jax.models.axes import constrain
+
+Batch = dict[str, jax.Array]
+_NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite update
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array          # int32 []
+  params: Any              # pure nested dict of arrays (nnx.State.to_pure_dict())
+  opt_state: Any           # optax state
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Static hyper-parameters of the compiled step."""
+  group_size: int = 8
+  temperature: float = 1.0
+  method: str = "ict"
+  top_fraction: float = 0.1
+  warmup_steps: int = 10
+  entropy_top_fraction: float = 0.2
+  stapo_tau_p: float = 0.002
+  stapo_tau_h_quantile: float = 0.8
+  loss_type: str = "grpo"
+  beta: float = 0.0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  chunk_size: int = 128
+  micro_batch_size: int = 0
+
+  @classmethod
+  def from_config(cfg_cls, cfg: Config) -> "StepConfig":
+    return cfg_cls(
+        group_size=cfg.rollout.group_size, temperature=cfg.rollout.temperature or 1.0,
+        method=cfg.ict.method, top_fraction=cfg.ict.top_fraction,
+        warmup_steps=cfg.ict.warmup_steps, entropy_top_fraction=cfg.ict.entropy_top_fraction,
+        stapo_tau_p=cfg.ict.stapo_tau_p, stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
+        loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
+        epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
+        micro_batch_size=cfg.train.micro_batch_size)
+
+
+# ---- optimizer -------------------------------------------------------------------------------
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with warm-up + schedule and global-norm clipping; non-finite updates are skipped."""
+  lr, warm = cfg.learning_rate, cfg.warmup_steps
+  if cfg.schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warm, 0), max(total_steps, warm + 1))
+  elif cfg.schedule == "linear":
+    sched = optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, max(warm, 1)),
+         optax.linear_schedule(lr, 0.0, max(total_steps - warm, 1))], [warm])
+  else:
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, max(warm, 1)),
+                                  optax.constant_schedule(lr)], [warm]) if warm else lr
+  chain = []
+  if cfg.max_grad_norm > 0:
+    chain.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+  chain.append(optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=_NEVER_GIVE_UP)
+
+
+# ---- per-token log-probs and statistics ------------------------------------------------------
+def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_size: int | None,
+                              chunk_size: int = 128):
+  """log pi(y_t) [N, C] (differentiable) and no-grad stats [N, C]: entropy, renyi2, js.
+
+  The logits of completion token j come from position P-1+j of prompt+completion; they are
+  divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over
+  C under `jax.checkpoint`, so one [N, chunk, V] float32 block is live at a time."""
+  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+  ids, cmask = batch["completion_ids"], batch["completion_mask"]
+  n, p = prompt_ids.shape
+  c = ids.shape[1]
+  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1),
+                          jnp.concatenate([prompt_mask, cmask], 1))
+  h = h[:, p - 1: p + c - 1]  # [N, C, D]
+  w = model.head_kernel().astype(h.dtype)  # [D, V]
+  k = max(1, min(chunk_size, c))
+  n_chunks = -(-c // k)
+  pad = n_chunks * k - c
+  padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  to_chunks = lambda x: jnp.moveaxis(padded(x).reshape(n, n_chunks, k, *x.shape[2:]), 1, 0)
+  xs = (to_chunks(h), to_chunks(ids), to_chunks(cmask))  # [n_chunks, N, k, ...]
+
+  @jax.checkpoint
+  def chunk(h_c, ids_c, m_c):
+    logits = jnp.einsum("BTD,DV->BTV", h_c, w, preferred_element_type=jnp.float32) / temperature
+    logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
+    taken = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0]
+    logp = taken - jax.nn.logsumexp(logits, axis=-1)  # [N, k]
+    return logp, selection.chunk_stats(logits, m_c, group_size)
+
+  logp, stats = jax.lax.map(lambda xs_: chunk(*xs_), xs)
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(n, n_chunks * k)[:, :c]
+  return unchunk(logp), jax.tree.map(unchunk, stats)
+
+
+# ---- the loss of one micro-batch -------------------------------------------------------------
+def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
+  model = nnx.merge(graphdef, params)
+  logp, stats = completion_logp_and_stats(model, batch, temperature=cfg.temperature,
+                                          group_size=cfg.group_size, chunk_size=cfg.chunk_size)
+  mask = batch["completion_mask"]
+  adv = batch["advantages"]
+  sg_logp = jax.lax.stop_gradient(logp)
+  old_logp = batch.get("old_logp", sg_logp)
+  ref_logp = None
+  if cfg.beta > 0:
+    ref_model = nnx.merge(graphdef, ref_params)
+    ref_logp, _ = completion_logp_and_stats(ref_model, batch, temperature=cfg.temperature,
+                                            group_size=None, chunk_size=cfg.chunk_size)
+    ref_logp = jax.lax.stop_gradient(ref_logp)
+  token_mask, loss_type = selection.select_tokens(
+      cfg.method, mask=mask, u=stats["js"], entropy=stats["entropy"], token_prob=jnp.exp(sg_logp),
+      advantages=adv, ict_top_fraction=cfg.top_fraction,
+      entropy_top_fraction=cfg.entropy_top_fraction, stapo_tau_p=cfg.stapo_tau_p,
+      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile, dense_loss_type=cfg.loss_type)
+  if cfg.method == "ict" and cfg.warmup_steps > 0:  # dense GRPO for the first steps
+    token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
+  terms = grpo.policy_loss_terms(
+      logp, old_logp, adv, mask, ref_logp=ref_logp, beta=cfg.beta, epsilon_low=cfg.epsilon_low,
+      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask)
+  metrics = dict(terms.metrics)
+  metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"],
+                                             stats["renyi2"]))
+  return terms.numerator, (terms.denominator, metrics, sg_logp)
+
+
+def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
+                    mesh: Mesh | None = None, state_sharding=None, donate: bool = True):
+  """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`.
+
+  batch: prompt_ids/prompt_mask [N, P] (left-padded), completion_ids/completion_mask [N, C],
+  advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy)."""
+
+  def step_fn(state: TrainState, batch: Batch, ref_params=None):
+    n = batch["completion_ids"].shape[0]
+    mb = cfg.micro_batch_size or n
+    if n % mb or mb % cfg.group_size:
+      raise ValueError(f"micro_batch_size {mb} must divide the batch ({n} rows) and be a "
+                       f"multiple of group_size {cfg.group_size}")
+    batch = {k: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
+    grad_fn = jax.value_and_grad(_microbatch_terms, has_aux=True)
+    micro = jax.tree.map(lambda x: x.reshape(n // mb, mb, *x.shape[1:]), batch)
+
+    def accumulate(carry, mbatch):
+      grads, num, den, metrics = carry
+      (num_i, (den_i, metrics_i, logp_i)), g_i = grad_fn(state.params, graphdef, mbatch,
+                                                         state.step, cfg, ref_params)
+      add = lambda a, b: a + b
+      return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i,
+              jax.tree.map(add, metrics, metrics_i)), logp_i
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    first = jax.tree.map(lambda x: x[0], micro)
+    metric_shapes = jax.eval_shape(
+        lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params)[1][1])
+    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+    (grads, num, den, msum), logp = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0), init_metrics), micro)
+    scale = 1.0 / jnp.maximum(den, 1.0)
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    loss = num * scale
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = grpo.finalize_metrics(msum)
+    finite = opt_state.last_finite
+    metrics.update(loss=loss, grad_norm=grad_norm, skipped=1 - finite.astype(jnp.int32),
+                   total_skipped=opt_state.total_notfinite)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics, logp.reshape(n, -1)
+
+  kwargs: dict = {}
+  if mesh is not None and state_sharding is not None:
+    repl = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    kwargs = dict(in_shardings=(state_sharding, rows, None), out_shardings=(state_sharding, repl, rows))
+  jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else (), **kwargs)
+  if mesh is None:
+    return jitted
+
+  def run(state, batch, ref_params=None):
+    with jax.set_mesh(mesh):
+      return jitted(state, batch, ref_params)
+  run.jitted = jitted
+  return run
+
+
+# ---- state creation directly in its sharding -------------------------------------------------
+def train_state_shardings(optimizer, params_abstract, params_sharding, mesh: Mesh):
+  """Shardings of TrainState: optimizer moments follow their parameters, scalars replicated."""
+  repl = NamedSharding(mesh, P())
+  opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
+  opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, params_sharding,
+                                       transform_non_params=lambda _: repl)
+  return TrainState(step=repl, params=params_sharding, opt_state=opt_sharding)
+
+
+def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_sharding=None,
+                     step: int = 0) -> TrainState:
+  """TrainState with the optimizer state created by a jitted init with `out_shardings`, so
+  AdamW moments are born sharded (never whole on one device)."""
+  def init(p):
+    return TrainState(step=jnp.asarray(step, jnp.int32), params=p, opt_state=optimizer.init(p))
+  if mesh is None:
+    return jax.jit(init)(params)
+  shardings = train_state_shardings(optimizer, jax.eval_shape(lambda: params), params_sharding, mesh)
+  with jax.set_mesh(mesh):
+    return jax.jit(init, in_shardings=(params_sharding,), out_shardings=shardings)(params)
