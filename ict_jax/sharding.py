@@ -66,8 +66,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def maybe_initialize_distributed() -> bool:
   """Call `jax.distributed.initialize()` when the environment describes a multi-host job.
 
-  TPU pods (TPU_WORKER_HOSTNAMES with several hosts / MEGASCALE), SLURM with several tasks, or
-  an explicit JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID). Returns whether it
+  ICT_JAX_DISTRIBUTED=1 (set by launch/tpu_pod.sh on multi-host slices; JAX reads the pod
+  layout from the TPU metadata server), TPU_WORKER_HOSTNAMES with several hosts (GKE), SLURM
+  with several tasks, or an explicit JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES,
+  JAX_PROCESS_ID). Returns whether it
   initialised."""
   env = os.environ
   kwargs: dict[str, Any] = {}
@@ -77,8 +79,9 @@ def maybe_initialize_distributed() -> bool:
                   process_id=int(env.get("JAX_PROCESS_ID", "0")))
     if kwargs["num_processes"] <= 1:
       return False
-  elif int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
-    pass  # jax auto-detects SLURM and TPU pod topologies
+  elif (env.get("ICT_JAX_DISTRIBUTED") == "1" or int(env.get("SLURM_NTASKS", "1")) > 1
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")):
+    pass  # jax auto-detects SLURM and Cloud TPU pod topologies (launch/tpu_pod.sh sets the flag)
   else:
     return False
   jax.distributed.initialize(**kwargs)

@@ -1,0 +1,348 @@
+"""Jitted generation: prefill + KV-cache decode loop, temperature / top-k / top-p, EOS stop.
+
+Layout. Prompts are left-padded [B, P]; the cache holds S = P_bucket + N_bucket slots: the prompt in
+slots [0, P_bucket) and completion token i in slot P_bucket + i. Keys are visible when their slot is
+<= the query's slot and `kv_mask` is 1 (prompt mask, then ones). RoPE positions come from the
+prompt (`cumsum(mask) - 1`) and continue with `num_prompt_tokens + i` for completion token i, so
+left padding never shifts a position (same as `transformers` with an attention mask).
+
+Decode is one `[B, 1]` forward per step inside a `lax.while_loop` that stops when every row has
+emitted an EOS token or `max_new_tokens` tokens. The EOS token itself is part of the completion
+(mask 1); later positions hold `pad_id` with mask 0 and log-prob 0.
+
+Sampling (`sample_logits`): logits / temperature, then top-k (exactly k candidates, ties broken by
+the lower token id), then top-p (the smallest set of most likely tokens whose mass reaches top_p,
+like `transformers`' TopPLogitsWarper), then one draw by inverse CDF from a single uniform per row
+(no [B, V] Gumbel noise). The returned log-prob is that of the sampled token under the distribution
+actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
+the raw logits, and the log-prob is `log_softmax(raw logits)` at that token.
+
+Compilation. Prompt length and max_new_tokens are rounded up to buckets (powers of two from 16, or a
+given list); the jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
+flags). temperature, top_p and the actual max_new_tokens are traced values, so changing them does
+not recompile. The KV cache lives in the compute dtype (`cfg.dtype`) inside the loop carry and is
+updated in place; nothing the caller owns is donated (the outputs do not alias any input).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ict_jax.models.axes import constrain
+from ict_jax.sharding import batch_sharding, replicated, state_shardings
+
+Array = jax.Array
+
+QWEN_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+QWEN_PAD_ID = 151643
+_MIN_BUCKET = 16
+_CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
+_F32_ONE_BITS = 0x3F800000
+
+
+# ---- buckets ------------------------------------------------------------------------------------
+def bucket_length(n: int, buckets: Sequence[int] | None = None) -> int:
+  """The smallest listed bucket >= n, else the next power of two >= max(n, 16)."""
+  if buckets:
+    fits = [b for b in sorted(buckets) if b >= n]
+    if fits:
+      return int(fits[0])
+  return max(_MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ---- sampling one step --------------------------------------------------------------------------
+def _first_crossing(cum: Array, weights: Array, target: Array) -> Array:
+  """Index of the entry whose cumulative interval holds `target`: cum, weights [B, n]; target [B].
+
+  Zero-weight entries have empty intervals and are never chosen; float round-off past the end
+  lands on the last entry with weight > 0."""
+  n = weights.shape[-1]
+  count = jnp.sum(cum <= target[:, None], axis=-1)
+  last_nonzero = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+  return jnp.minimum(count, last_nonzero).astype(jnp.int32)
+
+
+def _inverse_cdf(key: Array, weights: Array) -> Array:
+  """One draw per row from unnormalised weights [B, V] >= 0 (at least one > 0) -> ids [B]."""
+  b, v = weights.shape
+  u = jax.random.uniform(key, (b,), jnp.float32)
+  block = min(_CDF_BLOCK, v)
+  nb = -(-v // block)
+  w = jnp.pad(weights, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)  # [B, nb, block]
+  block_sum = jnp.sum(w, axis=-1)  # [B, nb]
+  cum = jnp.cumsum(block_sum, axis=-1)
+  target = u * cum[:, -1]
+  blk = _first_crossing(cum, block_sum, target)  # [B]
+  inside = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [B, block]
+  before = jnp.take_along_axis(cum - block_sum, blk[:, None], axis=1)[:, 0]
+  j = _first_crossing(jnp.cumsum(inside, axis=-1), inside, target - before)
+  return blk * block + j
+
+
+def _top_p_threshold(e: Array, top_p: Array) -> Array:
+  """Largest t with sum(e[e >= t]) >= top_p * sum(e), per row; e [B, V] in [0, 1] -> t [B].
+
+  Bisection over the bit patterns of non-negative float32 (ordered like the integers), so the
+  result is exactly one of the values of e: {e >= t} is the smallest top set holding top_p."""
+  target = top_p * jnp.sum(e, axis=-1)  # [B]
+  lo = jnp.zeros(e.shape[:1], jnp.int32)  # t = 0 keeps everything: always enough mass
+  hi = jnp.full(e.shape[:1], _F32_ONE_BITS + 1, jnp.int32)  # t > 1 keeps nothing
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    t = jax.lax.bitcast_convert_type(mid, jnp.float32)
+    mass = jnp.sum(jnp.where(e >= t[:, None], e, 0.0), axis=-1)
+    ok = mass >= target
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, 31, body, (lo, hi))  # 2**31 > _F32_ONE_BITS + 1
+  return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
+                 top_k: int, use_top_p: bool) -> tuple[Array, Array]:
+  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32)."""
+  logits = logits.astype(jnp.float32)
+  top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
+  if greedy:
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - logz
+  if top_k:  # work on the k best candidates only: [B, k], sorted descending
+    vals, cand = jax.lax.top_k(logits, top_k)
+    scaled = vals / temperature
+    if use_top_p:
+      probs = jax.nn.softmax(scaled, axis=-1)
+      mass_before = jnp.cumsum(probs, axis=-1) - probs
+      scaled = jnp.where(mass_before < top_p, scaled, -jnp.inf)  # the first is always kept
+    e = jnp.exp(scaled - scaled[:, :1])
+    j = _inverse_cdf(key, e)
+    tok = jnp.take_along_axis(cand, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    lp = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
+    return tok, lp
+  scaled = logits / temperature
+  shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+  e = jnp.exp(shifted)  # [B, V] in [0, 1], max exactly 1
+  if use_top_p:
+    e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
+  tok = _inverse_cdf(key, e)
+  lp = jnp.take_along_axis(shifted, tok[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(e, axis=-1))
+  return tok, lp
+
+
+def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0,
+                  top_p=1.0) -> tuple[Array, Array]:
+  """Sample one token per row from logits [B, V] -> (ids [B] int32, log-probs [B] float32).
+
+  temperature 0 (a Python number) is greedy. top_k 0 and top_p 1.0 (Python numbers) are off;
+  temperature and top_p may also be traced scalars. Pure: usable inside jit."""
+  greedy = isinstance(temperature, (int, float)) and temperature == 0
+  use_top_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
+  return _sample_step(logits, key, jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+                      jnp.asarray(top_p, jnp.float32), greedy=greedy, top_k=int(top_k),
+                      use_top_p=use_top_p)
+
+
+# ---- the generator ------------------------------------------------------------------------------
+def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, top_p, eos_ids,
+                   pad_id, *, graphdef, max_len: int, greedy: bool, top_k: int, use_top_p: bool,
+                   return_logits: bool):
+  """prompt_ids/mask [B, P] left-padded -> ids [B, max_len], mask, logprobs (, logits [B, N, V]).
+
+  num_new (<= max_len), temperature, top_p, eos_ids [E] (-1 = none) and pad_id are traced, so they
+  never cause a recompile; rows whose prompt mask is all 0 (batch padding) emit nothing."""
+  model = nnx.merge(graphdef, state)
+  b, p = prompt_ids.shape
+  mask = prompt_mask.astype(jnp.int32)
+  rows = ("act_batch", None)
+  num_prompt = jnp.sum(mask, axis=-1)  # [B]; the position of the first completion token
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  kv_mask = constrain(jnp.concatenate([mask, jnp.ones((b, max_len), jnp.int32)], axis=1), rows)
+
+  cache = model.init_cache(b, p + max_len)
+  h, cache = model.hidden_states(prompt_ids, mask, positions=positions, cache=cache,
+                                 cache_index=jnp.int32(0), kv_mask=kv_mask)
+  logits = model.logits_from_hidden(h[:, -1:])[:, 0]  # [B, V]: left padding -> last is real
+
+  def emit(i, logits, done, out):
+    """Sample completion token i from logits [B, V] and write it into the outputs."""
+    tok, lp = _sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy,
+                           top_k=top_k, use_top_p=use_top_p)
+    active = ~done
+    tok = jnp.where(active, tok, pad_id)
+    out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active),
+               logprobs=out["logprobs"].at[:, i].set(jnp.where(active, lp, 0.0)))
+    if return_logits:
+      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits, i, axis=1)
+    done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
+    return tok, done, out
+
+  out = dict(ids=constrain(jnp.full((b, max_len), pad_id, jnp.int32), rows),
+             mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows),
+             logprobs=constrain(jnp.zeros((b, max_len), jnp.float32), rows))
+  if return_logits:
+    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[-1]), jnp.float32),
+                              ("act_batch", None, None))
+  tok, done, out = emit(0, logits, num_prompt == 0, out)
+
+  def cond(carry):
+    i, _, _, done, _ = carry
+    return (i < num_new) & ~jnp.all(done)
+
+  def body(carry):
+    i, cache, tok, done, out = carry  # tok [B]: completion token i - 1, in slot p + i - 1
+    step_model = nnx.merge(graphdef, state)
+    logits, cache = step_model(tok[:, None], jnp.ones((b, 1), jnp.int32),
+                               positions=(num_prompt + i - 1)[:, None], cache=cache,
+                               cache_index=p + i - 1, kv_mask=kv_mask)
+    tok, done, out = emit(i, logits[:, 0], done, out)
+    return i + 1, cache, tok, done, out
+
+  carry = (jnp.int32(1), cache, tok, done, out)
+  _, _, _, _, out = jax.lax.while_loop(cond, body, carry)
+  result = (out["ids"], out["mask"], out["logprobs"])
+  return result + (out["logits"],) if return_logits else result
+
+
+_STATIC = ("graphdef", "max_len", "greedy", "top_k", "use_top_p", "return_logits")
+_generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
+
+
+def sample_fn(graphdef, state, prompt_ids: Array, prompt_mask: Array, rng: Array, *,
+              max_new_tokens: int, temperature=1.0, top_p=1.0, top_k: int = 0,
+              eos_token_ids: Sequence[int] = QWEN_EOS_IDS, pad_id: int = QWEN_PAD_ID,
+              return_logits: bool = False):
+  """Pure generator for use inside other jitted code (no validation, no bucketing, no repeats).
+
+  graphdef, state = nnx.split(model); prompt_ids/mask [B, P] left-padded, every row with at least
+  one token; max_new_tokens a Python int (the output width). Returns (ids [B, N] int32,
+  mask [B, N] int32, logprobs [B, N] float32) and, with return_logits, the raw float32 logits
+  [B, N, V] each token was sampled from."""
+  greedy = isinstance(temperature, (int, float)) and temperature == 0
+  return _generate_impl(
+      state, prompt_ids, prompt_mask, rng, jnp.int32(max_new_tokens),
+      jnp.asarray(1.0 if greedy else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+      jnp.asarray(_eos_array(eos_token_ids)), jnp.int32(pad_id), graphdef=graphdef,
+      max_len=int(max_new_tokens), greedy=greedy, top_k=int(top_k),
+      use_top_p=not (isinstance(top_p, (int, float)) and top_p >= 1.0), return_logits=return_logits)
+
+
+def _eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
+  """EOS ids padded with -1 (never a token) to a multiple of 4: few distinct shapes."""
+  eos = [int(e) for e in eos_token_ids]
+  out = np.full(max(4, -(-len(eos) // 4) * 4), -1, np.int32)
+  out[:len(eos)] = eos
+  return out
+
+
+# ---- host entry point ---------------------------------------------------------------------------
+def _check_int(name: str, value, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"generate: {name} must be an int >= {minimum}, got {value!r}")
+  return int(value)
+
+
+def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+  for name, x in (("prompt_ids", prompt_ids), ("prompt_mask", prompt_mask)):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      raise ValueError(f"generate: {name} spans several hosts; call sample_fn inside your jit")
+  ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+  if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+    raise ValueError(f"generate: prompt_ids must be [batch, prompt_len] with both > 0, got shape {ids.shape}")
+  if mask.shape != ids.shape:
+    raise ValueError(f"generate: prompt_mask shape {mask.shape} != prompt_ids shape {ids.shape}")
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"generate: prompt_ids must be integers, got dtype {ids.dtype}")
+  if not np.isin(mask, (0, 1)).all():
+    raise ValueError("generate: prompt_mask must hold only 0 (padding) and 1 (token)")
+  mask = mask.astype(np.int32)
+  if (mask.sum(axis=1) == 0).any():
+    raise ValueError(f"generate: prompt row(s) {np.flatnonzero(mask.sum(axis=1) == 0).tolist()} "
+                     "have no tokens (prompt_mask all 0)")
+  if (np.diff(mask, axis=1) < 0).any():
+    raise ValueError("generate: prompts must be left-padded (each prompt_mask row 0...0 1...1)")
+  real = ids[mask == 1]
+  if real.size and (real.min() < 0 or real.max() >= vocab):
+    raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got "
+                     f"[{real.min()}, {real.max()}]")
+  return ids.astype(np.int32), mask
+
+
+def _current_mesh():
+  mesh = jax.sharding.get_mesh()
+  return None if mesh.empty else mesh
+
+
+def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng: Array | None = None,
+             eos_token_ids: Sequence[int] | None = None, pad_id: int = QWEN_PAD_ID,
+             num_samples: int = 1, mesh=None, return_logits: bool = False,
+             buckets: Sequence[int] | None = None):
+  """Generate completions for left-padded prompts [B, P] with a `Qwen2` model.
+
+  Each prompt is repeated `num_samples` (G) times consecutively: rows g*G .. g*G+G-1 are prompt g.
+  Returns (completion_ids [B*G, max_new_tokens] int32, completion_mask int32 (EOS included),
+  logprobs float32 (0 where the mask is 0)), plus the raw logits [B*G, max_new_tokens, V] with
+  return_logits. eos_token_ids None means Qwen's (151645, 151643); () disables EOS stopping.
+  rng (a jax PRNG key) is required unless temperature == 0 (greedy). With `mesh` (or one set
+  by `jax.set_mesh`) rows are sharded over ("data", "fsdp") and heads over "tensor"."""
+  cfg = model.cfg
+  ids, mask = _validate_prompts(prompt_ids, prompt_mask, cfg.vocab_size)
+  n_new = _check_int("max_new_tokens", max_new_tokens, 1)
+  top_k = _check_int("top_k", top_k, 0)
+  g = _check_int("num_samples", num_samples, 1)
+  if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+  if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+    raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+  longest = int(mask.sum(axis=1).max())
+  if longest + n_new > cfg.max_position_embeddings:
+    raise ValueError(f"generate: prompt of {longest} tokens + max_new_tokens {n_new} exceeds the "
+                     f"model context (max_position_embeddings {cfg.max_position_embeddings})")
+  eos = QWEN_EOS_IDS if eos_token_ids is None else tuple(eos_token_ids)
+  if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in eos):
+    raise ValueError(f"generate: eos_token_ids must be ints, got {eos_token_ids!r}")
+  pad_id = _check_int("pad_id", pad_id, 0)
+  greedy = temperature == 0
+  if rng is None and not greedy:
+    raise ValueError("generate: rng (a jax.random key) is required when temperature > 0")
+  if rng is None:
+    rng = jax.random.key(0)  # unused by greedy decoding
+
+  mesh = mesh if mesh is not None else _current_mesh()
+  rows_per_shard = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+  ids, mask = np.repeat(ids, g, axis=0), np.repeat(mask, g, axis=0)
+  n_rows = ids.shape[0]
+  p_bucket = bucket_length(ids.shape[1], buckets)
+  n_bucket = bucket_length(n_new, buckets)
+  extra_rows = -n_rows % rows_per_shard  # batch padding rows have an all-0 mask: they emit nothing
+  widths = ((0, extra_rows), (p_bucket - ids.shape[1], 0))
+  ids = np.pad(ids, widths, constant_values=pad_id)
+  mask = np.pad(mask, widths)
+
+  graphdef, state = nnx.split(model)
+  static = dict(graphdef=graphdef, max_len=n_bucket, greedy=greedy,
+                top_k=min(top_k, cfg.vocab_size), use_top_p=top_p < 1.0,
+                return_logits=bool(return_logits))
+  scalars = (np.int32(n_new), np.float32(1.0 if greedy else temperature), np.float32(top_p),
+             _eos_array(eos), np.int32(pad_id))
+  ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+  with ctx:
+    if mesh is not None:
+      state = jax.device_put(state, state_shardings(state, mesh))
+      ids = jax.device_put(ids, batch_sharding(mesh))
+      mask = jax.device_put(mask, batch_sharding(mesh))
+      rng, scalars = jax.device_put((rng, scalars), replicated(mesh))  # one cache entry per mesh
+    out = _generate_jit(state, ids, mask, rng, *scalars, **static)
+  return tuple(x[:n_rows, :n_new] for x in out)
+
+
+__all__ = ["generate", "sample_fn", "sample_logits", "bucket_length", "QWEN_EOS_IDS", "QWEN_PAD_ID"]

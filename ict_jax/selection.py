@@ -1,0 +1,386 @@
+"""Token selection inside the jitted train step: GRPO (all), 20-Entropy, STAPO, ICT.
+
+Everything sees arrays only and is jit-able; fractions, quantiles, group sizes, chunk sizes
+and method names are Python values (static under ``jax.jit``).
+
+Logits statistics are computed chunk by chunk over the sequence: ``chunk_stats`` turns one
+[N, C, V] chunk of (temperature-scaled) logits into Shannon entropy, Renyi-2 entropy and the
+ICT Jensen-Shannon score in a single pass, so the train step can fuse it with the LM-head
+matmul; ``sequence_stats`` / ``token_stats`` / ``js_scores`` run it over a full [N, T, V]
+array with a ``fori_loop`` over T-chunks that slices the logits in place (the last chunk is
+shifted left to end at T and overlaps its predecessor instead of padding, so no padded copy
+of the logits is made).
+
+Counts "ceil(fraction * n)" are computed in exact integer arithmetic with the fraction taken
+as the nearest rational of denominator <= 10_000 (exact for up to 4 decimals), so
+ceil(0.1 * 30) is 3, not the 4 that float rounding would give.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ict_jax.grpo import LOSS_TYPES
+
+__all__ = [
+    "SELECTORS",
+    "Selector",
+    "chunk_stats",
+    "entropy_mask",
+    "ict_mask",
+    "js_scores",
+    "loss_type_for",
+    "masked_quantile",
+    "select_tokens",
+    "selection_metrics",
+    "sequence_stats",
+    "stapo_mask",
+    "token_stats",
+]
+
+_MAX_DENOMINATOR = 10_000
+LOG2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _rational(value: float, what: str, low_open: bool = True) -> tuple[int, int]:
+    if not isinstance(value, (int, float)) or not (
+        (0.0 < value if low_open else 0.0 <= value) and value <= 1.0
+    ):
+        bound = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"selection: {what}={value!r}; expected a Python float in {bound}")
+    frac = Fraction(str(float(value))).limit_denominator(_MAX_DENOMINATOR)
+    return frac.numerator, frac.denominator
+
+
+def _ceil_times(count: jax.Array, fraction: float, what: str) -> jax.Array:
+    """ceil(fraction * count) in int32 without overflow (count < 2**31)."""
+    num, den = _rational(fraction, what)
+    count = count.astype(jnp.int32)
+    q, r = count // den, count % den
+    return q * num + (r * num + den - 1) // den
+
+
+def _xlogy_ratio(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    """p * (log p - log q) with 0 log 0 = 0 (also when log_p is -inf)."""
+    return jnp.where(p > 0, p * (log_p - log_q), 0.0)
+
+
+def _safe_log(x: jax.Array) -> jax.Array:
+    return jnp.log(jnp.where(x > 0, x, 1.0))
+
+
+# ----------------------------------------------------------------------------- logits stats
+def _entropies(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [..., V] -> (p, log p, Shannon H, Renyi-2 H2), float32, no gradient."""
+    logits = jax.lax.stop_gradient(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # [...]
+    renyi2 = -jax.nn.logsumexp(2.0 * logp, axis=-1)  # -log sum p^2
+    return p, logp, entropy, renyi2
+
+
+def _js_to_group_mean(
+    p: jax.Array, logp: jax.Array, mask: jax.Array, group_size: int
+) -> jax.Array:
+    """p, logp [N, C, V], mask [N, C] -> JS(p_i || P) [N, C], P = mean of active rollouts."""
+    n, c, v = p.shape
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"selection: N={n} rows is not a positive multiple of group_size={group_size}"
+        )
+    pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
+    lpg = logp.reshape(pg.shape)
+    w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
+    active = jnp.maximum(w.sum(axis=1, keepdims=True), 1.0)  # [P, 1, C, 1]
+    big_p = (pg * w).sum(axis=1, keepdims=True) / active  # [P, 1, C, V]
+    log_big_p = _safe_log(big_p)
+    mid = 0.5 * (pg + big_p)  # [P, G, C, V]
+    log_mid = _safe_log(mid)
+    kl_p = _xlogy_ratio(pg, lpg, log_mid).sum(axis=-1)  # [P, G, C]
+    kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, pg.shape), log_big_p, log_mid).sum(axis=-1)
+    js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2).reshape(n, c)
+    return js * mask.astype(js.dtype)
+
+
+def chunk_stats(
+    logits_chunk: jax.Array, mask_chunk: jax.Array, group_size: int | None
+) -> dict[str, jax.Array]:
+    """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
+
+    Args:
+      logits_chunk: [N, C, V] logits already divided by the sampling temperature.
+      mask_chunk: [N, C] completion mask (1 = active).
+      group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
+
+    Returns dict with
+      entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
+      js: 0.5 KL(p||m) + 0.5 KL(P||m), m = (p + P)/2, P = mean of p over the group's rows
+        active at that position, natural log, in [0, log 2];
+    every entry is 0 where mask_chunk == 0.
+    """
+    p, logp, entropy, renyi2 = _entropies(logits_chunk)
+    valid = mask_chunk.astype(entropy.dtype)
+    out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
+    if group_size is not None:
+        out["js"] = _js_to_group_mean(p, logp, mask_chunk, group_size)
+    return out
+
+
+def sequence_stats(
+    logits: jax.Array,
+    mask: jax.Array | None = None,
+    group_size: int | None = None,
+    chunk_size: int = 128,
+) -> dict[str, jax.Array]:
+    """``chunk_stats`` over logits [N, T, V] in T-chunks of ``chunk_size`` -> dict of [N, T]."""
+    n, t, _ = logits.shape
+    if mask is None:
+        mask = jnp.ones((n, t), jnp.float32)
+    if mask.shape != (n, t):
+        raise ValueError(f"selection: mask must be [N, T]={(n, t)}, got {mask.shape}")
+    if chunk_size < 1:
+        raise ValueError(f"selection: chunk_size={chunk_size}; expected >= 1")
+    c = min(int(chunk_size), t)
+    n_chunks = -(-t // c)
+    names = ("entropy", "renyi2") + (("js",) if group_size is not None else ())
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+
+    def body(k, out):
+        start = jnp.minimum(k * c, t - c)  # last chunk ends at T, overlapping the previous one
+        stats = chunk_stats(
+            jax.lax.dynamic_slice_in_dim(logits, start, c, axis=1),  # [N, C, V]
+            jax.lax.dynamic_slice_in_dim(mask, start, c, axis=1),  # [N, C]
+            group_size,
+        )
+        return {
+            name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1)
+            for name in names
+        }
+
+    init = {name: jnp.zeros((n, t), dtype) for name in names}
+    return jax.lax.fori_loop(0, n_chunks, body, init)
+
+
+def token_stats(
+    logits: jax.Array, mask: jax.Array | None = None, chunk_size: int = 128
+) -> dict[str, jax.Array]:
+    """Shannon and Renyi-2 entropy [N, T] of logits [N, T, V] (0 where mask == 0)."""
+    return sequence_stats(logits, mask, None, chunk_size)
+
+
+def js_scores(
+    logits: jax.Array, mask: jax.Array, group_size: int, chunk_size: int = 128
+) -> jax.Array:
+    """ICT score u [N, T] = JS(p_{i,t} || P_t) per token, 0 on padding, no gradient."""
+    return sequence_stats(logits, mask, group_size, chunk_size)["js"]
+
+
+# ----------------------------------------------------------------------------- masks
+def _top_k_rows(score: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
+    """Per row keep the k highest-scoring valid positions; ties -> lower position first."""
+    key = jnp.where(valid, -score.astype(jnp.float32), jnp.inf) + 0.0  # +0.0: no -0.0 keys
+    order = jnp.argsort(key, axis=-1, stable=True)  # [R, L]
+    rows = jnp.arange(key.shape[0])[:, None]
+    rank = jnp.zeros_like(order).at[rows, order].set(
+        jnp.broadcast_to(jnp.arange(key.shape[1], dtype=order.dtype), order.shape)
+    )
+    return valid & (rank < k[:, None])
+
+
+def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1) -> jax.Array:
+    """ICT: per response keep the top k_i = max(1, ceil(top_fraction * len_i)) positions by u.
+
+    u, mask: [N, T]; len_i = sum_t mask[i, t]. Rows with len_i = 0 get no token; ties go to
+    the lower position. Returns bool [N, T].
+    """
+    valid = mask.astype(bool)
+    length = valid.sum(axis=1)
+    k = jnp.maximum(1, _ceil_times(length, top_fraction, "ict top_fraction"))
+    return _top_k_rows(u, valid, k)
+
+
+def entropy_mask(entropy: jax.Array, mask: jax.Array, top_fraction: float = 0.2) -> jax.Array:
+    """20-Entropy: keep the top ceil(top_fraction * valid tokens) of the whole batch by entropy.
+
+    entropy, mask: [B, T]; returns bool [B, T]. Exactly that many tokens are kept; ties go
+    to the lower flat index (row-major), so the result is deterministic.
+
+    Reference behaviour: the official "Beyond the 80/20 Rule" verl code
+    (``get_global_entropy_top_mask`` in verl/trainer/ppo/core_algos.py) also takes a global
+    top-k, with k = max(1, int(n * top_ratio + 0.9999)) and torch.topk's unspecified tie
+    order, over each micro-batch; its loss is the token mean over response_mask * mask
+    (our "bnpo" over M), while its KL loss, if enabled, stays on all response tokens. TRL's
+    ``top_entropy_quantile`` instead thresholds at torch.quantile(entropies, 1 - fraction)
+    and keeps entropy >= threshold, which can keep one token more or fewer and every token
+    tied at the threshold. Here the count is an exact ceil and the batch is whatever the
+    caller passes (the train step passes the whole step's batch).
+    """
+    valid = mask.astype(bool).reshape(1, -1)
+    k = _ceil_times(valid.sum(axis=1), top_fraction, "entropy top_fraction")
+    return _top_k_rows(entropy.reshape(1, -1), valid, k).reshape(mask.shape)
+
+
+def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
+    """q-quantile of x over mask == 1, linear interpolation (numpy.quantile's default).
+
+    q is a static float in [0, 1]; the position q*(n-1) is computed exactly as a rational.
+    Returns 0 when no entry is valid.
+    """
+    num, den = _rational(q, "quantile", low_open=False)
+    flat_valid = mask.astype(bool).reshape(-1)
+    s = jnp.sort(jnp.where(flat_valid, x.reshape(-1).astype(jnp.float32), jnp.inf))
+    last = jnp.maximum(flat_valid.sum().astype(jnp.int32) - 1, 0)  # n - 1
+    a, b = last // den, last % den
+    lo = a * num + (b * num) // den  # floor(q * (n-1))
+    frac = ((b * num) % den).astype(jnp.float32) / den
+    hi = jnp.minimum(lo + 1, last)
+    v_lo, v_hi = s[lo], s[hi]
+    value = jnp.where(frac > 0, v_lo + frac * (v_hi - v_lo), v_lo)
+    return jnp.where(flat_valid.any(), value, 0.0)
+
+
+def stapo_mask(
+    token_prob: jax.Array,
+    entropy: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    tau_p: float = 0.002,
+    tau_h_quantile: float = 0.8,
+) -> jax.Array:
+    """STAPO: drop spurious tokens, keep = mask & ~(A > 0 & prob < tau_p & H < tau_h).
+
+    token_prob, entropy, mask: [B, T]; advantages: [B]; tau_h is the tau_h_quantile quantile
+    of entropy over the valid tokens of the batch (linear interpolation). Returns bool [B, T].
+    """
+    valid = mask.astype(bool)
+    tau_h = masked_quantile(entropy, valid, tau_h_quantile)
+    spurious = (advantages[:, None] > 0) & (token_prob < tau_p) & (entropy < tau_h)
+    return valid & ~spurious
+
+
+# ----------------------------------------------------------------------------- registry
+class Selector(NamedTuple):
+    """A token-selection method: which inputs it needs and the loss type it trains with.
+
+    loss_type None means "the configured dense loss type" (plain GRPO).
+    """
+
+    needs: tuple[str, ...]
+    loss_type: str | None
+    fn: Callable[..., jax.Array]
+    description: str
+
+
+SELECTORS: dict[str, Selector] = {
+    "grpo": Selector(
+        (), None, lambda mask, **_: mask.astype(bool),
+        "all valid tokens; the configured loss type",
+    ),
+    "entropy": Selector(
+        ("entropy",), "bnpo",
+        lambda mask, entropy, cfg, **_: entropy_mask(entropy, mask, cfg["entropy_top_fraction"]),
+        "20-Entropy: top 20% entropy tokens of the batch; token mean over the selected tokens "
+        "(bnpo over M, as verl's token-mean with the entropy-masked response mask)",
+    ),
+    "stapo": Selector(
+        ("token_prob", "entropy", "advantages"), "bnpo",
+        lambda mask, token_prob, entropy, advantages, cfg, **_: stapo_mask(
+            token_prob, entropy, advantages, mask, cfg["stapo_tau_p"], cfg["stapo_tau_h_quantile"]
+        ),
+        "STAPO: drop positive-advantage low-probability low-entropy tokens; token mean over "
+        "the kept tokens (bnpo over M)",
+    ),
+    "ict": Selector(
+        ("u",), "grpo",
+        lambda mask, u, cfg, **_: ict_mask(u, mask, cfg["ict_top_fraction"]),
+        "ICT: top 10% JS tokens of each response; Sparse-GRPO, i.e. per-sequence mean over "
+        "the selected tokens then mean over sequences (grpo over M)",
+    ),
+}
+
+
+def loss_type_for(method: str, dense_loss_type: str = "dapo") -> str:
+    """The grpo loss_type a selection method trains with (a Python string, usable before jit).
+
+    grpo -> dense_loss_type; entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
+    """
+    if method not in SELECTORS:
+        raise ValueError(f"selection: unknown method={method!r}; expected one of {sorted(SELECTORS)}")
+    if dense_loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"selection: dense_loss_type={dense_loss_type!r}; expected one of {sorted(LOSS_TYPES)}"
+        )
+    return SELECTORS[method].loss_type or dense_loss_type
+
+
+def select_tokens(
+    method: str,
+    *,
+    mask: jax.Array,
+    u: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    token_prob: jax.Array | None = None,
+    advantages: jax.Array | None = None,
+    ict_top_fraction: float = 0.1,
+    entropy_top_fraction: float = 0.2,
+    stapo_tau_p: float = 0.002,
+    stapo_tau_h_quantile: float = 0.8,
+    dense_loss_type: str = "dapo",
+) -> tuple[jax.Array, str]:
+    """Selection mask bool [B, T] and the loss_type to train it with.
+
+    grpo -> (mask, dense_loss_type); entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
+    With grpo.policy_loss_terms the "bnpo" and "dapo" terms are identical (sum L*M, sum M),
+    so "bnpo" here normalises over the selected tokens of the whole step when accumulated.
+    Call it inside the jitted step (the string is a trace-time value); ``loss_type_for``
+    gives the same string outside jit.
+    """
+    loss_type = loss_type_for(method, dense_loss_type)
+    selector = SELECTORS[method]
+    inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages}
+    missing = [name for name in selector.needs if inputs[name] is None]
+    if missing:
+        raise ValueError(f"selection: method {method!r} needs {missing} (got None)")
+    cfg = {
+        "ict_top_fraction": ict_top_fraction,
+        "entropy_top_fraction": entropy_top_fraction,
+        "stapo_tau_p": stapo_tau_p,
+        "stapo_tau_h_quantile": stapo_tau_h_quantile,
+    }
+    token_mask = selector.fn(mask=mask, cfg=cfg, **inputs)
+    return token_mask, loss_type
+
+
+def selection_metrics(
+    u: jax.Array,
+    mask: jax.Array,
+    token_mask: jax.Array,
+    entropy: jax.Array | None = None,
+    renyi2: jax.Array | None = None,
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """(sum, count) pairs over valid tokens; finalise with ``grpo.finalize_metrics``.
+
+    js_selected / js_unselected: mean u of the selected / unselected valid tokens;
+    selected_frac: selected valid tokens / valid tokens; entropy, renyi2 (when given):
+    mean over valid tokens.
+    """
+    valid = mask.astype(bool)
+    sel = (valid & token_mask.astype(bool)).astype(jnp.float32)
+    unsel = (valid & ~token_mask.astype(bool)).astype(jnp.float32)
+    v = valid.astype(jnp.float32)
+    u = jax.lax.stop_gradient(u.astype(jnp.float32))
+    out = {
+        "js_selected": (jnp.sum(u * sel), sel.sum()),
+        "js_unselected": (jnp.sum(u * unsel), unsel.sum()),
+        "selected_frac": (sel.sum(), v.sum()),
+    }
+    for name, x in (("entropy", entropy), ("renyi2", renyi2)):
+        if x is not None:
+            out[name] = (jnp.sum(jax.lax.stop_gradient(x.astype(jnp.float32)) * v), v.sum())
+    return out

@@ -1,0 +1,275 @@
+"""`python -m ict_jax.train`: RLVR with GRPO / ICT on a device mesh.
+
+    python -m ict_jax.train --workdir DIR --config configs/NAME.py --config.train.steps=200
+
+With no flags it runs the embedded default (tiny model, bundled tokenizer, synthetic arithmetic,
+`./runs/default`). Loop: prompts -> G samples each -> rewards -> advantages -> jitted step(s)
+-> logs -> Orbax checkpoint. Re-running the same command resumes from the latest checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ict_jax import config as config_lib
+from ict_jax import sharding
+from ict_jax.checkpoint import Checkpointer
+from ict_jax.config import Config, ConfigError
+from ict_jax.logs import MetricsLogger
+from ict_jax.models.config import Qwen2Config
+from ict_jax.models.hf import load_pretrained, read_config
+from ict_jax.models.qwen2 import Qwen2, abstract_model
+from ict_jax.rewards.pool import RewardPool
+from ict_jax.rollout import collect
+from ict_jax.tokenizer import Tokenizer
+from ict_jax import train_step as ts
+from ict_jax.warm_start import build_sft_examples, supervised_warm_start
+
+log = logging.getLogger("ict_jax.train")
+
+
+# ---- set-up pieces -----------------------------------------------------------------------------
+def _check_workdir(workdir: str) -> None:
+  if "://" in workdir:
+    return  # cloud paths are Orbax's business
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f"--workdir {workdir}: not writable ({e.strerror or e})") from None
+
+
+def make_mesh(cfg: Config):
+  try:
+    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+
+
+def model_config(cfg: Config, hf_dir: str) -> Qwen2Config:
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
+  try:
+    if hf_dir:
+      return read_config(hf_dir, **kw)
+    return Qwen2Config.preset(cfg.model.preset, **kw)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
+  """Random parameters created directly in their shardings."""
+  def init():
+    return nnx.state(Qwen2(mcfg, rngs=nnx.Rngs(params=seed)), nnx.Param).to_pure_dict()
+  with jax.set_mesh(mesh):
+    return jax.jit(init, out_shardings=params_sharding)()
+
+
+def load_examples(cfg: Config, split: str, workdir: str):
+  from ict_jax.data import load_split
+  data_dir = cfg.data.data_dir or os.path.join(workdir, "data")
+  sources = []
+  for name in cfg.data.name.split("+"):
+    try:
+      sources.append(load_split(name, split, data_dir=data_dir, manual_dir=cfg.data.manual_dir or None,
+                                config=cfg.data.config or None if name == cfg.data.name else None))
+    except (FileNotFoundError, KeyError) as e:
+      raise ConfigError(f"config.data.name={name!r}: {e}") from None
+  return sources[0] if len(sources) == 1 else _Concat(sources)
+
+
+class _Concat:
+  """Random access over several sources, one after the other."""
+
+  def __init__(self, sources):
+    self.sources, self.offsets = sources, np.cumsum([0] + [len(s) for s in sources])
+
+  def __len__(self):
+    return int(self.offsets[-1])
+
+  def __getitem__(self, i):
+    k = int(np.searchsorted(self.offsets, i, side="right") - 1)
+    return self.sources[k][i - int(self.offsets[k])]
+
+
+def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
+  ws = cfg.warm_start
+  from ict_jax.data.prompts import build_prompt
+  exs = [train_src[i] for i in range(len(train_src))]
+  prompts = [tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style)) for e in exs]
+  answers = [tok.encode(str(e["answer"])) for e in exs]
+  ids, mask, target = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
+  return supervised_warm_start(graphdef, params, ids, mask, target, steps=ws.sft_steps,
+                               batch_size=ws.sft_batch_size, learning_rate=ws.sft_learning_rate,
+                               seed=cfg.train.seed, mesh=mesh, log=log.info)
+
+
+class _Preemption:
+  """SIGTERM (TPU preemption, scancel) -> finish the step, save, exit 0."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    if hasattr(signal, "SIGTERM"):
+      try:
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+      except ValueError:  # not the main thread
+        self._old = None
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = True
+    log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+    return False
+
+
+# ---- the program ------------------------------------------------------------------------------
+def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool = True) -> list[dict]:
+  """Run (or resume) training; returns the metrics of the steps run in this call."""
+  cfg = config_lib.validate(config_dict)
+  _check_workdir(workdir)
+  sharding.maybe_initialize_distributed()
+  mesh = make_mesh(cfg)
+  hf_dir = init_from_hf or cfg.model.path
+  mcfg = model_config(cfg, hf_dir)
+  abstract = abstract_model(mcfg)
+  graphdef, abstract_state = nnx.split(abstract)
+  params_sharding = sharding.pure_shardings(nnx.state(abstract, nnx.Param), mesh)
+  optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 nnx.state(abstract, nnx.Param).to_pure_dict())
+  state_sharding = ts.train_state_shardings(optimizer, abstract_params, params_sharding, mesh)
+  tok = Tokenizer()
+  train_src = load_examples(cfg, cfg.data.train_split, workdir)
+
+  ckpt = Checkpointer(workdir, keep=cfg.train.keep_checkpoints, async_save=cfg.train.async_checkpointing)
+  with_ref = cfg.loss.beta > 0
+  start_step, position, ref_params = 0, 0, None
+  if ckpt.latest_step() is not None:
+    abstract_tree = {"state": jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, optimizer.init(p)), abstract_params),
+        state_sharding)}
+    if with_ref:
+      abstract_tree["ref_params"] = jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, params_sharding)
+    start_step, tree, meta = ckpt.restore(abstract_tree)
+    state, ref_params = tree["state"], tree.get("ref_params")
+    position = int(meta["data_position"])
+    log.info("resumed from step %d of %s", start_step, workdir)
+  else:
+    if hf_dir:
+      try:
+        model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), param_dtype=jnp.dtype(cfg.model.param_dtype),
+                                mesh=mesh, remat=cfg.model.remat)
+      except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+      params = nnx.state(model, nnx.Param).to_pure_dict()
+    else:
+      params = init_params(mcfg, cfg.train.seed, mesh, params_sharding)
+      if cfg.warm_start.sft_steps:
+        params = warm_start(graphdef, params, cfg, tok, train_src, mesh)
+    state = ts.init_train_state(params, optimizer, mesh=mesh, params_sharding=params_sharding)
+    if with_ref:  # a frozen copy of the starting policy
+      ref_params = jax.tree.map(jnp.copy, state.params)
+
+  step_fn = ts.make_train_step(graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh,
+                               state_sharding=state_sharding)
+  from ict_jax.data.iterator import PromptIterator
+  it = PromptIterator(train_src, cfg.rollout.prompts_per_step, seed=cfg.train.seed, position=position)
+  base_key = jax.random.key(cfg.train.seed)
+  logger = MetricsLogger(workdir, enabled=sharding.is_main_process(), progress=progress,
+                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg))
+  history: list[dict] = []
+  rc = cfg.rollout
+
+  def save(step: int, force: bool = False):
+    tree = {"state": state}
+    if with_ref:
+      tree["ref_params"] = ref_params
+    ckpt.save(step, tree, {"data_position": it.position, "step": step, "seed": cfg.train.seed,
+                           "config": config_lib.to_dict(cfg)}, force=force)
+
+  with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
+       _Preemption() as preempt:
+    try:
+      for step in range(start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        examples = next(it)
+        key = jax.random.fold_in(base_key, step)
+        roll = collect((graphdef, state.params), examples, tok, pool, rng=key,
+                       group_size=rc.group_size, max_new_tokens=rc.max_new_tokens,
+                       temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                       prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
+                       reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
+                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
+        batch = roll.batch()
+        t1 = time.perf_counter()
+        old_logp = None
+        for _ in range(cfg.train.num_iterations):
+          if old_logp is not None:
+            batch["old_logp"] = old_logp
+          state, metrics, logp = step_fn(state, batch, ref_params)
+          old_logp = logp if old_logp is None else old_logp
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, **roll.stats, **metrics, "step_s": time.perf_counter() - t1,
+                  "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
+                  "sample": roll.completions[0][:200]}
+        history.append(record)
+        logger.write(record)
+        done = step + 1
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
+          save(done, force=True)
+        if preempt.requested:
+          ckpt.wait()
+          log.warning("preempted: saved step %d; exiting", done)
+          break
+    finally:
+      ckpt.close()
+      logger.close()
+  return history
+
+
+def main(argv=None) -> None:
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  flags.DEFINE_string("workdir", "./runs/default", "Checkpoints, logs and metrics go here (local or gs://).")
+  flags.DEFINE_string("init_from_hf", "", "Start from this local Hugging Face folder.")
+  config_flags.DEFINE_config_file("config", config_lib.__file__, "An ml_collections config file.",
+                                  lock_config=True)
+
+  def _main(_argv):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    fl = flags.FLAGS
+    try:
+      train(fl.config, fl.workdir, init_from_hf=fl.init_from_hf)
+    except ConfigError as e:
+      print(f"ict_jax.train: error: {e}", file=sys.stderr)
+      sys.exit(2)
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()

