@@ -1,4 +1,5 @@
-"""Run logs: `config.json`, `metrics.jsonl` (one object per step), TensorBoard, a progress bar.
+"""Run logs: `config.json`, `metrics.jsonl` (one object per step), `samples.jsonl` (a few
+prompts/completions/rewards per step), TensorBoard, a progress bar.
 
 Only process 0 writes (`enabled`). On resume, metric lines past the restored step are dropped
 so the file stays one line per step.
@@ -26,16 +27,8 @@ class MetricsLogger:
     if config is not None:
       (root / "config.json").write_text(json.dumps(config, indent=2))
     self.path = root / "metrics.jsonl"
-    kept = []
-    if self.path.exists():  # resume: keep the steps that the checkpoint covers
-      for line in self.path.read_text().splitlines():
-        try:
-          if json.loads(line)["step"] <= initial:
-            kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-          continue
-    self.path.write_text("".join(line + "\n" for line in kept))
-    self._file = self.path.open("a")
+    self._file = _reopen(self.path, initial)
+    self._samples = _reopen(root / "samples.jsonl", initial)
     try:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.fspath(root / "tb"))
@@ -45,11 +38,14 @@ class MetricsLogger:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-  def write(self, record: dict[str, Any]) -> None:
+  def write(self, record: dict[str, Any], samples: list[dict] | None = None) -> None:
     if not self.enabled:
       return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+    for sample in samples or ():
+      self._samples.write(json.dumps({"step": record["step"], **sample}) + "\n")
+    self._samples.flush()
     step = record["step"]
     if self._tb is not None:
       for k, v in record.items():
@@ -64,7 +60,22 @@ class MetricsLogger:
     if not self.enabled:
       return
     self._file.close()
+    self._samples.close()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
       self._bar.close()
+
+
+def _reopen(path: epath.Path, initial: int):
+  """Open a JSONL log for appending, first dropping lines past step `initial` (resume)."""
+  kept = []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        if json.loads(line)["step"] <= initial:
+          kept.append(line)
+      except (json.JSONDecodeError, KeyError, TypeError):
+        continue
+  path.write_text("".join(line + "\n" for line in kept))
+  return path.open("a")

@@ -8,13 +8,11 @@ With no flags it runs the embedded default (tiny model, bundled tokenizer, synth
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +25,9 @@ from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import Config, ConfigError
 from ict_jax.logs import MetricsLogger
 from ict_jax.models.config import Qwen2Config
-from ict_jax.models.hf import load_pretrained, read_config
-from ict_jax.models.qwen2 import Qwen2, abstract_model
+from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
+from ict_jax.models.hf import load_pretrained
+from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
 from ict_jax.tokenizer import Tokenizer
@@ -36,6 +35,7 @@ from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, supervised_warm_start
 
 log = logging.getLogger("ict_jax.train")
+SAMPLES_LOGGED = 16  # completions per step written to samples.jsonl
 
 
 # ---- set-up pieces -----------------------------------------------------------------------------
@@ -52,23 +52,6 @@ def _check_workdir(workdir: str) -> None:
     raise ConfigError(f"--workdir {workdir}: not writable ({e.strerror or e})") from None
 
 
-def make_mesh(cfg: Config):
-  try:
-    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
-
-
-def model_config(cfg: Config, hf_dir: str) -> Qwen2Config:
-  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
-  try:
-    if hf_dir:
-      return read_config(hf_dir, **kw)
-    return Qwen2Config.preset(cfg.model.preset, **kw)
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(str(e)) from None
-
-
 def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
   """Random parameters created directly in their shardings."""
   def init():
@@ -78,16 +61,28 @@ def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
 
 
 def load_examples(cfg: Config, split: str, workdir: str):
+  """The split as a random-access source; on several hosts process 0 builds it first."""
   from ict_jax.data import load_split
   data_dir = cfg.data.data_dir or os.path.join(workdir, "data")
-  sources = []
-  for name in cfg.data.name.split("+"):
-    try:
-      sources.append(load_split(name, split, data_dir=data_dir, manual_dir=cfg.data.manual_dir or None,
-                                config=cfg.data.config or None if name == cfg.data.name else None))
-    except (FileNotFoundError, KeyError) as e:
-      raise ConfigError(f"config.data.name={name!r}: {e}") from None
-  return sources[0] if len(sources) == 1 else _Concat(sources)
+  manual_dir = os.path.expanduser(cfg.data.manual_dir) if cfg.data.manual_dir else None
+
+  def load():
+    sources = []
+    for name in cfg.data.name.split("+"):
+      try:
+        sources.append(load_split(name, split, data_dir=data_dir, manual_dir=manual_dir,
+                                  config=(cfg.data.config or None) if name == cfg.data.name else None))
+      except (FileNotFoundError, KeyError, ValueError) as e:
+        raise ConfigError(f"config.data.name={name!r}: {e}") from None
+    return sources[0] if len(sources) == 1 else _Concat(sources)
+
+  if jax.process_count() == 1:
+    return load()
+  from jax.experimental import multihost_utils
+  if jax.process_index() == 0:
+    source = load()
+  multihost_utils.sync_global_devices(f"ict_jax data {split}")
+  return source if jax.process_index() == 0 else load()
 
 
 class _Concat:
@@ -110,8 +105,8 @@ def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   exs = [train_src[i] for i in range(len(train_src))]
   prompts = [tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style)) for e in exs]
   answers = [tok.encode(str(e["answer"])) for e in exs]
-  ids, mask, target = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
-  return supervised_warm_start(graphdef, params, ids, mask, target, steps=ws.sft_steps,
+  arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
+  return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
                                batch_size=ws.sft_batch_size, learning_rate=ws.sft_learning_rate,
                                seed=cfg.train.seed, mesh=mesh, log=log.info)
 
@@ -150,12 +145,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   mesh = make_mesh(cfg)
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir)
-  abstract = abstract_model(mcfg)
-  graphdef, abstract_state = nnx.split(abstract)
-  params_sharding = sharding.pure_shardings(nnx.state(abstract, nnx.Param), mesh)
+  graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
-  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                 nnx.state(abstract, nnx.Param).to_pure_dict())
   state_sharding = ts.train_state_shardings(optimizer, abstract_params, params_sharding, mesh)
   tok = Tokenizer()
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
@@ -169,8 +160,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, optimizer.init(p)), abstract_params),
         state_sharding)}
     if with_ref:
-      abstract_tree["ref_params"] = jax.tree.map(
-          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, params_sharding)
+      abstract_tree["ref_params"] = abstract_params
     start_step, tree, meta = ckpt.restore(abstract_tree)
     state, ref_params = tree["state"], tree.get("ref_params")
     position = int(meta["data_position"])
@@ -235,7 +225,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
                   "sample": roll.completions[0][:200]}
         history.append(record)
-        logger.write(record)
+        logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
+                                       "completion": c, "gold": str(gd), "reward": float(r)}
+                                      for i, k, c, gd, r in zip(roll.prompt_ids, roll.prompt_mask,
+                                                                roll.completions, roll.golds,
+                                                                roll.rewards)][:SAMPLES_LOGGED])
         done = step + 1
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
           save(done, force=True)
@@ -249,26 +243,39 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   return history
 
 
+def _error(msg: str) -> None:
+  print(f"ict_jax.train: error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
 def main(argv=None) -> None:
-  from absl import app, flags
+  from absl import flags
   from ml_collections import config_flags
 
-  flags.DEFINE_string("workdir", "./runs/default", "Checkpoints, logs and metrics go here (local or gs://).")
-  flags.DEFINE_string("init_from_hf", "", "Start from this local Hugging Face folder.")
-  config_flags.DEFINE_config_file("config", config_lib.__file__, "An ml_collections config file.",
-                                  lock_config=True)
-
-  def _main(_argv):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    fl = flags.FLAGS
-    try:
-      train(fl.config, fl.workdir, init_from_hf=fl.init_from_hf)
-    except ConfigError as e:
-      print(f"ict_jax.train: error: {e}", file=sys.stderr)
-      sys.exit(2)
-
-  app.run(_main, argv=argv)
+  fl = flags.FlagValues()
+  flags.DEFINE_string("workdir", "./runs/default", "Checkpoints, logs and metrics go here (local or gs://).",
+                      flag_values=fl)
+  flags.DEFINE_string("init_from_hf", "", "Start from this local Hugging Face folder.", flag_values=fl)
+  argv = sys.argv if argv is None else argv
+  try:  # flag and --config.* override errors become one line, not a traceback
+    config_flags.DEFINE_config_file("config", config_lib.__file__, "An ml_collections config file.",
+                                    flag_values=fl, lock_config=True)
+    fl(argv)
+    cd = fl.config
+  except (AttributeError, KeyError) as e:  # an override of a key the config does not have
+    text = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    _error(f"unknown config key {text.strip(chr(39) + ' ')}")
+  except (flags.Error, TypeError, ValueError) as e:
+    _error(str(e).replace("\n", " "))
+  if type(cd).__name__ == "_ErrorConfig":  # ml_collections' stand-in for a file that failed to load
+    _error(f"--config {fl['config'].config_filename}: could not be loaded: "
+           + " ".join(str(object.__getattribute__(cd, "_error")).split()))
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  try:
+    train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
+  except ConfigError as e:
+    _error(str(e))
 
 
 if __name__ == "__main__":

@@ -19,40 +19,50 @@ from flax import nnx
 from ict_jax.models.axes import constrain
 
 
-def _sft_loss(params, graphdef, ids, mask, target_mask):
-  """Mean next-token NLL over positions where target_mask[:, t+1] is 1. ids/mask [B, T]."""
-  logits = nnx.merge(graphdef, params)(ids, mask)[:, :-1]  # [B, T-1, V]
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-  w = target_mask[:, 1:].astype(jnp.float32)
+def _sft_loss(params, graphdef, ids, mask, pos, pos_mask):
+  """Mean NLL of the target tokens ids[b, pos[b, k]] predicted from position pos[b, k] - 1.
+
+  ids/mask [B, T]; pos/pos_mask [B, K]: only the K target positions go through the LM head
+  (the [B, T, V] logits of a 151936-token vocabulary are most of the cost)."""
+  model = nnx.merge(graphdef, params)
+  h = model.hidden_states(ids, mask)  # [B, T, D]
+  h_prev = jnp.take_along_axis(h, jnp.maximum(pos - 1, 0)[..., None], axis=1)  # [B, K, D]
+  logits = model.logits_from_hidden(h_prev)  # [B, K, V]
+  target = jnp.take_along_axis(ids, pos, axis=1)  # [B, K]
+  nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
+  w = pos_mask.astype(jnp.float32)
   return jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
 
 
 def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                        eos_id: int, pad_id: int):
-  """Right-padded [B, T] ids, attention mask, and the mask of answer+EOS tokens."""
+  """Right-padded [B, T] ids and attention mask, and the answer+EOS positions [B, K] + mask."""
   seqs = [list(p) + list(a) + [eos_id] for p, a in zip(prompts, answers)]
   width = max(len(s) for s in seqs)
   ids = np.full((len(seqs), width), pad_id, np.int32)
   mask = np.zeros_like(ids)
-  target = np.zeros_like(ids)
+  k = max(len(s) - len(p) for p, s in zip(prompts, seqs))
+  pos = np.zeros((len(seqs), k), np.int32)
+  pos_mask = np.zeros_like(pos)
   for i, (p, s) in enumerate(zip(prompts, seqs)):
     ids[i, :len(s)] = s
     mask[i, :len(s)] = 1
-    target[i, len(p):len(s)] = 1
-  return ids, mask, target
+    pos[i, :len(s) - len(p)] = np.arange(len(p), len(s))
+    pos_mask[i, :len(s) - len(p)] = 1
+  return ids, mask, pos, pos_mask
 
 
-def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, target: np.ndarray,
+def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                          pos_mask: np.ndarray,
                           *, steps: int, batch_size: int, learning_rate: float, seed: int,
                           mesh=None, log=None):
   """`steps` Adam steps of teacher forcing on random batches of the examples -> params."""
   opt = optax.adam(learning_rate)
 
   @jax.jit
-  def step(p, o, b_ids, b_mask, b_target):
-    b_ids, b_mask, b_target = (constrain(x, ("act_batch", None)) for x in (b_ids, b_mask, b_target))
-    loss, grads = jax.value_and_grad(_sft_loss)(p, graphdef, b_ids, b_mask, b_target)
+  def step(p, o, *batch):
+    batch = [constrain(x, ("act_batch", None)) for x in batch]
+    loss, grads = jax.value_and_grad(_sft_loss)(p, graphdef, *batch)
     updates, o = opt.update(grads, o, p)
     return optax.apply_updates(p, updates), o, loss
 
@@ -62,7 +72,7 @@ def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, t
     loss = None
     for i in range(steps):
       idx = rng.choice(len(ids), size=batch_size, replace=len(ids) < batch_size)
-      params, opt_state, loss = step(params, opt_state, ids[idx], mask[idx], target[idx])
+      params, opt_state, loss = step(params, opt_state, ids[idx], mask[idx], pos[idx], pos_mask[idx])
       if log is not None and (i + 1) % max(1, steps // 4) == 0:
         log(f"warm-start step {i + 1}/{steps}: loss {float(loss):.3f}")
   return params

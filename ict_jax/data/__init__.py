@@ -19,6 +19,10 @@ BUILDERS: dict[str, tuple[str, str]] = {
     "synthetic_arith": ("ict_jax.data.synthetic", "SyntheticArith"),
     "gsm8k": ("ict_jax.data.gsm8k", "Gsm8k"),
     "math": ("ict_jax.data.math", "Math"),
+    "math500": ("ict_jax.data.eval_sets", "Math500"),
+    "aime": ("ict_jax.data.eval_sets", "Aime"),
+    "mmlu_stem": ("ict_jax.data.eval_sets", "MmluStem"),
+    "gpqa": ("ict_jax.data.eval_sets", "Gpqa"),
 }
 
 _LAZY = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ict_jax.rewards.registry import REWARDS, RewardFn, score
 
-ANSWER_TYPE_TO_KIND: dict[str, str] = {"math_boxed": "math", "choice": "choice"}
+ANSWER_TYPE_TO_KIND: dict[str, str] = {"math_boxed": "math", "choice": "choice", "answer": "answer"}
 
 
 def reward_kind(answer_type: str) -> str:

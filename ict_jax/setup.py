@@ -1,0 +1,48 @@
+"""Building the run's pieces from a validated `Config`: the mesh, the model config, the abstract
+parameters with their shardings. Shared by `train.py` and `eval/` (nothing may import train.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from ict_jax import sharding
+from ict_jax.config import Config, ConfigError
+from ict_jax.models.config import Qwen2Config
+from ict_jax.models.hf import read_config
+from ict_jax.models.qwen2 import abstract_model
+
+
+def make_mesh(cfg: Config) -> Mesh:
+  """The ("data", "fsdp", "tensor") mesh of `config.mesh` over all devices."""
+  try:
+    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+
+
+def model_config(cfg: Config, hf_dir: str) -> Qwen2Config:
+  """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
+  dtypes and remat from `config.model`."""
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
+  try:
+    if hf_dir:
+      return read_config(hf_dir, **kw)
+    return Qwen2Config.preset(cfg.model.preset, **kw)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def abstract_params(mcfg: Qwen2Config, mesh: Mesh) -> tuple[Any, Any, Any]:
+  """-> (graphdef, params, params_sharding): `params` a pure dict of `jax.ShapeDtypeStruct`
+  carrying their `NamedSharding` (a restore target), `params_sharding` the same dict of shardings."""
+  abstract = abstract_model(mcfg)
+  graphdef, _ = nnx.split(abstract)
+  param_state = nnx.state(abstract, nnx.Param)
+  params_sharding = sharding.pure_shardings(param_state, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        param_state.to_pure_dict(), params_sharding)
+  return graphdef, params, params_sharding

@@ -1,0 +1,141 @@
+"""The training program: learning, logs, checkpoints, resume, meshes, HF init, bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ict_jax import config as config_lib
+from ict_jax.train import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _quick(**overrides):
+  """The tiny default, shortened: few SFT steps, small batches."""
+  c = config_lib.tiny_config()
+  c.warm_start.sft_steps = 20
+  c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
+  c.train.steps, c.train.checkpoint_every = 4, 2
+  c.train.async_checkpointing = False
+  c.mesh.fsdp = 1  # the tests run on 8 simulated devices; one unless a test asks for a mesh
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    setattr(getattr(c, section), name, value)
+  return c
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+  """The embedded default on a shortened schedule (it is the README's main command)."""
+  workdir = str(tmp_path_factory.mktemp("default"))
+  c = config_lib.tiny_config()
+  c.train.steps = 24
+  c.train.checkpoint_every = 12
+  c.mesh.fsdp = 1
+  return workdir, train(c, workdir, progress=False)
+
+
+def test_default_run_reward_rises(default_run):
+  _, history = default_run
+  rewards = np.array([h["reward_mean"] for h in history])
+  first, last = rewards[:6].mean(), rewards[-6:].mean()
+  assert last > first + 0.05, (first, last, rewards.round(3).tolist())
+
+
+def test_default_run_writes_metrics_events_checkpoints(default_run):
+  workdir, history = default_run
+  rows = _metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(1, 25))
+  for key in ("step", "reward_mean", "reward_std", "response_len", "entropy", "renyi2",
+              "js_selected", "selected_frac", "kl", "grad_norm", "tokens_per_s"):
+    assert all(np.isfinite(r[key]) for r in rows), key
+  # ICT: dense for the 10 warm-up steps, then ~10% of each response's tokens
+  assert all(r["selected_frac"] == 1.0 for r in rows[:10])
+  assert all(r["selected_frac"] < 0.6 for r in rows[10:])
+  assert os.listdir(os.path.join(workdir, "tb")), "no TensorBoard events"
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "24"]
+  cfg = json.load(open(os.path.join(workdir, "config.json")))
+  assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 24
+  samples = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+  assert {s["step"] for s in samples} == set(range(1, 25))
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+  full = str(tmp_path / "full")
+  train(_quick(), full, progress=False)
+  part = str(tmp_path / "part")
+  train(_quick(**{"train.steps": 2}), part, progress=False)
+  resumed = train(_quick(), part, progress=False)  # same command, longer schedule
+  assert [r["step"] for r in resumed] == [3, 4]
+  a, b = _metrics(full), _metrics(part)
+  assert [r["step"] for r in b] == [1, 2, 3, 4]
+  for ra, rb in zip(a, b):
+    for key in ("reward_mean", "entropy", "loss", "grad_norm", "js_selected", "response_len"):
+      np.testing.assert_allclose(rb[key], ra[key], rtol=1e-4, atol=1e-6, err_msg=f"step {ra['step']} {key}")
+
+
+def test_restore_onto_another_mesh(tmp_path):
+  assert jax.device_count() == 8
+  workdir = str(tmp_path / "mesh")
+  train(_quick(**{"train.steps": 2, "mesh.fsdp": 8, "rollout.prompts_per_step": 4}), workdir, progress=False)
+  c = _quick(**{"train.steps": 3})
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  out = train(c, workdir, progress=False)
+  assert [r["step"] for r in out] == [3] and np.isfinite(out[0]["loss"])
+
+
+def test_init_from_hf_first_rollout_equals_generate(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from ict_jax import Tokenizer, load_pretrained
+  from ict_jax.data.iterator import PromptIterator
+  from ict_jax.rewards import RewardPool
+  from ict_jax.rollout import collect
+  torch.manual_seed(0)
+  hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+      vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256))
+  hf_dir = str(tmp_path / "hf")
+  hf.save_pretrained(hf_dir)
+  c = _quick(**{"train.steps": 1, "warm_start.sft_steps": 0, "loss.beta": 0.05})
+  workdir = str(tmp_path / "run")
+  out = train(c, workdir, init_from_hf=hf_dir, progress=False)
+  assert out[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
+  cfg = config_lib.validate(c)
+  src = __import__("ict_jax.train", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
+  examples = next(PromptIterator(src, cfg.rollout.prompts_per_step, seed=cfg.train.seed))
+  with RewardPool(num_workers=0) as pool:
+    roll = collect(load_pretrained(hf_dir), examples, Tokenizer(), pool,
+                   rng=jax.random.fold_in(jax.random.key(cfg.train.seed), 0),
+                   group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+                   temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, prompt_style="plain",
+                   max_prompt_len=cfg.data.max_prompt_len, reward_kind="answer")
+  logged = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+  assert [s["completion"] for s in logged] == roll.completions[:len(logged)]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.train.stepz=3"], "stepz"),
+    (["--config.train.steps=abc"], "steps"),
+    (["--config.train.steps=-1"], "config.train.steps: expected > 0"),
+    (["--config.ict.top_fraction=1.5"], "config.ict.top_fraction"),
+    (["--config.mesh.fsdp=3"], "mesh"),
+    (["--workdir=/proc/forbidden/run"], "/proc/forbidden/run"),
+])
+def test_bad_input_is_one_clear_error(args, needle, tmp_path):
+  cmd = [sys.executable, "-m", "ict_jax.train", f"--workdir={tmp_path}/w", *args]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert needle in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert not os.path.exists(f"{tmp_path}/w/checkpoints") or not os.listdir(f"{tmp_path}/w/checkpoints")
