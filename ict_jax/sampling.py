@@ -26,8 +26,8 @@ updated in place; nothing the caller owns is donated (the outputs do not alias a
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
+import numbers
 from typing import Sequence
 
 import jax
@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.models.axes import constrain
-from ict_jax.sharding import batch_sharding, replicated, state_shardings
+from ict_jax.sharding import batch_sharding, put_global, replicated, state_shardings
 
 Array = jax.Array
 
@@ -45,6 +45,7 @@ QWEN_PAD_ID = 151643
 _MIN_BUCKET = 16
 _CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
 _F32_ONE_BITS = 0x3F800000
+_TOP_P_CANDIDATES = 256  # top-p fast path: the nucleus usually lies within the 256 best tokens
 
 
 # ---- buckets ------------------------------------------------------------------------------------
@@ -86,12 +87,11 @@ def _inverse_cdf(key: Array, weights: Array) -> Array:
   return blk * block + j
 
 
-def _top_p_threshold(e: Array, top_p: Array) -> Array:
-  """Largest t with sum(e[e >= t]) >= top_p * sum(e), per row; e [B, V] in [0, 1] -> t [B].
+def _bisect_threshold(e: Array, target: Array) -> Array:
+  """Largest t with sum(e[e >= t]) >= target, per row; e [B, V] in [0, 1], target [B] -> t [B].
 
   Bisection over the bit patterns of non-negative float32 (ordered like the integers), so the
-  result is exactly one of the values of e: {e >= t} is the smallest top set holding top_p."""
-  target = top_p * jnp.sum(e, axis=-1)  # [B]
+  result is exactly one of the values of e. 31 passes over e."""
   lo = jnp.zeros(e.shape[:1], jnp.int32)  # t = 0 keeps everything: always enough mass
   hi = jnp.full(e.shape[:1], _F32_ONE_BITS + 1, jnp.int32)  # t > 1 keeps nothing
 
@@ -99,12 +99,27 @@ def _top_p_threshold(e: Array, top_p: Array) -> Array:
     lo, hi = bounds
     mid = lo + (hi - lo) // 2
     t = jax.lax.bitcast_convert_type(mid, jnp.float32)
-    mass = jnp.sum(jnp.where(e >= t[:, None], e, 0.0), axis=-1)
-    ok = mass >= target
+    ok = jnp.sum(jnp.where(e >= t[:, None], e, 0.0), axis=-1) >= target
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   lo, _ = jax.lax.fori_loop(0, 31, body, (lo, hi))  # 2**31 > _F32_ONE_BITS + 1
   return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _top_p_threshold(e: Array, top_p: Array) -> Array:
+  """Threshold t [B] such that {e >= t} is the smallest top set holding top_p of the mass.
+
+  e [B, V] in [0, 1]. Fast path: when the nucleus of every row lies within its
+  `_TOP_P_CANDIDATES` largest values (the usual case for a trained model), read t off their
+  sorted cumulative sum; otherwise bisect over the whole vocabulary."""
+  target = top_p * jnp.sum(e, axis=-1)  # [B]
+  k = min(_TOP_P_CANDIDATES, e.shape[-1])
+  vals, _ = jax.lax.top_k(e, k)  # [B, k] descending
+  cum = jnp.cumsum(vals, axis=-1)
+  inside = cum >= target[:, None]
+  j = jnp.minimum(jnp.sum(~inside, axis=-1), k - 1)  # first j whose prefix reaches the target
+  fast = jnp.take_along_axis(vals, j[:, None], axis=-1)[:, 0]
+  return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
 
 
 def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
@@ -123,7 +138,8 @@ def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *,
       probs = jax.nn.softmax(scaled, axis=-1)
       mass_before = jnp.cumsum(probs, axis=-1) - probs
       scaled = jnp.where(mass_before < top_p, scaled, -jnp.inf)  # the first is always kept
-    e = jnp.exp(scaled - scaled[:, :1])
+    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # (slicing [:, :1] would make
+    # XLA CPU lower top_k as a full sort of the vocabulary instead of its TopK kernel)
     j = _inverse_cdf(key, e)
     tok = jnp.take_along_axis(cand, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
     lp = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
@@ -256,7 +272,8 @@ def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, 
       raise ValueError(f"generate: {name} spans several hosts; call sample_fn inside your jit")
   ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
   if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-    raise ValueError(f"generate: prompt_ids must be [batch, prompt_len] with both > 0, got shape {ids.shape}")
+    raise ValueError("generate: prompt_ids must be [batch, prompt_len] with both > 0, "
+                     f"got shape {ids.shape}")
   if mask.shape != ids.shape:
     raise ValueError(f"generate: prompt_mask shape {mask.shape} != prompt_ids shape {ids.shape}")
   if not np.issubdtype(ids.dtype, np.integer):
@@ -276,9 +293,16 @@ def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, 
   return ids.astype(np.int32), mask
 
 
-def _current_mesh():
+def _find_mesh(state) -> jax.sharding.Mesh | None:
+  """The mesh set by `jax.set_mesh`, else the one the parameters are sharded over, else None."""
   mesh = jax.sharding.get_mesh()
-  return None if mesh.empty else mesh
+  if not mesh.empty:
+    return mesh
+  for leaf in jax.tree.leaves(state):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+      return sharding.mesh
+  return None
 
 
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float = 1.0,
@@ -292,16 +316,18 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
   Returns (completion_ids [B*G, max_new_tokens] int32, completion_mask int32 (EOS included),
   logprobs float32 (0 where the mask is 0)), plus the raw logits [B*G, max_new_tokens, V] with
   return_logits. eos_token_ids None means Qwen's (151645, 151643); () disables EOS stopping.
-  rng (a jax PRNG key) is required unless temperature == 0 (greedy). With `mesh` (or one set
-  by `jax.set_mesh`) rows are sharded over ("data", "fsdp") and heads over "tensor"."""
+  rng (a jax PRNG key) is required unless temperature == 0 (greedy). With `mesh` (else the one
+  set by `jax.set_mesh`, else the one the parameters live on) rows are sharded over
+  ("data", "fsdp"), the batch padded up to a multiple of that and cut back, and heads over
+  "tensor" by the model's own constraints."""
   cfg = model.cfg
   ids, mask = _validate_prompts(prompt_ids, prompt_mask, cfg.vocab_size)
   n_new = _check_int("max_new_tokens", max_new_tokens, 1)
   top_k = _check_int("top_k", top_k, 0)
   g = _check_int("num_samples", num_samples, 1)
-  if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+  if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
     raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
-  if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+  if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
     raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
   longest = int(mask.sum(axis=1).max())
   if longest + n_new > cfg.max_position_embeddings:
@@ -311,13 +337,14 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
   if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in eos):
     raise ValueError(f"generate: eos_token_ids must be ints, got {eos_token_ids!r}")
   pad_id = _check_int("pad_id", pad_id, 0)
-  greedy = temperature == 0
+  greedy = float(temperature) == 0.0
   if rng is None and not greedy:
     raise ValueError("generate: rng (a jax.random key) is required when temperature > 0")
   if rng is None:
     rng = jax.random.key(0)  # unused by greedy decoding
 
-  mesh = mesh if mesh is not None else _current_mesh()
+  graphdef, state = nnx.split(model)
+  mesh = mesh if mesh is not None else _find_mesh(state)
   rows_per_shard = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   ids, mask = np.repeat(ids, g, axis=0), np.repeat(mask, g, axis=0)
   n_rows = ids.shape[0]
@@ -328,9 +355,8 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
   ids = np.pad(ids, widths, constant_values=pad_id)
   mask = np.pad(mask, widths)
 
-  graphdef, state = nnx.split(model)
   static = dict(graphdef=graphdef, max_len=n_bucket, greedy=greedy,
-                top_k=min(top_k, cfg.vocab_size), use_top_p=top_p < 1.0,
+                top_k=min(top_k, cfg.vocab_size), use_top_p=bool(top_p < 1.0),
                 return_logits=bool(return_logits))
   scalars = (np.int32(n_new), np.float32(1.0 if greedy else temperature), np.float32(top_p),
              _eos_array(eos), np.int32(pad_id))
@@ -338,9 +364,11 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
   with ctx:
     if mesh is not None:
       state = jax.device_put(state, state_shardings(state, mesh))
-      ids = jax.device_put(ids, batch_sharding(mesh))
-      mask = jax.device_put(mask, batch_sharding(mesh))
-      rng, scalars = jax.device_put((rng, scalars), replicated(mesh))  # one cache entry per mesh
+      ids = put_global(ids, batch_sharding(mesh))
+      mask = put_global(mask, batch_sharding(mesh))
+      rng = jax.random.wrap_key_data(put_global(jax.random.key_data(rng), replicated(mesh)),
+                                     impl=jax.random.key_impl(rng))
+      scalars = tuple(put_global(x, replicated(mesh)) for x in scalars)  # one cache entry per mesh
     out = _generate_jit(state, ids, mask, rng, *scalars, **static)
   return tuple(x[:n_rows, :n_new] for x in out)
 

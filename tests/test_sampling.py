@@ -140,11 +140,12 @@ def test_cache_logits_and_logprobs_match_full_forward(model, temperature, top_k,
 
 
 # ---- the sampler's distribution ----------------------------------------------------------------
-@pytest.mark.parametrize("vocab,temperature,top_k,top_p",
-                         [(64, 0.8, 0, 1.0), (64, 1.0, 10, 1.0), (64, 1.5, 0, 0.7),
-                          (64, 1.0, 20, 0.9), (2500, 1.0, 0, 1.0), (2500, 0.9, 0, 0.85)])
-def test_sampler_frequencies_match_transformers_warpers(vocab, temperature, top_k, top_p):
-  logits = np.random.RandomState(vocab + top_k).randn(1, vocab).astype(np.float32) * 2.0
+@pytest.mark.parametrize("vocab,scale,temperature,top_k,top_p",
+                         [(64, 2.0, 0.8, 0, 1.0), (64, 2.0, 1.0, 10, 1.0), (64, 2.0, 1.5, 0, 0.7),
+                          (64, 2.0, 1.0, 20, 0.9), (2500, 2.0, 1.0, 0, 1.0),
+                          (2500, 0.3, 0.9, 0, 0.85)])  # flat: nucleus > 256 tokens, bisection
+def test_sampler_frequencies_match_transformers_warpers(vocab, scale, temperature, top_k, top_p):
+  logits = np.random.RandomState(vocab + top_k).randn(1, vocab).astype(np.float32) * scale
   draws = 20000 if vocab <= 64 else 6000
   keys = jax.random.split(jax.random.key(0), draws)
   fn = jax.jit(jax.vmap(lambda k: sample_logits(jnp.asarray(logits), k, temperature=temperature,
@@ -157,6 +158,20 @@ def test_sampler_frequencies_match_transformers_warpers(vocab, temperature, top_
   tv = 0.5 * np.abs(freq - probs).sum()
   expected_tv = 0.5 * np.sqrt(2 * probs * (1 - probs) / (np.pi * draws)).sum()  # sampling noise
   assert tv < 2.0 * expected_tv + 1e-3, (tv, expected_tv)
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.2])  # peaked: fast path; flat: bisection
+def test_top_p_threshold_is_the_smallest_nucleus(scale):
+  rng = np.random.RandomState(0)
+  logits = rng.randn(3, 3000).astype(np.float32) * scale
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  top_p = np.float32(0.8)
+  t = np.asarray(jax.jit(sampling._top_p_threshold)(jnp.asarray(e), top_p))
+  for row, thr in zip(e, t):
+    desc = np.sort(row)[::-1].astype(np.float64)
+    n = int(np.searchsorted(np.cumsum(desc), top_p * desc.sum()) + 1)  # smallest prefix
+    assert (n > 256) == (scale < 1.0)  # both code paths are exercised
+    assert thr == np.float32(desc[n - 1]), (thr, desc[n - 2:n + 1])
 
 
 def test_sample_logits_greedy_is_argmax():
@@ -180,7 +195,7 @@ def test_keys_top_k_1_and_group_layout(model):
   greedy = np.asarray(_greedy(model, ids, mask)[0])
   top1, _, top1_lp, _ = generate(model, ids, mask, temperature=1.0, top_k=1,
                                  rng=jax.random.key(5), **kw)
-  np.testing.assert_array_equal(np.asarray(top1), np.repeat(greedy, 2, axis=0))  # rows g*G.. = prompt g
+  np.testing.assert_array_equal(np.asarray(top1), np.repeat(greedy, 2, axis=0))  # g*G.. = prompt g
   np.testing.assert_allclose(np.asarray(top1_lp), 0.0, atol=1e-6)  # one candidate: probability 1
   sample = lambda seed: np.asarray(generate(model, ids, mask, temperature=0.7,
                                             rng=jax.random.key(seed), **kw)[0])
@@ -188,6 +203,13 @@ def test_keys_top_k_1_and_group_layout(model):
   np.testing.assert_array_equal(a, b)
   assert (a != c).any()
   assert (a[0] != a[1]).any()  # the G samples of one prompt differ
+  # every row stops at its first token, so the decode loop exits at once: no logits after step 0
+  stop = tuple(sorted(set(a[:, 0].tolist())))
+  _, m, _, lg = generate(model, ids, mask, temperature=0.7, rng=jax.random.key(0),
+                         **dict(kw, eos_token_ids=stop))
+  m, lg = np.asarray(m), np.asarray(lg)
+  assert (m[:, 0] == 1).all() and (m[:, 1:] == 0).all()
+  assert (lg[:, 0] != 0).any() and (lg[:, 1:] == 0).all()
 
 
 def test_mesh_2x2x2_matches_unsharded(model):
@@ -198,7 +220,10 @@ def test_mesh_2x2x2_matches_unsharded(model):
   got = generate(model, ids, mask, mesh=mesh, **kw)  # 6 rows, padded to a multiple of 4 shards
   with jax.set_mesh(mesh):  # the mesh from the context
     got_ctx = generate(model, ids, mask, **kw)
-  for out in (got, got_ctx):
+  graphdef, state = nnx.split(model)  # the mesh the parameters live on
+  on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+  got_params = generate(on_mesh, ids, mask, **kw)
+  for out in (got, got_ctx, got_params):
     assert all(x.shape == (6, N_NEW) for x in out)
     np.testing.assert_array_equal(np.asarray(out[0]), ref[0])
     np.testing.assert_array_equal(np.asarray(out[1]), ref[1])
@@ -222,7 +247,8 @@ def test_sample_fn_inside_jit_matches_generate(model):
 
 
 def test_bucket_length():
-  assert [sampling.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+  got = [sampling.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)]
+  assert got == [16, 16, 32, 128, 128, 256]
   assert sampling.bucket_length(5, [8, 24]) == 8 and sampling.bucket_length(9, [8, 24]) == 24
   assert sampling.bucket_length(30, [8, 24]) == 32  # past the list: next power of two
 
@@ -250,8 +276,11 @@ def test_bucketed_shapes_reuse_one_compilation(model):
     (dict(num_samples=0), "num_samples"),
     (dict(rng=None), "rng"),
     (dict(prompt_mask=np.ones((2, 8), np.int32)), "shape"),
-    (dict(prompt_ids=np.zeros((2, 70), np.int32), prompt_mask=np.ones((2, 70), np.int32)), "context"),
-    (dict(prompt_mask=np.eye(2, 9, 0, np.int32)[:, ::-1] * 0), "no tokens"),
+    (dict(prompt_ids=np.ones((2, 70), np.int32), prompt_mask=np.ones((2, 70), np.int32)), "context"),
+    (dict(prompt_mask=np.zeros((2, 9), np.int32)), "no tokens"),
+    (dict(prompt_mask=np.full((2, 9), 2)), "only 0"),
+    (dict(prompt_ids=np.ones((2, 9), np.float32)), "integers"),
+    (dict(eos_token_ids=("<eos>",)), "eos_token_ids"),
     (dict(prompt_mask=np.tile([1, 1, 1, 1, 1, 0, 0, 0, 0], (2, 1))), "left-padded"),
     (dict(prompt_ids=np.full((2, 9), VOCAB)), "token ids"),
 ])

@@ -1,0 +1,130 @@
+"""Generation throughput: `ict_jax.generate` vs `transformers` `generate`, same weights, same run.
+
+Model: vocab 151936, hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704, tied head (the "bench"
+preset), float32, random weights (transformers' init, saved with `save_pretrained`, loaded by ours).
+Batch 8, prompt 64 (left-padded, 48..64 real tokens), 128 new tokens, EOS disabled so both generate
+exactly 128 tokens per row. Both libraries get the same CPUs: the process is pinned to the first
+`--threads` cores (`os.sched_setaffinity`, like `taskset`), which sizes XLA's CPU thread pool, and
+torch gets `torch.set_num_threads(--threads)`. Warm-up runs are excluded from the timings; our
+first call's compile time is reported separately.
+
+    python benchmarks/sampling.py [--threads 2] [--repeats 3] [--modes greedy,sample]
+
+Prints one JSON object: tokens/s of each (best of --repeats interleaved runs: ours, theirs, ours,
+...), the ratio, every run's seconds, our compile time, settings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+
+def _pin(threads: int) -> list[int]:
+  cpus = sorted(os.sched_getaffinity(0))
+  if len(cpus) > threads:
+    os.sched_setaffinity(0, cpus[:threads])
+  return sorted(os.sched_getaffinity(0))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--prompt", type=int, default=64)
+  ap.add_argument("--new", type=int, default=128)
+  ap.add_argument("--threads", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1)")
+  args = ap.parse_args()
+  cpus = _pin(args.threads)  # before jax / torch create their thread pools
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  import ict_jax
+  from ict_jax.models.config import Qwen2Config
+
+  torch.set_num_threads(args.threads)
+  cfg = Qwen2Config.preset("bench")
+  hf_cfg = transformers.Qwen2Config(**{k: v for k, v in cfg.to_hf_dict().items()
+                                       if k not in ("architectures", "model_type", "torch_dtype")})
+  torch.manual_seed(0)
+  hf = transformers.Qwen2ForCausalLM(hf_cfg).eval().float()
+  with tempfile.TemporaryDirectory() as tmp:
+    hf.save_pretrained(tmp)
+    model = ict_jax.load_pretrained(tmp, dtype=jnp.float32)
+
+  rng = np.random.RandomState(0)
+  b, p, n = args.batch, args.prompt, args.new
+  ids = rng.randint(0, cfg.vocab_size, (b, p)).astype(np.int32)
+  lengths = rng.randint(p * 3 // 4, p + 1, b)
+  mask = (np.arange(p)[None, :] >= p - lengths[:, None]).astype(np.int32)
+  ids[mask == 0] = 0
+  t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+  def run_hf(sample: bool, new: int):
+    kw = {"do_sample": sample}
+    if sample:  # plain temperature-1 sampling, like ours (transformers defaults top_k to 50)
+      kw.update(temperature=1.0, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+      out = hf.generate(input_ids=t_ids, attention_mask=t_mask, max_new_tokens=new,
+                        min_new_tokens=new, eos_token_id=None, pad_token_id=0, **kw)
+    assert out.shape == (b, p + new), out.shape
+    return out
+
+  def run_ours(sample: bool, seed: int):
+    out = ict_jax.generate(model, ids, mask, max_new_tokens=n, temperature=1.0 if sample else 0.0,
+                           rng=jax.random.key(seed), eos_token_ids=(), pad_id=0)
+    jax.block_until_ready(out)
+    assert out[0].shape == (b, n) and int(out[1].sum()) == b * n
+    return out
+
+  results = {}
+  for mode in args.modes.split(","):
+    sample = mode == "sample"
+    t = time.perf_counter()
+    first = run_ours(sample, 100)
+    first_s = time.perf_counter() - t
+    run_hf(sample, 4)  # warm-up
+    ours_all, hf_all = [], []
+    for i in range(args.repeats):  # interleaved, so both see the same background load
+      t = time.perf_counter()
+      run_ours(sample, i)
+      ours_all.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      run_hf(sample, n)
+      hf_all.append(time.perf_counter() - t)
+    ours_s, hf_s = min(ours_all), min(hf_all)
+    entry = {
+        "ours_tokens_per_s": round(b * n / ours_s, 1),
+        "transformers_tokens_per_s": round(b * n / hf_s, 1),
+        "speedup": round(hf_s / ours_s, 2),
+        "ours_s": [round(x, 3) for x in ours_all],
+        "transformers_s": [round(x, 3) for x in hf_all],
+        "ours_compile_s": round(first_s - ours_s, 2),
+    }
+    if not sample:  # same greedy tokens (float32 round-off can flip a near-tie, so reported only)
+      ref = run_hf(False, n)[:, p:].numpy()
+      entry["greedy_tokens_equal_fraction"] = float((np.asarray(first[0]) == ref).mean())
+    results[mode] = entry
+
+  print(json.dumps({
+      "benchmark": "sampling", "batch": b, "prompt_len": p, "new_tokens": n, "dtype": "float32",
+      "model": {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+                "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                "mlp": cfg.intermediate_size, "tied": cfg.tie_word_embeddings},
+      "threads": args.threads, "cpus": cpus, "repeats": args.repeats, "results": results,
+      "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                   "transformers": transformers.__version__, "python": platform.python_version()},
+  }, indent=2))
+
+
+if __name__ == "__main__":
+  main()
