@@ -63,6 +63,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+  """Host data (the same on every process) -> a global array with `sharding`, also when the
+  sharding spans devices of other processes (multi-host), where `jax.device_put` cannot."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(x, sharding)  # already global: reshard
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def maybe_initialize_distributed() -> bool:
   """Call `jax.distributed.initialize()` when the environment describes a multi-host job.
 

@@ -112,11 +112,23 @@ def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
 
 
 class _Preemption:
-  """SIGTERM (TPU preemption, scancel) -> finish the step, save, exit 0."""
+  """SIGTERM (TPU preemption, scancel) -> a final save within `grace_s`, then exit 0.
 
-  def __init__(self):
+  A jitted call cannot be interrupted, so the handler only notes the time; the loop then either
+  finishes the current step and saves it, or, when the step would not end before the deadline
+  (`fits`), drops it and saves the last completed state."""
+
+  received = False  # any SIGTERM in this process: main() then skips the interpreter teardown
+
+  def __init__(self, grace_s: float = float("inf")):
     self.requested = False
+    self.grace_s = grace_s
+    self.deadline = float("inf")
     self._old = None
+
+  def fits(self, seconds: float | None) -> bool:
+    """Whether work estimated at `seconds` (None: no estimate yet) ends before the deadline."""
+    return seconds is not None and time.monotonic() + seconds < self.deadline
 
   def __enter__(self):
     if hasattr(signal, "SIGTERM"):
@@ -127,8 +139,11 @@ class _Preemption:
     return self
 
   def _handle(self, signum, frame):
-    self.requested = True
-    log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+    if not self.requested:
+      self.deadline = time.monotonic() + self.grace_s
+    self.requested = _Preemption.received = True
+    log.warning("SIGTERM: saving a checkpoint within %g s (train.sigterm_grace_s), then exiting",
+                self.grace_s)
 
   def __exit__(self, *exc):
     if self._old is not None:
@@ -165,6 +180,9 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     state, ref_params = tree["state"], tree.get("ref_params")
     position = int(meta["data_position"])
     log.info("resumed from step %d of %s", start_step, workdir)
+    for bad in [s for s in ckpt.all_steps() if s > start_step]:  # restore found these unreadable
+      log.warning("moved unreadable checkpoint step %d to %s; it will be saved again", bad,
+                  ckpt.set_aside(bad))
   else:
     if hf_dir:
       try:
@@ -181,6 +199,9 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     if with_ref:  # a frozen copy of the starting policy
       ref_params = jax.tree.map(jnp.copy, state.params)
 
+  if jax.process_count() > 1:  # start the loop together: collectives time out on skewed hosts
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("ict_jax train loop")
   step_fn = ts.make_train_step(graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh,
                                state_sharding=state_sharding)
   from ict_jax.data.iterator import PromptIterator
@@ -199,10 +220,25 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                            "config": config_lib.to_dict(cfg)}, force=force)
 
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
-       _Preemption() as preempt:
+       _Preemption(cfg.train.sigterm_grace_s) as preempt:
+    last_step_s = None  # the previous train step + logging + save, in seconds
+
+    def stop_early(step: int, position: int) -> None:
+      """Preempted before step `step` ran: save the state of `step` completed steps."""
+      it.position = position  # this step's prompts come again after the resume
+      if ckpt.latest_step() != step:
+        save(step, force=True)
+      ckpt.wait()
+      log.warning("preempted: step %d would not end within train.sigterm_grace_s; saved step %d; "
+                  "exiting", step + 1, step)
+
     try:
       for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
+        position = it.position
+        if preempt.requested:  # the signal came after the previous step's check
+          stop_early(step, position)
+          break
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
         roll = collect((graphdef, state.params), examples, tok, pool, rng=key,
@@ -213,13 +249,16 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
         batch = roll.batch()
         t1 = time.perf_counter()
+        if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
+          stop_early(step, position)
+          break
         old_logp = None
         for _ in range(cfg.train.num_iterations):
           if old_logp is not None:
             batch["old_logp"] = old_logp
           state, metrics, logp = step_fn(state, batch, ref_params)
           old_logp = logp if old_logp is None else old_logp
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
         dt = time.perf_counter() - t0
         record = {"step": step + 1, **roll.stats, **metrics, "step_s": time.perf_counter() - t1,
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
@@ -237,6 +276,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           ckpt.wait()
           log.warning("preempted: saved step %d; exiting", done)
           break
+        last_step_s = time.perf_counter() - t1
     finally:
       ckpt.close()
       logger.close()
@@ -270,12 +310,20 @@ def main(argv=None) -> None:
   if type(cd).__name__ == "_ErrorConfig":  # ml_collections' stand-in for a file that failed to load
     _error(f"--config {fl['config'].config_filename}: could not be loaded: "
            + " ".join(str(object.__getattribute__(cd, "_error")).split()))
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  # force: importing orbax already put a WARNING-level handler on the root logger, which would
+  # make basicConfig a no-op and hide every INFO line (resume step, warm-start progress)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
   logging.getLogger("absl").setLevel(logging.WARNING)
   try:
     train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
   except ConfigError as e:
     _error(str(e))
+  if _Preemption.received:
+    # the checkpoint is committed and the logs are closed: skip the interpreter teardown
+    # (seconds of XLA / TensorStore destructors), which the grace period cannot spare
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

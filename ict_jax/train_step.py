@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ict_jax import grpo, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
+from ict_jax.sharding import put_global
 
 Batch = dict[str, jax.Array]
 _NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite update
@@ -96,7 +97,8 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
 
   The logits of completion token j come from position P-1+j of prompt+completion; they are
   divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over
-  C under `jax.checkpoint`, so one [N, chunk, V] float32 block is live at a time."""
+  C under `jax.checkpoint`, so one [N, chunk, V] float32 block is live at a time (C is split
+  into ceil(C / chunk_size) equal chunks, e.g. 192 -> 2 x 96 rather than 128 + 64 padded)."""
   prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
   ids, cmask = batch["completion_ids"], batch["completion_mask"]
   n, p = prompt_ids.shape
@@ -105,8 +107,8 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
                           jnp.concatenate([prompt_mask, cmask], 1))
   h = h[:, p - 1: p + c - 1]  # [N, C, D]
   w = model.head_kernel().astype(h.dtype)  # [D, V]
-  k = max(1, min(chunk_size, c))
-  n_chunks = -(-c // k)
+  n_chunks = max(1, -(-c // max(1, min(chunk_size, c))))
+  k = max(1, -(-c // n_chunks))  # equal chunks <= chunk_size: < n_chunks padded positions
   pad = n_chunks * k - c
   padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   to_chunks = lambda x: jnp.moveaxis(padded(x).reshape(n, n_chunks, k, *x.shape[2:]), 1, 0)
@@ -210,7 +212,10 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
   if mesh is None:
     return jitted
 
+  rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+
   def run(state, batch, ref_params=None):
+    batch = {k: put_global(v, rows_sharding) for k, v in batch.items()}  # multi-host: global arrays
     with jax.set_mesh(mesh):
       return jitted(state, batch, ref_params)
   run.jitted = jitted

@@ -16,7 +16,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from ict_jax.models.axes import constrain
+from ict_jax.sharding import put_global
 
 
 def _sft_loss(params, graphdef, ids, mask, pos, pos_mask):
@@ -72,7 +75,10 @@ def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, p
     loss = None
     for i in range(steps):
       idx = rng.choice(len(ids), size=batch_size, replace=len(ids) < batch_size)
-      params, opt_state, loss = step(params, opt_state, ids[idx], mask[idx], pos[idx], pos_mask[idx])
+      batch = [ids[idx], mask[idx], pos[idx], pos_mask[idx]]
+      if mesh is not None:  # global arrays, also across hosts
+        batch = [put_global(x, NamedSharding(mesh, P())) for x in batch]
+      params, opt_state, loss = step(params, opt_state, *batch)
       if log is not None and (i + 1) % max(1, steps // 4) == 0:
         log(f"warm-start step {i + 1}/{steps}: loss {float(loss):.3f}")
   return params

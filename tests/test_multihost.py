@@ -1,0 +1,81 @@
+"""The multi-host path on CPU: two processes join with `jax.distributed.initialize` on localhost
+and train two steps of the tiny model together; their losses equal a one-process run on the
+same number of devices."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    from ict_jax import config as C
+    from ict_jax.train import train
+    c = C.tiny_config()
+    c.warm_start.sft_steps = 0
+    c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
+    c.train.steps, c.train.checkpoint_every = 2, 2
+    c.train.async_checkpointing = False
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    history = train(c, sys.argv[1], progress=False)
+    print("RESULT " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
+                                  "devices": jax.device_count(),
+                                  "metrics": [[r["loss"], r["reward_mean"], r["entropy"], r["grad_norm"]]
+                                              for r in history]}), flush=True)
+    if jax.process_count() > 1:  # leave together; skip the coordinator's shutdown barrier, whose
+        from jax.experimental import multihost_utils  # timeout a loaded CI machine can exceed
+        multihost_utils.sync_global_devices("test done")
+        sys.stdout.flush()
+        os._exit(0)
+""")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices, **extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             PYTHONPATH=REPO, **extra)
+  return env
+
+
+def _result(out: str) -> dict:
+  lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+  assert lines, out[-3000:]
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_two_processes_train_like_one(tmp_path):
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "multi")], cwd=REPO,
+                            env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  outs = []
+  for p in procs:
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    outs.append(_result(out))
+  single = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "single")], cwd=REPO,
+                          env=_env(4), capture_output=True, text=True, timeout=900)
+  assert single.returncode == 0, (single.stdout + single.stderr)[-3000:]
+  one = _result(single.stdout)
+  assert [o["processes"] for o in outs] == [2, 2] and one["processes"] == 1
+  assert outs[0]["devices"] == outs[1]["devices"] == one["devices"] == 4
+  np.testing.assert_allclose(outs[0]["metrics"], outs[1]["metrics"], rtol=1e-6)
+  np.testing.assert_allclose(outs[0]["metrics"], one["metrics"], rtol=2e-4, atol=1e-6)
+  # only process 0 writes logs; both wrote the same checkpoint
+  rows = [json.loads(line) for line in open(tmp_path / "multi" / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert os.path.isdir(tmp_path / "multi" / "checkpoints" / "2")
