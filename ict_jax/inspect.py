@@ -1,0 +1,600 @@
+"""Browse a training checkpoint from a notebook: tree, shapes, dtypes, shardings, norms, export.
+
+    ckpt = open_checkpoint("runs/default")          # or ".../checkpoints/40", or step=40
+    ckpt.show()                                     # treescope in a notebook, text elsewhere
+    ckpt.tree()                                     # {"layers": {0: {"attn": {"q_proj": {"kernel": TensorInfo}}}}}
+    x = load_param(ckpt, "layers/0/attn/q_proj/kernel", mesh=mesh)   # one tensor, nothing else
+    param_stats(ckpt).layer_norms                   # {"embed": ..., "layers/0": ..., ...}
+    diff(ckpt, 20, 40).layer_relative               # ||theta_40 - theta_20|| / ||theta_20|| per layer
+    to_hf(ckpt, "/tmp/hf")                          # a folder transformers.from_pretrained loads
+
+The tree comes from Orbax's metadata (`<step>/state/_METADATA`, `_sharding`): no array is read.
+Tensors are read with Orbax partial restore (`PyTreeRestore(partial_restore=True)`), one tensor or
+one layer at a time, each straight into the placement asked for (one device, or the
+`NamedSharding` of its logical axes on a mesh), so a large checkpoint is never loaded whole.
+Nothing here writes to the checkpoint directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import math
+import os
+from typing import Any, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from ict_jax.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+_ITEMS = {"params": ("state", "params"), "ref_params": ("ref_params",)}
+_ORDER = {"embed": 0, "layers": 1, "final_norm": 2, "lm_head": 3}
+
+
+# ---- one tensor's metadata -------------------------------------------------------------------
+def _human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024.0
+  raise AssertionError("unreachable")
+
+
+def _spec_entry(e) -> str:
+  if e is None:
+    return "None"
+  if isinstance(e, (tuple, list)):
+    return "(" + ", ".join(repr(a) for a in e) + ")"
+  return repr(e)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """Metadata of one saved array, as Orbax recorded it (nothing is read from the array files)."""
+  path: str                       # "layers/3/attn/q_proj/kernel" (relative to the item)
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  sharding: Any = None            # orbax ShardingMetadata (Named / SingleDevice) or None
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+  @property
+  def mesh(self) -> dict[str, int] | None:
+    """{mesh axis: size} of the mesh it was saved from (None unless a NamedSharding)."""
+    names = getattr(self.sharding, "axis_names", None)
+    if names is None:
+      return None
+    return {str(a): int(n) for a, n in zip(names, np.asarray(self.sharding.shape).reshape(-1))}
+
+  @property
+  def partition_spec(self) -> tuple | None:
+    spec = getattr(self.sharding, "partition_spec", None)
+    return None if spec is None else tuple(spec)
+
+  @property
+  def spec_str(self) -> str:
+    """"P(None, 'fsdp')" for a NamedSharding, "device cpu:0" for one device, "?" when unknown."""
+    spec = self.partition_spec
+    if spec is not None:
+      return "P(" + ", ".join(_spec_entry(e) for e in spec) + ")"
+    device = getattr(self.sharding, "device_str", None)
+    return f"device {device}" if device is not None else "?"
+
+  @property
+  def shard_nbytes(self) -> int:
+    """Bytes of one device's shard (the whole tensor when replicated or unknown)."""
+    mesh, spec = self.mesh, self.partition_spec
+    if not mesh or spec is None:
+      return self.nbytes
+    parts = 1
+    for entry in spec:
+      for ax in (entry if isinstance(entry, (tuple, list)) else () if entry is None else (entry,)):
+        parts *= mesh.get(ax, 1)
+    return self.nbytes // max(parts, 1)
+
+  def summary(self) -> str:
+    """'float32[64, 4, 16]  P('fsdp', None, None)  16.0 KiB'."""
+    dims = ", ".join(str(d) for d in self.shape)
+    return f"{np.dtype(self.dtype).name}[{dims}]  {self.spec_str}  {_human_bytes(self.nbytes)}"
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    del subtree_renderer
+    from treescope import rendering_parts as rp
+    dims = ", ".join(str(d) for d in self.shape)
+    line = rp.siblings(
+        rp.text(f"{np.dtype(self.dtype).name}[{dims}]"),
+        rp.comment_color(rp.text(f"  {self.spec_str}  {_human_bytes(self.nbytes)}")))
+    return rp.build_one_line_tree_node(line, path)
+
+
+# ---- path helpers ------------------------------------------------------------------------------
+def _key(k) -> Any:
+  """Orbax metadata stringifies dict keys ('3'); the model's pure dicts use ints for layers."""
+  return int(k) if isinstance(k, str) and k.isdigit() else k
+
+
+def _split(path: str) -> tuple:
+  return tuple(_key(p) for p in path.strip("/").split("/"))
+
+
+def layer_group(path: str) -> str:
+  """'layers/3/attn/q_proj/kernel' -> 'layers/3'; 'embed/embedding' -> 'embed'."""
+  parts = path.split("/")
+  return "/".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+
+
+def _group_sort_key(group: str):
+  parts = group.split("/")
+  return (_ORDER.get(parts[0], len(_ORDER)), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0,
+          group)
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+  """{"a/0/b": x} -> {"a": {0: {"b": x}}}."""
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    *parents, last = _split(path)
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = value
+  return out
+
+
+def _get(tree: Any, keys: Iterable) -> Any:
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _walk(tree: Any, prefix: tuple = ()) -> Iterable[tuple[tuple, Any]]:
+  """(keys, leaf) for every array leaf of an Orbax metadata tree (dicts, lists, tuples)."""
+  if isinstance(tree, Mapping):
+    for k, v in tree.items():
+      yield from _walk(v, prefix + (_key(k),))
+  elif isinstance(tree, (list, tuple)) and not hasattr(tree, "shape"):
+    for i, v in enumerate(tree):
+      yield from _walk(v, prefix + (i,))
+  elif hasattr(tree, "shape") and hasattr(tree, "dtype"):
+    yield prefix, tree
+
+
+def _in_notebook() -> bool:
+  try:
+    from IPython import get_ipython
+  except ImportError:
+    return False
+  shell = get_ipython()
+  return shell is not None and hasattr(shell, "kernel")
+
+
+# ---- the checkpoint ------------------------------------------------------------------------------
+class Checkpoint:
+  """A read-only view of `<workdir>/checkpoints/` with one selected step (`.step`)."""
+
+  def __init__(self, directory: str | os.PathLike, step: int | None = None, *, model_config=None):
+    import orbax.checkpoint as ocp
+    self.directory = epath.Path(directory)
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)  # read_only=True warns about the options it overrides
+    try:
+      self._mngr = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
+          item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    finally:
+      absl_log.setLevel(level)
+    steps = self.steps
+    if not steps:
+      raise CheckpointError(f"no checkpoints in {os.fspath(self.directory)!r}")
+    self.step = steps[-1] if step is None else self._check_step(step)
+    self._model_config = model_config
+    self._axes: dict[str, tuple] | None = None
+    self._tensors: dict[int, dict[str, TensorInfo]] = {}
+    self._meta: dict[int, dict] = {}
+
+  # ---- steps and metadata --------------------------------------------------------------------
+  @property
+  def steps(self) -> list[int]:
+    """Every committed step, oldest first (re-read from the directory on each call)."""
+    self._mngr.reload()
+    return sorted(int(s) for s in self._mngr.all_steps())
+
+  def _check_step(self, step: int | None) -> int:
+    if step is None:
+      return self.step
+    steps = self.steps
+    if int(step) not in steps:
+      raise CheckpointError(f"no checkpoint for step {step} in {os.fspath(self.directory)!r}; "
+                            f"available steps: {steps}")
+    return int(step)
+
+  def at(self, step: int) -> "Checkpoint":
+    """The same checkpoint directory with another step selected."""
+    return Checkpoint(self.directory, self._check_step(step), model_config=self._model_config)
+
+  def meta(self, step: int | None = None) -> dict:
+    """The step's JSON item: data_position, step, seed, config."""
+    import orbax.checkpoint as ocp
+    step = self._check_step(step)
+    if step not in self._meta:
+      restored = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      self._meta[step] = dict(restored.meta)
+    return self._meta[step]
+
+  @property
+  def config(self):
+    """The run's validated `Config` from the meta item (None when it no longer validates)."""
+    from ict_jax import config as config_lib
+    raw = self.meta().get("config")
+    if raw is None:
+      return None
+    try:
+      return config_lib.from_dict(raw)
+    except config_lib.ConfigError as e:
+      log.warning("%s/%d/meta: config does not validate (%s); using the tensor shapes only",
+                  os.fspath(self.directory), self.step, e)
+      return None
+
+  def tensors(self, step: int | None = None, *, item: str | None = "params") -> dict[str, TensorInfo]:
+    """{path: TensorInfo} of `item` ("params", "ref_params", or None for the whole saved tree,
+    optimizer state included), from Orbax metadata only."""
+    step = self._check_step(step)
+    if step not in self._tensors:
+      md = self._mngr.item_metadata(step)["state"]
+      tree = getattr(md, "tree", md)
+      if tree is None:
+        raise CheckpointError(f"{os.fspath(self.directory / str(step))}/state: no Orbax tree metadata")
+      self._tensors[step] = {
+          "/".join(str(k) for k in keys): TensorInfo("/".join(str(k) for k in keys), tuple(int(d) for d in leaf.shape),
+                                                     np.dtype(leaf.dtype), getattr(leaf, "sharding", None))
+          for keys, leaf in _walk(tree)}
+    everything = self._tensors[step]
+    if item is None:
+      return dict(everything)
+    if item not in _ITEMS:
+      raise ValueError(f"item {item!r}: expected one of {sorted(_ITEMS)} or None")
+    prefix = "/".join(_ITEMS[item]) + "/"
+    out = {p[len(prefix):]: dataclasses.replace(t, path=p[len(prefix):])
+           for p, t in everything.items() if p.startswith(prefix)}
+    if not out:
+      raise CheckpointError(f"{os.fspath(self.directory / str(step))}: no '{item}' in the saved state "
+                            f"(top-level items: {sorted({p.split('/')[0] for p in everything})})")
+    return out
+
+  def tree(self, step: int | None = None, *, item: str | None = "params") -> dict:
+    """The nested tree of `TensorInfo` (layer indices as ints), like the model's pure dict."""
+    return _nest(self.tensors(step, item=item))
+
+  def nbytes(self, step: int | None = None, *, item: str | None = "params") -> int:
+    return sum(t.nbytes for t in self.tensors(step, item=item).values())
+
+  @property
+  def model_config(self):
+    """The `Qwen2Config` of the saved parameters (see `_resolve_model_config`)."""
+    if self._model_config is None:
+      self._model_config = _resolve_model_config(self.tensors(), self.config,
+                                                 os.fspath(self.directory / str(self.step)))
+    return self._model_config
+
+  # ---- rendering -----------------------------------------------------------------------------
+  def header(self, step: int | None = None) -> str:
+    step = self._check_step(step)
+    params = self.tensors(step)
+    meshes = {json.dumps(t.mesh) for t in params.values() if t.mesh}
+    mesh = " ".join(f"{k}={v}" for k, v in json.loads(meshes.pop()).items()) if len(meshes) == 1 else (
+        "several meshes" if meshes else "no mesh recorded")
+    n = sum(t.size for t in params.values())
+    full = self.nbytes(step, item=None)
+    return (f"checkpoint {os.fspath(self.directory)}  step {step}  (steps {self.steps})\n"
+            f"params: {len(params)} tensors, {n:,} parameters, {_human_bytes(self.nbytes(step))}; "
+            f"whole state {_human_bytes(full)}; saved on mesh {mesh}")
+
+  def render_text(self, step: int | None = None, *, item: str | None = "params") -> str:
+    """A plain-text table: path, dtype[shape], saved sharding, bytes (and bytes per device)."""
+    rows = [(t.path, f"{np.dtype(t.dtype).name}[{', '.join(map(str, t.shape))}]", t.spec_str,
+             _human_bytes(t.nbytes), _human_bytes(t.shard_nbytes))
+            for t in self.tensors(step, item=item).values()]
+    head = ("path", "dtype[shape]", "sharding", "bytes", "per device")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([self.header(step), fmt(head), fmt(tuple("-" * w for w in widths))]
+                     + [fmt(r) for r in rows])
+
+  def show(self, step: int | None = None, *, item: str | None = "params", max_height: int = 80) -> None:
+    """Treescope (collapsible tree, one line per tensor, about `max_height` lines expanded) in a
+    notebook; the text table elsewhere."""
+    if not _in_notebook():
+      print(self.render_text(step, item=item))
+      return
+    import treescope
+    print(self.header(step))
+    with treescope.using_expansion_strategy(max_height=max_height, target_width=100):
+      treescope.display(self.tree(step, item=item))
+
+  def __str__(self) -> str:
+    return self.render_text()
+
+  def __repr__(self) -> str:
+    return f"Checkpoint({os.fspath(self.directory)!r}, step={self.step}, steps={self.steps})"
+
+  def close(self) -> None:
+    self._mngr.close()
+
+  def __enter__(self) -> "Checkpoint":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None, *,
+                    model_config=None) -> Checkpoint:
+  """A workdir, its `checkpoints/` folder, or one `checkpoints/<step>/` folder -> `Checkpoint`.
+
+  `step` (default: the step of a step folder, else the latest) selects `.step`. `model_config`
+  (a `Qwen2Config`) overrides the architecture read from the run's config."""
+  path = epath.Path(workdir_or_path)
+  if not path.exists():
+    raise CheckpointError(f"{os.fspath(path)!r} does not exist")
+  if path.name.isdigit() and (path / "state").exists():
+    directory, step = path.parent, int(path.name) if step is None else step
+  elif (path / "checkpoints").is_dir():
+    directory = path / "checkpoints"
+  else:
+    directory = path
+  return Checkpoint(directory, step, model_config=model_config)
+
+
+# ---- the architecture -------------------------------------------------------------------------
+def _shape_dims(params: Mapping[str, TensorInfo], where: str) -> dict:
+  """Architecture sizes read off the parameter shapes."""
+  need = ("embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel",
+          "layers/0/mlp/gate_proj/kernel")
+  missing = [p for p in need if p not in params]
+  if missing:
+    raise CheckpointError(f"{where}: not a Qwen2 parameter tree (missing {missing})")
+  vocab, hidden = params["embed/embedding"].shape
+  _, heads, _ = params["layers/0/attn/q_proj/kernel"].shape
+  _, kv_heads, _ = params["layers/0/attn/k_proj/kernel"].shape
+  layers = len({p.split("/")[1] for p in params if p.startswith("layers/")})
+  return dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
+              num_key_value_heads=kv_heads, num_hidden_layers=layers,
+              intermediate_size=params["layers/0/mlp/gate_proj/kernel"].shape[1],
+              tie_word_embeddings="lm_head/kernel" not in params)
+
+
+def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
+  """The run's model (its HF folder's config.json or preset, via `setup.model_config`) when it
+  matches the saved shapes; else the preset with those shapes; else the shapes with Qwen2.5's
+  defaults (rope_theta 1e6), with a warning. Parameter dtype: the saved one."""
+  from ict_jax.models.config import PRESETS, Qwen2Config
+  dims = _shape_dims(params, where)
+  pdt = np.dtype(params["embed/embedding"].dtype).name
+  dtype = cfg.model.dtype if cfg is not None else pdt
+  matches = lambda c: all(getattr(c, k) == v for k, v in dims.items())
+  if cfg is not None:
+    from ict_jax import setup
+    from ict_jax.config import ConfigError
+    try:
+      run = setup.model_config(cfg, cfg.model.path)
+      if matches(run):
+        return run.replace(param_dtype=pdt)
+      log.warning("%s: the run's model (%s) does not match the saved shapes %s", where,
+                  cfg.model.path or f"preset {cfg.model.preset!r}", dims)
+    except ConfigError as e:
+      log.warning("%s: the run's model cannot be read (%s); using the saved shapes", where, e)
+  for preset in PRESETS.values():
+    if matches(preset):
+      return preset.replace(dtype=dtype, param_dtype=pdt)
+  log.warning("%s: no preset has the saved shapes %s; assuming Qwen2.5 defaults for rope_theta and "
+              "rms_norm_eps (pass model_config= to open_checkpoint to override)", where, dims)
+  return Qwen2Config(**dims, dtype=dtype, param_dtype=pdt)
+
+
+def param_axes(model_config) -> dict[str, tuple]:
+  """{param path: logical axis names} from the model's `axes` metadata (no memory used)."""
+  from flax import nnx
+  from ict_jax.models.qwen2 import abstract_model
+  state = nnx.state(abstract_model(model_config), nnx.Param)
+  return {"/".join(str(k) for k in keys): tuple(var.get_metadata()["axes"])
+          for keys, var in nnx.to_flat_state(state)}
+
+
+# ---- reading tensors ----------------------------------------------------------------------------
+def _placement(info: TensorInfo, mesh, axes: Mapping[str, tuple] | None):
+  if mesh is None:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  from ict_jax.models.axes import logical_to_spec
+  names = axes.get(info.path) if axes else None
+  if names is None:
+    raise KeyError(f"no logical axes for parameter {info.path!r} in the model's metadata")
+  return jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape, dict(mesh.shape)))
+
+
+def _restore(ckpt: Checkpoint, step: int, item: str, infos: list[TensorInfo], mesh) -> dict[str, jax.Array]:
+  """Partial restore of exactly `infos` (paths relative to `item`) -> {path: array}."""
+  import orbax.checkpoint as ocp
+  axes = None
+  if mesh is not None:
+    if ckpt._axes is None:
+      ckpt._axes = param_axes(ckpt.model_config)
+    axes = ckpt._axes
+  prefix = _ITEMS[item]
+  flat_target, flat_args = {}, {}
+  for info in infos:
+    sharding = _placement(info, mesh, axes)
+    flat_target[info.path] = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+    flat_args[info.path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=info.shape, dtype=info.dtype)
+  wrap = lambda t: _nest({"/".join(prefix) + "/" + p: v for p, v in t.items()})
+  args = ocp.args.PyTreeRestore(item=wrap(flat_target), restore_args=wrap(flat_args), partial_restore=True)
+  try:
+    restored = ckpt._mngr.restore(step, args=ocp.args.Composite(state=args)).state
+  except Exception as e:
+    raise CheckpointError(f"{os.fspath(ckpt.directory / str(step))}/state: cannot restore "
+                          f"{[i.path for i in infos][:4]} ({type(e).__name__}: {str(e)[:400]})") from e
+  return {p: _get(restored, prefix + _split(p)) for p in flat_target}
+
+
+def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> TensorInfo:
+  tensors = ckpt.tensors(step, item=item)
+  path = path.strip("/")
+  if path not in tensors:
+    close = difflib.get_close_matches(path, list(tensors), n=3)
+    raise KeyError(f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
+                   + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}"))
+  return tensors[path]
+
+
+def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = None,
+               item: str = "params") -> jax.Array:
+  """One tensor (e.g. "layers/3/attn/q_proj/kernel"), read alone by Orbax partial restore.
+
+  Without `mesh` it lands on the first local device; with one, in the `NamedSharding` of its
+  logical axes (`models.axes.logical_to_spec`), each device reading only its shard."""
+  step = ckpt._check_step(step)
+  return _restore(ckpt, step, item, [_lookup(ckpt, step, item, path)], mesh)[path.strip("/")]
+
+
+def _groups(ckpt: Checkpoint, step: int, item: str) -> dict[str, list[TensorInfo]]:
+  groups: dict[str, list[TensorInfo]] = {}
+  for info in ckpt.tensors(step, item=item).values():
+    groups.setdefault(layer_group(info.path), []).append(info)
+  return {g: groups[g] for g in sorted(groups, key=_group_sort_key)}
+
+
+def load_params(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> dict:
+  """The whole parameter pure dict (layer indices as ints), without the optimizer state."""
+  step = ckpt._check_step(step)
+  return _nest(_restore(ckpt, step, item, list(ckpt.tensors(step, item=item).values()), mesh))
+
+
+def restore_model(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params"):
+  """The `Qwen2` model (nnx) holding the step's parameters."""
+  from flax import nnx
+  from ict_jax.models.qwen2 import abstract_model
+  graphdef, _ = nnx.split(abstract_model(ckpt.model_config))
+  return nnx.merge(graphdef, load_params(ckpt, step, mesh=mesh, item=item))
+
+
+# ---- norms -----------------------------------------------------------------------------------------
+@jax.jit
+def _sumsq(tree):  # {path: array} -> {path: float32 []}
+  return jax.tree.map(lambda x: jnp.sum(jnp.square(x.astype(jnp.float32))), tree)
+
+
+@jax.jit
+def _diff_sumsq(a, b):  # -> {path: sum((b - a)^2)}
+  return jax.tree.map(lambda x, y: jnp.sum(jnp.square(y.astype(jnp.float32) - x.astype(jnp.float32))), a, b)
+
+
+def _layer_norms(tensor_sumsq: Mapping[str, float]) -> dict[str, float]:
+  out: dict[str, float] = {}
+  for path, s in tensor_sumsq.items():
+    out[layer_group(path)] = out.get(layer_group(path), 0.0) + s
+  return {g: math.sqrt(out[g]) for g in sorted(out, key=_group_sort_key)}
+
+
+def _table(rows: list[tuple], head: tuple) -> str:
+  cells = [head] + [tuple(c if isinstance(c, str) else f"{c:.4g}" for c in r) for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                   for r in cells)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamStats:
+  """L2 norms of one step's parameters: per tensor and per layer group ("embed", "layers/3", ...)."""
+  step: int
+  tensor_norms: dict[str, float]
+  layer_norms: dict[str, float]
+
+  def render_text(self) -> str:
+    return f"step {self.step}\n" + _table(list(self.layer_norms.items()), ("layer", "L2 norm"))
+
+
+def param_stats(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> ParamStats:
+  """Per-tensor and per-layer L2 norms, reading one layer at a time."""
+  step = ckpt._check_step(step)
+  sumsq: dict[str, float] = {}
+  for infos in _groups(ckpt, step, item).values():
+    sumsq.update({p: float(v) for p, v in _sumsq(_restore(ckpt, step, item, infos, mesh)).items()})
+  return ParamStats(step, {p: math.sqrt(s) for p, s in sumsq.items()}, _layer_norms(sumsq))
+
+
+def _relative(delta: float, base: float) -> float:
+  return delta / base if base > 0 else (math.inf if delta > 0 else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDiff:
+  """How far the parameters moved from `step_a` to `step_b`: ||b - a|| and ||a||, per tensor and
+  per layer group; `*_relative` = ||b - a|| / ||a||."""
+  step_a: int
+  step_b: int
+  tensor_delta: dict[str, float]
+  tensor_norm: dict[str, float]
+  layer_delta: dict[str, float]
+  layer_norm: dict[str, float]
+
+  @property
+  def tensor_relative(self) -> dict[str, float]:
+    return {p: _relative(d, self.tensor_norm[p]) for p, d in self.tensor_delta.items()}
+
+  @property
+  def layer_relative(self) -> dict[str, float]:
+    return {g: _relative(d, self.layer_norm[g]) for g, d in self.layer_delta.items()}
+
+  def render_text(self) -> str:
+    rel = self.layer_relative
+    rows = [(g, d, self.layer_norm[g], rel[g]) for g, d in self.layer_delta.items()]
+    return (f"step {self.step_a} -> {self.step_b}\n"
+            + _table(rows, ("layer", "||b-a||", "||a||", "relative")))
+
+
+def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "params") -> ParamDiff:
+  """Per-tensor and per-layer update size between two steps, reading one layer of each at a time."""
+  step_a, step_b = ckpt._check_step(step_a), ckpt._check_step(step_b)
+  ta, tb = ckpt.tensors(step_a, item=item), ckpt.tensors(step_b, item=item)
+  mismatch = sorted(p for p in set(ta) | set(tb)
+                    if p not in ta or p not in tb or (ta[p].shape, ta[p].dtype) != (tb[p].shape, tb[p].dtype))
+  if mismatch:
+    raise ValueError(f"{os.fspath(ckpt.directory)}: steps {step_a} and {step_b} differ in tensors "
+                     f"{mismatch[:4]} (missing, or another shape/dtype)")
+  delta, base = {}, {}
+  for infos in _groups(ckpt, step_a, item).values():
+    a = _restore(ckpt, step_a, item, infos, mesh)
+    b = _restore(ckpt, step_b, item, infos, mesh)
+    delta.update({p: float(v) for p, v in _diff_sumsq(a, b).items()})
+    base.update({p: float(v) for p, v in _sumsq(a).items()})
+  return ParamDiff(step_a, step_b, {p: math.sqrt(s) for p, s in delta.items()},
+                   {p: math.sqrt(s) for p, s in base.items()}, _layer_norms(delta), _layer_norms(base))
+
+
+# ---- export -------------------------------------------------------------------------------------------
+def to_hf(ckpt: Checkpoint, out_dir: str | os.PathLike, step: int | None = None, *, dtype=None,
+          mesh=None, item: str = "params") -> str:
+  """Write the step's parameters as a Hugging Face folder (`config.json` + safetensors) that
+  `transformers.AutoModelForCausalLM.from_pretrained` loads; `dtype` defaults to the saved one.
+  Call on every host with a multi-host mesh (process 0 writes). Returns `out_dir`."""
+  from ict_jax.models.hf import save_pretrained
+  model = restore_model(ckpt, step, mesh=mesh, item=item)
+  save_pretrained(model, os.fspath(out_dir), dtype=dtype)
+  return os.fspath(out_dir)
+
+
+__all__ = ["Checkpoint", "TensorInfo", "ParamStats", "ParamDiff", "open_checkpoint", "load_param",
+           "load_params", "restore_model", "param_stats", "diff", "to_hf", "param_axes", "layer_group"]
