@@ -153,11 +153,37 @@ class Checkpointer:
         raise CheckpointError(f"no usable checkpoint in {os.fspath(self.directory)!r}; every step failed:\n  "
                               + "\n  ".join(failures))
 
+    def set_aside(self, step: int) -> epath.Path:
+        """Move step `step` (one `restore` found unreadable) out of the managed directory, to
+        ``<workdir>/checkpoints_unreadable/<step>[.n]``, so that the step can be saved again; nothing
+        is deleted. Returns the folder it went to (the parent folder on hosts other than 0)."""
+        self.wait()
+        src = self.step_dir(step)
+        root = self.workdir / "checkpoints_unreadable"
+        dst = root
+        if jax.process_index() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            dst, n = root / str(int(step)), 0
+            while dst.exists():
+                n += 1
+                dst = root / f"{int(step)}.{n}"
+            src.rename(dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"ict_jax.checkpoint.set_aside.{int(step)}")
+        self._mngr.reload()
+        return dst
+
     def close(self) -> None:
         """Wait for pending saves, then release Orbax's threads. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        # Orbax's close() does not wait for the tmp-directory cleanup it starts when opening; left
+        # running, that thread dies in interpreter shutdown with a traceback (e.g. after an error).
+        await_cleanup = getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._mngr.close()
 
     def __enter__(self) -> "Checkpointer":

@@ -1,9 +1,9 @@
 """Reading user-downloaded JSON Lines / Parquet files row by row, skipping and counting bad rows.
 
-A bad row (invalid JSON, bytes that are not UTF-8, not an object, a required field missing or
-empty) is skipped, logged as a warning with ``file:row`` and recorded in a :class:`SkipLog`; it
-never stops a build. An empty file, or a split whose files yield no usable row, is an error that
-names the file.
+A bad row (invalid JSON, bytes that are not UTF-8, not an object, a required field missing,
+empty or over ``MAX_FIELD_CHARS`` characters) is skipped, logged as a warning with ``file:row``
+and recorded in a :class:`SkipLog`; it never stops a build. An empty file, or a split whose files
+yield no usable row, is an error that names the file.
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ logger = logging.getLogger("ict_jax.data")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 MAX_WARNINGS_PER_FILE = 20
+# A text field longer than this is a broken or hostile row, not a prompt: no token budget fits it,
+# and tokenizing it would stall every step that draws it (tens of seconds for 10 MB).
+MAX_FIELD_CHARS = 1 << 20
 
 
 class RowError(ValueError):
@@ -151,6 +154,8 @@ def require_text(row: dict[str, Any], field: str) -> str:
         raise RowError(f"field {field!r} is {type(value).__name__}, expected a string")
     if not value.strip():
         raise RowError(f"field {field!r} is empty")
+    if len(value) > MAX_FIELD_CHARS:
+        raise RowError(f"field {field!r} has {len(value):,} characters, over the limit of {MAX_FIELD_CHARS:,}")
     return value
 
 

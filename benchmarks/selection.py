@@ -1,0 +1,148 @@
+"""ICT's overhead: the train step with method=ict vs method=grpo, same batch, same model.
+
+Model "bench" (vocab 151936, hidden 256, 4 layers, 4/2 heads, MLP 704, tied), float32, random
+weights; 8 sequences = 1 prompt x G=8, prompt 64 + completion 192, the whole batch in one
+micro-batch, chunk 128 (`--chunk`). Both steps and the breakdown's functions are compiled first,
+then timed interleaved (`--repeats` rounds, medians) so that all see the same background load. The goal is
+ict_step_s / grpo_step_s <= 1.10.
+
+Note: the grpo step also computes the JS score (for its `js_*` metrics), so the step ratio only
+measures what ICT adds on top of that (per-row top-k, Sparse-GRPO normalisation). The
+`breakdown` times forward + backward of the fused LM-head pass alone (hidden states -> per-token
+log-probs, gradient of their sum): log-probs only without and with the per-chunk
+`jax.checkpoint` (what a plain GRPO step needs; the difference is the recomputed logits),
++ Shannon/Renyi-2 entropy, + the ICT JS score (what the step runs); `stats_share_of_ict_step`
+is (full - logp only) / ict step. Threads: the process is pinned to the first `--threads` cores
+(`os.sched_setaffinity`, like `taskset`) before JAX starts. Prints one JSON object.
+
+    python benchmarks/selection.py [--threads 2] [--repeats 3] [--chunk 128]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step as step_bench  # noqa: E402  (benchmarks/step.py: batch, step wrapper, pinning)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--threads", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--prompt", type=int, default=64)
+  ap.add_argument("--completion", type=int, default=192)
+  ap.add_argument("--chunk", type=int, default=128)
+  args = ap.parse_args(argv)
+  cpus = step_bench._pin(args.threads)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from ict_jax import train_step as ts
+  from ict_jax.config import OptimConfig
+  from ict_jax.models.config import Qwen2Config
+  from ict_jax.models.qwen2 import init_model
+
+  mcfg = Qwen2Config.preset("bench")
+  graphdef, state = nnx.split(init_model(mcfg, seed=0))
+  params = state.to_pure_dict()
+  base = ts.StepConfig(group_size=8, temperature=1.0, warmup_steps=0, chunk_size=args.chunk)
+  batch = step_bench.make_batch(argparse.Namespace(batch=args.batch, prompt=args.prompt,
+                                                   completion=args.completion),
+                                mcfg.vocab_size, base.group_size)
+  optimizer = ts.make_optimizer(OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_steps=100)
+
+  steps = {}
+  for method in ("grpo", "ict"):
+    s = step_bench.JaxStep(graphdef, jax.tree.map(jnp.copy, params),
+                           dataclasses.replace(base, method=method), optimizer, batch)
+    steps[method] = s.run()  # warm-up
+
+  # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
+  model = nnx.merge(graphdef, params)
+  b = {k: jnp.asarray(v) for k, v in batch.items()}
+  n, p = b["prompt_ids"].shape
+  c = b["completion_ids"].shape[1]
+  h = model.hidden_states(jnp.concatenate([b["prompt_ids"], b["completion_ids"]], 1),
+                          jnp.concatenate([b["prompt_mask"], b["completion_mask"]], 1))
+  h = jax.block_until_ready(h[:, p - 1: p + c - 1])  # [N, C, D]
+  w = model.head_kernel()  # [D, V]
+
+  def logp_only(h, w, remat=True):  # the same chunking as the step, no statistics
+    n_chunks = -(-c // min(args.chunk, c))
+    k = -(-c // n_chunks)
+    pad = n_chunks * k - c
+    hs = jnp.moveaxis(jnp.pad(h, [(0, 0), (0, pad), (0, 0)]).reshape(n, n_chunks, k, -1), 1, 0)
+    ids = jnp.pad(b["completion_ids"], [(0, 0), (0, pad)])
+    ids = jnp.moveaxis(ids.reshape(n, n_chunks, k), 1, 0)
+
+    def chunk(hc, ic):
+      logits = jnp.einsum("BTD,DV->BTV", hc, w, preferred_element_type=jnp.float32)
+      return jnp.take_along_axis(logits, ic[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
+    chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
+    return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
+
+  class Head:  # duck-types the two model methods completion_logp_and_stats uses
+    def __init__(self, h, w):
+      self.h, self.w = h, w
+
+    def hidden_states(self, ids, mask):
+      return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
+
+    def head_kernel(self):
+      return self.w
+
+  def fused(h, w, group_size):
+    logp, stats = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
+                                               group_size=group_size, chunk_size=args.chunk)
+    return logp.sum() + 0.0 * sum(jnp.sum(v) for v in stats.values())
+
+  variants = {
+      "logp_only_no_remat": lambda h, w: logp_only(h, w, remat=False),
+      "logp_only": logp_only,
+      "logp_entropy": lambda h, w: fused(h, w, None),
+      "logp_entropy_js": lambda h, w: fused(h, w, base.group_size),
+  }
+  runs = {m: s.run for m, s in steps.items()}
+  for name, fn in variants.items():
+    g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+    jax.block_until_ready(g(h, w))  # compile + warm-up
+    runs[name] = lambda g=g: jax.block_until_ready(g(h, w))
+
+  # everything compiled: time interleaved rounds, so all see the same background load
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(args.repeats):
+    for name, run in runs.items():
+      t = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - t)
+  med = {name: statistics.median(v) for name, v in times.items()}
+  breakdown = {name + "_fwd_bwd_s": round(med[name], 4) for name in variants}
+  full, plain = med["logp_entropy_js"], med["logp_only"]
+  print(json.dumps({
+      "benchmark": "selection_overhead", "model": "bench", "dtype": "float32",
+      "batch": args.batch, "prompt_len": args.prompt, "completion_len": args.completion,
+      "group_size": base.group_size, "chunk_size": args.chunk, "threads": args.threads,
+      "cpus": cpus, "repeats": args.repeats,
+      "grpo_step_s": round(med["grpo"], 4), "ict_step_s": round(med["ict"], 4),
+      "overhead_ratio": round(med["ict"] / med["grpo"], 4), "goal_ratio": 1.10,
+      "all_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
+      "compile_s": {m: round(s.compile_s, 2) for m, s in steps.items()},
+      "selected_frac": {m: float(s.metrics["selected_frac"]) for m, s in steps.items()},
+      "breakdown": breakdown,
+      "stats_share_of_ict_step": round((full - plain) / med["ict"], 4),
+      "load_avg_1m": os.getloadavg()[0], "jax": jax.__version__,
+  }))
+
+
+if __name__ == "__main__":
+  main()
