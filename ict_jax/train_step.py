@@ -193,7 +193,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     scale = 1.0 / jnp.maximum(den, 1.0)
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     loss = num * scale
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = grpo.finalize_metrics(msum)
