@@ -175,12 +175,12 @@ def tiny_config() -> ml_collections.ConfigDict:
   c.model.preset = "tiny"
   c.data.name, c.data.config, c.data.prompt_style = "synthetic_arith", "level1", "plain"
   c.data.max_prompt_len = 16
-  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 8, 8, 4
+  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 16, 8, 4
   c.rollout.temperature = 1.0
   c.ict.method, c.ict.warmup_steps, c.ict.chunk_size = "ict", 10, 16
   c.loss.loss_type, c.loss.beta = "grpo", 0.0
   c.loss.epsilon_low, c.loss.epsilon_high = 0.2, 0.28
-  c.optim.learning_rate, c.optim.max_grad_norm = 2e-3, 1.0
+  c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
   c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
   c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 32, 1e-2
   c.train.steps, c.train.checkpoint_every, c.train.log_every = 60, 20, 1

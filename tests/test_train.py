@@ -21,7 +21,7 @@ def _quick(**overrides):
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every = 4, 2
   c.train.async_checkpointing = False
-  c.mesh.fsdp = 1  # the tests run on 8 simulated devices; one unless a test asks for a mesh
+  # the mesh is the default (1, -1, 1): all 8 simulated devices of the test setup
   for key, value in overrides.items():
     section, name = key.split(".")
     setattr(getattr(c, section), name, value)
@@ -38,23 +38,24 @@ def default_run(tmp_path_factory):
   """The embedded default on a shortened schedule (it is the README's main command)."""
   workdir = str(tmp_path_factory.mktemp("default"))
   c = config_lib.tiny_config()
-  c.train.steps = 24
-  c.train.checkpoint_every = 12
-  c.mesh.fsdp = 1
+  c.train.steps = 48
+  c.train.checkpoint_every = 24
   return workdir, train(c, workdir, progress=False)
 
 
 def test_default_run_reward_rises(default_run):
   _, history = default_run
   rewards = np.array([h["reward_mean"] for h in history])
-  first, last = rewards[:6].mean(), rewards[-6:].mean()
-  assert last > first + 0.05, (first, last, rewards.round(3).tolist())
+  # 128 samples a step: a 12-step mean has a standard error of ~0.012; on one device the
+  # default goes 0.24 -> 0.31 over these 48 steps (ICT's sparse updates learn slower than GRPO)
+  first, last = rewards[:12].mean(), rewards[-12:].mean()
+  assert last > first + 0.04, (first, last, rewards.round(3).tolist())
 
 
 def test_default_run_writes_metrics_events_checkpoints(default_run):
   workdir, history = default_run
   rows = _metrics(workdir)
-  assert [r["step"] for r in rows] == list(range(1, 25))
+  assert [r["step"] for r in rows] == list(range(1, 49))
   for key in ("step", "reward_mean", "reward_std", "response_len", "entropy", "renyi2",
               "js_selected", "selected_frac", "kl", "grad_norm", "tokens_per_s"):
     assert all(np.isfinite(r[key]) for r in rows), key
@@ -62,11 +63,11 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   assert all(r["selected_frac"] == 1.0 for r in rows[:10])
   assert all(r["selected_frac"] < 0.6 for r in rows[10:])
   assert os.listdir(os.path.join(workdir, "tb")), "no TensorBoard events"
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "24"]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["24", "48"]
   cfg = json.load(open(os.path.join(workdir, "config.json")))
-  assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 24
+  assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 48
   samples = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
-  assert {s["step"] for s in samples} == set(range(1, 25))
+  assert {s["step"] for s in samples} == set(range(1, 49))
 
 
 def test_resume_equals_uninterrupted_run(tmp_path):
