@@ -58,7 +58,10 @@ class Checkpointer:
     def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         if int(keep) < 1:
             raise ValueError(f"Checkpointer: keep={keep} must be >= 1")
-        self.workdir = epath.Path(workdir)
+        workdir = os.fspath(workdir)
+        # Orbax refuses relative paths at save time ("Checkpoint path should be absolute"), and
+        # the default --workdir is ./runs/default: resolve local paths here.
+        self.workdir = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
         self.directory = self.workdir / "checkpoints"
         self._check_writable()
         options = ocp.CheckpointManagerOptions(

@@ -112,6 +112,22 @@ def test_round_trip_exact_and_meta(tmp_path):
                                   jax.random.key_data(jax.random.key(0)))
 
 
+def test_relative_workdir(tmp_path, monkeypatch):
+    """The default --workdir is ./runs/default: a relative path saves and restores (Orbax itself
+    refuses relative paths)."""
+    monkeypatch.chdir(tmp_path)
+    state = {"w": jnp.arange(4, dtype=jnp.float32)}
+    with Checkpointer("runs/rel", keep=1) as ckpt:
+        assert ckpt.save(3, state, {"step": 3})
+        ckpt.wait()
+    assert (tmp_path / "runs" / "rel" / "checkpoints" / "3" / "state").is_dir()
+    with Checkpointer("./runs/rel") as ckpt:
+        abstract = abstract_like(state, NamedSharding(mesh_of((8, 1, 1)), P()))
+        step, restored, _ = ckpt.restore(abstract)
+    assert step == 3
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4, dtype=np.float32))
+
+
 def test_keep_last_n(tmp_path):
     with Checkpointer(tmp_path, keep=2, async_save=True) as ckpt:
         state = {"w": jnp.zeros((4,), jnp.float32)}

@@ -38,13 +38,15 @@ def default_run(tmp_path_factory):
   """The README's main command (`python -m ict_jax.train`, no config flags) as a user runs it on a
   CPU: one process, one device (not the 8 simulated devices of the test setup), on a
   shortened schedule. Returns (workdir, metrics rows)."""
-  workdir = str(tmp_path_factory.mktemp("default"))
+  cwd = str(tmp_path_factory.mktemp("default"))
+  workdir = os.path.join(cwd, "runs", "default")  # the default --workdir, a relative path
   env = dict(os.environ)
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
       "--xla_force_host_platform_device_count=8", "").strip()
-  cmd = [sys.executable, "-m", "ict_jax.train", "--workdir", workdir,
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+  cmd = [sys.executable, "-m", "ict_jax.train",
          "--config.train.steps=48", "--config.train.checkpoint_every=24"]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+  proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, _metrics(workdir)
 
