@@ -26,6 +26,13 @@ from etils import epath
 log = logging.getLogger(__name__)
 
 
+def resolve_path(path: str | os.PathLike) -> epath.Path:
+    """A local path made absolute (Orbax refuses relative ones: "Checkpoint path should be
+    absolute", and the default --workdir is ./runs/default); gs:// and other URLs unchanged."""
+    path = os.fspath(path)
+    return epath.Path(path if "://" in path else os.path.abspath(path))
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be written, or no checkpoint that can be read."""
 
@@ -58,10 +65,7 @@ class Checkpointer:
     def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         if int(keep) < 1:
             raise ValueError(f"Checkpointer: keep={keep} must be >= 1")
-        workdir = os.fspath(workdir)
-        # Orbax refuses relative paths at save time ("Checkpoint path should be absolute"), and
-        # the default --workdir is ./runs/default: resolve local paths here.
-        self.workdir = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
+        self.workdir = resolve_path(workdir)
         self.directory = self.workdir / "checkpoints"
         self._check_writable()
         options = ocp.CheckpointManagerOptions(

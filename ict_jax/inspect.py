@@ -27,9 +27,8 @@ from typing import Any, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 
-from ict_jax.checkpoint import CheckpointError
+from ict_jax.checkpoint import CheckpointError, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +185,7 @@ class Checkpoint:
 
   def __init__(self, directory: str | os.PathLike, step: int | None = None, *, model_config=None):
     import orbax.checkpoint as ocp
-    self.directory = epath.Path(directory)
+    self.directory = resolve_path(directory)
     absl_log = logging.getLogger("absl")
     level = absl_log.level
     absl_log.setLevel(logging.ERROR)  # read_only=True warns about the options it overrides
@@ -347,7 +346,7 @@ def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None,
 
   `step` (default: the step of a step folder, else the latest) selects `.step`. `model_config`
   (a `Qwen2Config`) overrides the architecture read from the run's config."""
-  path = epath.Path(workdir_or_path)
+  path = resolve_path(workdir_or_path)
   if not path.exists():
     raise CheckpointError(f"{os.fspath(path)!r} does not exist")
   if path.name.isdigit() and (path / "state").exists():

@@ -263,6 +263,9 @@ def test_cli_workdir_after_one_training_step(tmp_path, ab_model_dir, capsys):
     # the restored parameters are the checkpoint's: AdamW moved each by at most lr from the start
     loaded, mesh = load_workdir(str(workdir))
     assert loaded.step == 1 and loaded.config.model.path == ab_model_dir and mesh.shape["fsdp"] == 8
+    with pytest.MonkeyPatch.context() as mp:  # a relative --workdir works too (Orbax wants absolute)
+        mp.chdir(tmp_path)
+        assert load_workdir("run")[0].step == 1
     start = nnx.state(load_pretrained(ab_model_dir), nnx.Param).to_pure_dict()
     got = nnx.state(loaded.model, nnx.Param).to_pure_dict()
     assert jax.tree.structure(got) == jax.tree.structure(start)

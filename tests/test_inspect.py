@@ -72,12 +72,15 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 
 # ---- metadata --------------------------------------------------------------------------------
-def test_steps_and_meta(ckpt, run):
+def test_steps_and_meta(ckpt, run, monkeypatch):
   assert ckpt.steps == [1, 2] and ckpt.step == 2
   assert ckpt.meta(1)["data_position"] == 4
   assert ckpt.at(1).step == 1
   assert ins.open_checkpoint(os.path.join(run["workdir"], "checkpoints", "1")).step == 1
   assert ckpt.model_config == run["mcfg"]
+  monkeypatch.chdir(os.path.dirname(run["workdir"]))  # a relative path (Orbax wants absolute)
+  with ins.open_checkpoint(os.path.basename(run["workdir"])) as rel:
+    assert rel.steps == [1, 2] and rel.meta(1)["data_position"] == 4
 
 
 def test_tree_is_metadata_only(run, monkeypatch):

@@ -19,7 +19,7 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import setup
-from ict_jax.checkpoint import CheckpointError
+from ict_jax.checkpoint import CheckpointError, resolve_path
 from ict_jax.config import Config, ConfigError
 
 log = logging.getLogger("ict_jax.eval")
@@ -42,7 +42,7 @@ def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
 
 def _manager(workdir: str):
     import orbax.checkpoint as ocp
-    directory = epath.Path(workdir) / "checkpoints"
+    directory = resolve_path(workdir) / "checkpoints"
     if not directory.exists():
         raise CheckpointError(f"{os.fspath(directory)!r} does not exist: no checkpoints in workdir {workdir!r}")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
