@@ -19,8 +19,11 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 
 def _pin(threads: int) -> list[int]:

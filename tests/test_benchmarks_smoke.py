@@ -51,3 +51,21 @@ def test_iteration_smoke_prints_consistent_json():
   assert ours["cpus"] == trl["cpus"] and len(ours["cpus"]) <= 2
   assert report["ratio_ours_over_trl"] == pytest.approx(
       ours["tokens_per_s"] / trl["tokens_per_s"], rel=0.02)
+
+
+@pytest.mark.skipif(not (_have("torch") and _have("transformers")), reason="needs torch, transformers")
+def test_sampling_runs_standalone_from_any_directory(tmp_path):
+  """`python benchmarks/sampling.py` needs no installed package or PYTHONPATH (it once failed
+  with "No module named 'ict_jax'"); on tiny shapes its JSON is consistent with its timings."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CHEAP_XLA).strip()
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sampling.py"),
+                         "--batch", "2", "--prompt", "8", "--new", "4", "--repeats", "1",
+                         "--modes", "greedy"],
+                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout)
+  greedy = out["results"]["greedy"]
+  assert out["new_tokens"] == 4 and out["batch"] == 2
+  assert greedy["ours_tokens_per_s"] == pytest.approx(2 * 4 / min(greedy["ours_s"]), rel=0.02)
+  assert greedy["greedy_tokens_equal_fraction"] == 1.0  # same weights, same argmax
