@@ -122,13 +122,23 @@ def _top_p_threshold(e: Array, top_p: Array) -> Array:
   return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
 
 
+def _first_argmax(x: Array) -> Array:
+  """jnp.argmax(x, -1) for [B, V] (first maximum; first NaN if any) as two plain reductions:
+  XLA:CPU lowers argmax to a variadic (value, index) reduce that ran ~9x slower over a
+  151936-token vocabulary (5.6 vs 0.65 ms per [8, V] call on one core)."""
+  m = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one
+  hit = (x == m) | jnp.isnan(x)
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(hit, idx, x.shape[-1] - 1), axis=-1)
+
+
 def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
                  top_k: int, use_top_p: bool) -> tuple[Array, Array]:
   """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32)."""
   logits = logits.astype(jnp.float32)
   top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
   if greedy:
-    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tok = _first_argmax(logits)
     logz = jax.nn.logsumexp(logits, axis=-1)
     return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - logz
   if top_k:  # work on the k best candidates only: [B, k], sorted descending

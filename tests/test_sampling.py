@@ -293,3 +293,15 @@ def test_bad_inputs_raise_before_compiling(model, change, match):
   with pytest.raises(ValueError, match=match):
     generate(model, **kw)
   assert sampling._generate_jit._cache_size() == before
+
+
+def test_first_argmax_equals_numpy_argmax_with_ties_nan_and_inf():
+  """The greedy path's two-reduction argmax keeps numpy's semantics: first maximum, first NaN."""
+  from ict_jax.sampling import _first_argmax
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 5, (64, 37)).astype(np.float32)  # many ties
+  x[3, 7] = np.nan
+  x[5, :] = -np.inf
+  x[6, [2, 9]] = np.nan
+  x[7, :] = np.inf
+  np.testing.assert_array_equal(np.asarray(_first_argmax(jnp.asarray(x))), np.argmax(x, -1))
