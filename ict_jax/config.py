@@ -65,6 +65,7 @@ class IctConfig:
   stapo_tau_p: float = 0.002
   stapo_tau_h_quantile: float = 0.8
   chunk_size: int = 128           # sequence chunk of the fused LM-head / statistics pass
+  sparse_backward: bool = True    # LM-head backward on the selected rows only (exact; faster)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax import grpo, selection
+from ict_jax import grpo, lm_head, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
 from ict_jax.sharding import put_global
@@ -57,6 +57,7 @@ class StepConfig:
   epsilon_high: float = 0.2
   chunk_size: int = 128
   micro_batch_size: int = 0
+  sparse_backward: bool = True
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
@@ -67,6 +68,7 @@ class StepConfig:
         stapo_tau_p=cfg.ict.stapo_tau_p, stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
         loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
         epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
+        sparse_backward=cfg.ict.sparse_backward,
         micro_batch_size=cfg.train.micro_batch_size)
 
 
@@ -92,46 +94,34 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 # ---- per-token log-probs and statistics ------------------------------------------------------
 def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_size: int | None,
-                              chunk_size: int = 128):
+                              chunk_size: int = 128, grad_rows: int = 0):
   """log pi(y_t) [N, C] (differentiable) and no-grad stats [N, C]: entropy, renyi2, js.
 
   The logits of completion token j come from position P-1+j of prompt+completion; they are
-  divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over
-  C under `jax.checkpoint`, so one [N, chunk, V] float32 block is live at a time (C is split
-  into ceil(C / chunk_size) equal chunks, e.g. 192 -> 2 x 96 rather than 128 + 64 padded)."""
+  divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over C
+  (`lm_head.logp_and_stats`: one [N, chunk, V] float32 block live at a time; its backward pass
+  recomputes only the rows with a non-zero gradient when there are at most `grad_rows`)."""
   prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
   ids, cmask = batch["completion_ids"], batch["completion_mask"]
-  n, p = prompt_ids.shape
+  p = prompt_ids.shape[1]
   c = ids.shape[1]
   h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1),
                           jnp.concatenate([prompt_mask, cmask], 1))
   h = h[:, p - 1: p + c - 1]  # [N, C, D]
   w = model.head_kernel().astype(h.dtype)  # [D, V]
-  n_chunks = max(1, -(-c // max(1, min(chunk_size, c))))
-  k = max(1, -(-c // n_chunks))  # equal chunks <= chunk_size: < n_chunks padded positions
-  pad = n_chunks * k - c
-  padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  to_chunks = lambda x: jnp.moveaxis(padded(x).reshape(n, n_chunks, k, *x.shape[2:]), 1, 0)
-  xs = (to_chunks(h), to_chunks(ids), to_chunks(cmask))  # [n_chunks, N, k, ...]
-
-  @jax.checkpoint
-  def chunk(h_c, ids_c, m_c):
-    logits = jnp.einsum("BTD,DV->BTV", h_c, w, preferred_element_type=jnp.float32) / temperature
-    logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
-    taken = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0]
-    logp = taken - jax.nn.logsumexp(logits, axis=-1)  # [N, k]
-    return logp, selection.chunk_stats(logits, m_c, group_size)
-
-  logp, stats = jax.lax.map(lambda xs_: chunk(*xs_), xs)
-  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(n, n_chunks * k)[:, :c]
-  return unchunk(logp), jax.tree.map(unchunk, stats)
+  return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature, group_size=group_size,
+                                chunk_size=chunk_size, grad_rows=grad_rows)
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
 def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
+  n, c = batch["completion_ids"].shape
+  grad_rows = lm_head.sparse_grad_rows(cfg.method, cfg.top_fraction, cfg.entropy_top_fraction,
+                                       n, c) if cfg.sparse_backward else 0
   logp, stats = completion_logp_and_stats(model, batch, temperature=cfg.temperature,
-                                          group_size=cfg.group_size, chunk_size=cfg.chunk_size)
+                                          group_size=cfg.group_size, chunk_size=cfg.chunk_size,
+                                          grad_rows=grad_rows)
   mask = batch["completion_mask"]
   adv = batch["advantages"]
   sg_logp = jax.lax.stop_gradient(logp)

@@ -1,0 +1,166 @@
+"""The train step's fused, chunked LM head: log-probs of the sampled tokens, token statistics,
+and a backward pass that only touches the rows that carry gradient.
+
+Forward, chunk by chunk over the completion positions (one [N, chunk, V] float32 logits block
+live at a time): logits = h @ W / T, log pi(y) = logit(y) - logsumexp, and the no-gradient
+statistics of `selection.chunk_stats` (entropy, Renyi-2, ICT's JS score). Only h, W, the token
+ids and the logsumexp [N, C] are kept for the backward pass.
+
+Backward (custom VJP). With g = dLoss/dlog pi [N, C], the LM head's gradients are
+  dlogits = g / T * (onehot(y) - softmax(logits)),  dh = dlogits @ W^T,  dW = h^T @ dlogits,
+which vanish on every row with g == 0. ICT puts the policy gradient on the top 10% of tokens, so
+~90% of the rows have g == 0: when the number of non-zero rows is at most `grad_rows`, only those
+rows are gathered and recomputed (logits, softmax and both matmuls on ~10% of the rows, a third
+of the dense work per row since the forward's logits are not stored). Otherwise (GRPO, ICT's dense
+warm-up steps, or a capacity overflow) every row is recomputed in chunks. The choice is a
+`lax.cond` on the actual count, so the result is the exact gradient either way; `grad_rows` is
+only a performance hint (0 = always dense).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ict_jax import selection
+from ict_jax.models.axes import constrain
+
+__all__ = ["logp_and_stats", "sparse_grad_rows"]
+
+
+def sparse_grad_rows(method: str, top_fraction: float, entropy_top_fraction: float,
+                     rows: int, length: int) -> int:
+  """Capacity of the sparse backward for `rows` responses of `length` completion positions.
+
+  ICT keeps ceil(f * len_i) <= ceil(f * length) tokens per response, so rows * that bounds its
+  selection exactly; 20-Entropy keeps ~f of all tokens (ties may exceed it: dense fallback).
+  GRPO and STAPO keep (almost) every token: always dense."""
+  if method == "ict":
+    return rows * -(-int(round(top_fraction * 10_000)) * length // 10_000)
+  if method == "entropy":
+    return -(-int(round(entropy_top_fraction * 10_000)) * rows * length // 10_000)
+  return 0
+
+
+def _chunked(x, n_chunks: int, k: int):
+  """[N, C, ...] -> [n_chunks, N, k, ...] (zero-padded to n_chunks * k positions)."""
+  n, c = x.shape[:2]
+  pad = n_chunks * k - c
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(n, n_chunks, k, *x.shape[2:]), 1, 0)
+
+
+def _unchunked(x, c: int):
+  """[n_chunks, N, k, ...] -> [N, C, ...]."""
+  n = x.shape[1]
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(n, -1, *x.shape[3:])[:, :c]
+
+
+def _split(c: int, chunk_size: int) -> tuple[int, int]:
+  """C positions -> (n_chunks, k): equal chunks of k <= chunk_size (192 -> 2 x 96, not 128+64)."""
+  n_chunks = max(1, -(-c // max(1, min(chunk_size, c))))
+  return n_chunks, max(1, -(-c // n_chunks))
+
+
+def _logits(h, w, temperature: float, names):
+  logits = jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32) / temperature
+  return constrain(logits, names)
+
+
+def _forward(h, w, ids, mask, temperature, group_size, chunk_size):
+  n, c = ids.shape
+  n_chunks, k = _split(c, chunk_size)
+  names = ("act_batch", "act_length", "act_vocab")
+
+  def chunk(xs):
+    h_c, ids_c, m_c = xs  # [N, k, D], [N, k], [N, k]
+    logits = _logits(h_c, w, temperature, names)  # [N, k, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
+    logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
+    return logp, lse, selection.chunk_stats(logits, m_c, group_size)
+
+  xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
+  logp, lse, stats = jax.lax.map(chunk, xs)
+  return _unchunked(logp, c), _unchunked(lse, c), jax.tree.map(lambda s: _unchunked(s, c), stats)
+
+
+def _rows_backward(h, w, ids, lse, g, temperature, names):
+  """Gradients of sum(g * log pi) over blocks: h [B, R, D], ids/lse/g [B, R] -> dh, dW.
+
+  B blocks run one after the other (`lax.scan`, dW accumulated in float32)."""
+  def block(dw, xs):
+    h_b, ids_b, lse_b, g_b = xs
+    logits = _logits(h_b, w, temperature, names)  # [R, V] or [N, k, V]
+    p = jnp.exp(logits - lse_b[..., None])
+    onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == ids_b[..., None]
+    dlogits = (g_b / temperature)[..., None] * (onehot.astype(jnp.float32) - p)
+    dlogits = constrain(dlogits, names).astype(h_b.dtype)
+    dh = jnp.einsum("...V,DV->...D", dlogits, w, preferred_element_type=jnp.float32)
+    dw = dw + jnp.einsum("...D,...V->DV", h_b, dlogits, preferred_element_type=jnp.float32)
+    return dw, dh.astype(h_b.dtype)
+
+  dw, dh = jax.lax.scan(block, jnp.zeros(w.shape, jnp.float32), (h, ids, lse, g))
+  return dh, dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows):
+  logp, _, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size)
+  return logp, stats
+
+
+def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows):
+  logp, lse, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size)
+  return (logp, stats), (h, w, ids, lse)
+
+
+def _bwd(temperature, group_size, chunk_size, grad_rows, res, cotangents):
+  del group_size
+  h, w, ids, lse = res
+  g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
+  n, c, d = h.shape
+  n_chunks, k = _split(c, chunk_size)
+
+  def dense(_):
+    dh, dw = _rows_backward(_chunked(h, n_chunks, k), w, _chunked(ids, n_chunks, k),
+                            _chunked(lse, n_chunks, k), _chunked(g, n_chunks, k), temperature,
+                            ("act_batch", "act_length", "act_vocab"))
+    return _unchunked(dh, c), dw
+
+  nnz = jnp.sum(g != 0)
+  if not 0 < grad_rows < n * c:
+    dh, dw = dense(None)
+  else:
+    block = max(1, min(n * k, grad_rows))
+    n_blocks = -(-grad_rows // block)
+    cap = n_blocks * block
+
+    def sparse(_):
+      flat = g.reshape(-1)
+      (idx,) = jnp.nonzero(flat != 0, size=cap, fill_value=0)  # [cap]
+      valid = jnp.arange(cap) < nnz
+      take = lambda x: x.reshape(n * c, *x.shape[2:])[idx].reshape(n_blocks, block, *x.shape[2:])
+      g_s = jnp.where(valid, flat[idx], 0.0).reshape(n_blocks, block)
+      dh_s, dw = _rows_backward(take(h), w, take(ids), take(lse), g_s, temperature,
+                                ("act_batch", "act_vocab"))
+      dh_s = jnp.where(valid[:, None], dh_s.reshape(cap, d), 0)
+      dh = jnp.zeros((n * c, d), h.dtype).at[idx].add(dh_s).reshape(n, c, d)
+      return dh, dw
+
+    dh, dw = jax.lax.cond(nnz <= cap, sparse, dense, None)
+  return dh, dw, None, None
+
+
+_logp_and_stats.defvjp(_fwd, _bwd)
+
+
+def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | None,
+                   chunk_size: int = 128, grad_rows: int = 0):
+  """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
+
+  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w [D, V] the LM head;
+  mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc)."""
+  return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
+                         int(chunk_size), int(grad_rows))
