@@ -1,8 +1,9 @@
 """The jitted GRPO / ICT train step: `(state, batch) -> (state, metrics, logp)`.
 
 Per micro-batch (a whole number of groups): one forward pass to the final hidden states, then a
-fused, chunked LM head over the completion positions that yields in one pass over each
-[N, chunk, V] float32 logits block the sampled tokens' log-probs (differentiated) and, with no
+fused, chunked LM head over the completion positions (`lm_head.py`) that yields in one pass over
+each [N, chunk, V] float32 logits block the sampled tokens' log-probs (differentiated; the
+backward recomputes only the rows with gradient when ICT's selection leaves few) and, with no
 gradient, Shannon / Renyi-2 entropy and the ICT JS score. The selection mask, the clipped
 surrogate and its (numerator, denominator) follow; gradients of the numerators are summed over
 micro-batches (`lax.scan`) and divided by the summed denominators, so micro-batching equals one
