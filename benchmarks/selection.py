@@ -6,13 +6,14 @@ micro-batch, chunk 128 (`--chunk`). Both steps and the breakdown's functions are
 then timed interleaved (`--repeats` rounds, medians) so that all see the same background load. The goal is
 ict_step_s / grpo_step_s <= 1.10.
 
-Note: the grpo step also computes the JS score (for its `js_*` metrics), so the step ratio only
-measures what ICT adds on top of that (per-row top-k, Sparse-GRPO normalisation). The
-`breakdown` times forward + backward of the fused LM-head pass alone (hidden states -> per-token
-log-probs, gradient of their sum): log-probs only without and with the per-chunk
-`jax.checkpoint` (what a plain GRPO step needs; the difference is the recomputed logits),
-+ Shannon/Renyi-2 entropy, + the ICT JS score (what the step runs); `stats_share_of_ict_step`
-is (full - logp only) / ict step. Threads: the process is pinned to the first `--threads` cores
+Note: the grpo step also computes the JS score (for its `js_*` metrics). Since ICT trains only
+its selected ~10% of the tokens, its LM-head backward runs on those rows alone (`lm_head.py`), so
+the ict step is cheaper than the grpo step. The `breakdown` times the LM-head pass alone (hidden
+states -> per-token log-probs): forward + backward of a plain chunked log-prob head without and
+with per-chunk `jax.checkpoint` (no statistics; what a plain GRPO step needs), the fused head with
+entropy, Renyi-2 and JS and a gradient on every row (`fused_dense`, what the grpo step runs) or on
+ICT's selected rows only (`fused_sparse`, what the ict step runs), and the fused forward alone;
+`forward_share_of_ict_step` is that forward / the ict step. Threads: the process is pinned to the first `--threads` cores
 (`os.sched_setaffinity`, like `taskset`) before JAX starts. Prints one JSON object.
 
     python benchmarks/selection.py [--threads 2] [--repeats 3] [--chunk 128]
@@ -101,22 +102,36 @@ def main(argv=None) -> None:
     def head_kernel(self):
       return self.w
 
-  def fused(h, w, group_size):
-    logp, stats = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
-                                               group_size=group_size, chunk_size=args.chunk)
-    return logp.sum() + 0.0 * sum(jnp.sum(v) for v in stats.values())
+  from ict_jax import lm_head, selection
 
+  logp0, stats0 = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
+                                               group_size=base.group_size, chunk_size=args.chunk)
+  # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
+  ict_rows = selection.ict_mask(stats0["js"], b["completion_mask"].astype(bool), 0.1)
+  g_ict = ict_rows.astype(jnp.float32)
+  capacity = lm_head.sparse_grad_rows("ict", 0.1, 0.2, n, c)
+
+  def fused(h, w, weights, grad_rows=0):
+    logp, stats = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
+                                               group_size=base.group_size, chunk_size=args.chunk,
+                                               grad_rows=grad_rows)
+    return jnp.sum(weights * logp) + 0.0 * sum(jnp.sum(v) for v in stats.values())
+
+  ones = jnp.ones_like(g_ict)
   variants = {
       "logp_only_no_remat": lambda h, w: logp_only(h, w, remat=False),
       "logp_only": logp_only,
-      "logp_entropy": lambda h, w: fused(h, w, None),
-      "logp_entropy_js": lambda h, w: fused(h, w, base.group_size),
+      "fused_dense": lambda h, w: fused(h, w, ones),  # what the grpo step's head pass runs
+      "fused_sparse": lambda h, w: fused(h, w, g_ict, capacity),  # ... the ict step's
   }
   runs = {m: s.run for m, s in steps.items()}
   for name, fn in variants.items():
     g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     jax.block_until_ready(g(h, w))  # compile + warm-up
     runs[name] = lambda g=g: jax.block_until_ready(g(h, w))
+  forward = jax.jit(lambda h, w: fused(h, w, ones))  # log-probs + statistics, no backward
+  jax.block_until_ready(forward(h, w))
+  runs["fused_forward"] = lambda: jax.block_until_ready(forward(h, w))
 
   # everything compiled: time interleaved rounds, so all see the same background load
   times: dict[str, list[float]] = {name: [] for name in runs}
@@ -127,7 +142,7 @@ def main(argv=None) -> None:
       times[name].append(time.perf_counter() - t)
   med = {name: statistics.median(v) for name, v in times.items()}
   breakdown = {name + "_fwd_bwd_s": round(med[name], 4) for name in variants}
-  full, plain = med["logp_entropy_js"], med["logp_only"]
+  breakdown["fused_forward_only_s"] = round(med["fused_forward"], 4)
   print(json.dumps({
       "benchmark": "selection_overhead", "model": "bench", "dtype": "float32",
       "batch": args.batch, "prompt_len": args.prompt, "completion_len": args.completion,
@@ -139,7 +154,8 @@ def main(argv=None) -> None:
       "compile_s": {m: round(s.compile_s, 2) for m, s in steps.items()},
       "selected_frac": {m: float(s.metrics["selected_frac"]) for m, s in steps.items()},
       "breakdown": breakdown,
-      "stats_share_of_ict_step": round((full - plain) / med["ict"], 4),
+      "sparse_rows": {"selected": int(ict_rows.sum()), "capacity": capacity, "of": n * c},
+      "forward_share_of_ict_step": round(med["fused_forward"] / med["ict"], 4),
       "load_avg_1m": os.getloadavg()[0], "jax": jax.__version__,
   }))
 

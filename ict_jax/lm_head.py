@@ -79,7 +79,7 @@ def _forward(h, w, ids, mask, temperature, group_size, chunk_size):
     logits = _logits(h_c, w, temperature, names)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
-    return logp, lse, selection.chunk_stats(logits, m_c, group_size)
+    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse)
 
   xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
   logp, lse, stats = jax.lax.map(chunk, xs)

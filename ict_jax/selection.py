@@ -75,10 +75,17 @@ def _safe_log(x: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- logits stats
-def _entropies(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [..., V] -> (p, log p, Shannon H, Renyi-2 H2), float32, no gradient."""
+def _entropies(
+    logits: jax.Array, lse: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [..., V] -> (p, log p, Shannon H, Renyi-2 H2), float32, no gradient.
+
+    ``lse`` [...]: the rows' logsumexp when the caller already has it (saves two passes)."""
     logits = jax.lax.stop_gradient(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
-    logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
+    if lse is None:
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
+    else:
+        logp = logits - jax.lax.stop_gradient(lse)[..., None]
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # [...]
     renyi2 = -jax.nn.logsumexp(2.0 * logp, axis=-1)  # -log sum p^2
@@ -109,7 +116,8 @@ def _js_to_group_mean(
 
 
 def chunk_stats(
-    logits_chunk: jax.Array, mask_chunk: jax.Array, group_size: int | None
+    logits_chunk: jax.Array, mask_chunk: jax.Array, group_size: int | None,
+    lse: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
@@ -117,6 +125,7 @@ def chunk_stats(
       logits_chunk: [N, C, V] logits already divided by the sampling temperature.
       mask_chunk: [N, C] completion mask (1 = active).
       group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
+      lse: optional [N, C] logsumexp of the logits (the LM head has it already).
 
     Returns dict with
       entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
@@ -124,7 +133,7 @@ def chunk_stats(
         active at that position, natural log, in [0, log 2];
     every entry is 0 where mask_chunk == 0.
     """
-    p, logp, entropy, renyi2 = _entropies(logits_chunk)
+    p, logp, entropy, renyi2 = _entropies(logits_chunk, lse)
     valid = mask_chunk.astype(entropy.dtype)
     out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
     if group_size is not None:

@@ -1,7 +1,9 @@
 """Reward functions and RewardPool: tricky answers, hostile outputs, timeouts and crashes."""
+import contextlib
 import math
 import os
 import random
+import signal
 import time
 from fractions import Fraction
 
@@ -77,14 +79,28 @@ def test_extract_boxed_cases(text, want):
     assert extract_boxed(text) == want
 
 
+@contextlib.contextmanager
+def hang_guard(seconds: int, what: str = ""):
+    """Fail (instead of hanging the suite) if the block runs for `seconds`. A hang detector with
+    a wide margin (these inputs take well under a second here), not a speed assertion."""
+    def alarm(signum, frame):
+        raise AssertionError(f"still running after {seconds} s (a hang or super-linear work): {what}")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_extract_boxed_hostile_sizes_are_linear():
-    t0 = time.monotonic()
-    assert extract_boxed(DEEP) == ""
-    assert extract_boxed(DEEP_BRACES) == "{" * 10_000 + "1" + "}" * 10_000
-    assert extract_boxed(MEGABYTE + r"\boxed{5}") == "5"
-    assert extract_boxed("\\boxed{" * 140_000) is None  # 1 MB of unclosed boxes
-    assert extract_boxed("{" * 500_000 + "\\boxed{1}" + "}" * 500_000) == "1"
-    assert time.monotonic() - t0 < 10.0  # quadratic behaviour would take hours
+    with hang_guard(120, "extract_boxed on MB-sized inputs; quadratic behaviour would take hours"):
+        assert extract_boxed(DEEP) == ""
+        assert extract_boxed(DEEP_BRACES) == "{" * 10_000 + "1" + "}" * 10_000
+        assert extract_boxed(MEGABYTE + r"\boxed{5}") == "5"
+        assert extract_boxed("\\boxed{" * 140_000) is None  # 1 MB of unclosed boxes
+        assert extract_boxed("{" * 500_000 + "\\boxed{1}" + "}" * 500_000) == "1"
 
 
 # ---------------------------------------------------------------------------------- math
@@ -179,9 +195,8 @@ HOSTILE = [
 @needs_math_verify
 def test_hostile_answers_are_refused_quickly_in_process():
     for text in HOSTILE:
-        t0 = time.monotonic()
-        assert score("math", text, "5") == 0.0
-        assert time.monotonic() - t0 < 3.0, text[:60]
+        with hang_guard(60, text[:60]):
+            assert score("math", text, "5") == 0.0
 
 
 def _random_expr(sympy, rng, depth):
@@ -261,10 +276,9 @@ def test_choice_reward_and_gold_forms():
     assert choice_reward("The answer is (C).", "D") == 0.0
     assert choice_reward("The answer is (C).", "Z") == 0.0
     assert choice_reward("Carbon", "C") == 0.0
-    t0 = time.monotonic()
-    assert choice_reward(MEGABYTE + " The answer is (B)", "B") == 1.0
-    assert choice_reward("(" * 1_000_000, "A") == 0.0
-    assert time.monotonic() - t0 < 3.0
+    with hang_guard(60, "choice_reward on 1 MB inputs"):
+        assert choice_reward(MEGABYTE + " The answer is (B)", "B") == 1.0
+        assert choice_reward("(" * 1_000_000, "A") == 0.0
 
 
 # -------------------------------------------------------------------------------- format
@@ -342,7 +356,7 @@ def unguarded_math_verify(completion, gold):
                         parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 
-POOL_TIMEOUT_S = 3.0
+POOL_TIMEOUT_S = 10.0  # generous: the pool tests must not depend on the machine's speed
 
 
 @pytest.fixture(scope="module")
@@ -366,11 +380,9 @@ def test_pool_scores_like_in_process(pool):
 
 @needs_math_verify
 def test_pool_hostile_outputs_get_zero_without_timeouts(pool):
-    t0 = time.monotonic()
     rewards, stats = pool.score_batch("math", HOSTILE, ["5"] * len(HOSTILE))
     np.testing.assert_array_equal(rewards, np.zeros(len(HOSTILE), np.float32))
     assert stats["timeouts"] == 0 and stats["errors"] == 0  # the guards refuse them, cheaply
-    assert time.monotonic() - t0 < 2 * POOL_TIMEOUT_S
 
 
 def test_pool_kills_hanging_verifiers_and_recovers(pool):
@@ -379,7 +391,7 @@ def test_pool_kills_hanging_verifiers_and_recovers(pool):
     elapsed = time.monotonic() - t0
     np.testing.assert_array_equal(rewards, [0.0, 0.0])
     assert stats["timeouts"] == 2 and stats["respawns"] == 2
-    assert POOL_TIMEOUT_S <= elapsed < POOL_TIMEOUT_S + 10.0  # both killed in parallel
+    assert POOL_TIMEOUT_S <= elapsed < 2 * POOL_TIMEOUT_S  # both killed in parallel
     rewards, stats = pool.score_batch("math", [r"\boxed{3}"] * 3, ["3"] * 3)  # replacements work
     np.testing.assert_array_equal(rewards, [1.0, 1.0, 1.0])
     assert stats["timeouts"] == 0
@@ -421,10 +433,10 @@ def test_pool_argument_errors(pool):
 
 def test_inline_pool_budget_and_close():
     def slow(completion, gold):
-        time.sleep(0.3)
+        time.sleep(2.5)
         return 1.0
 
-    with RewardPool(num_workers=0, timeout_s=0.1, rewards=dict(REWARDS, slow=slow)) as p:
+    with RewardPool(num_workers=0, timeout_s=2.0, rewards=dict(REWARDS, slow=slow)) as p:
         rewards, stats = p.score_batch("slow", ["a", "b"], ["x", "y"])
         np.testing.assert_array_equal(rewards, [0.0, 0.0])
         assert stats["timeouts"] == 2
