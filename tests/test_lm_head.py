@@ -96,3 +96,16 @@ def test_non_finite_cotangent_propagates():
   dh, dw = grads(lambda h, w: lm_head.logp_and_stats(
       h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=12)[0], g, h, w)
   assert not np.isfinite(np.asarray(dw)).all()
+
+
+def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32():
+  h, w, ids, mask = inputs(4)
+  g = cotangent(9)
+  fn = lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G,
+                                           chunk_size=4, grad_rows=12)[0]
+  dh16, dw16 = grads(fn, g, h.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  assert dh16.dtype == dw16.dtype == jnp.bfloat16
+  dh, dw = grads(lambda h, w: plain_logp(h, w, ids), g, h, w)
+  for a, b in ((dh16, dh), (dw16, dw)):
+    a, b = np.asarray(a, np.float32), np.asarray(b)
+    assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
