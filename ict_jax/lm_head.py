@@ -10,8 +10,8 @@ Backward (custom VJP). With g = dLoss/dlog pi [N, C], the LM head's gradients ar
   dlogits = g / T * (onehot(y) - softmax(logits)),  dh = dlogits @ W^T,  dW = h^T @ dlogits,
 which vanish on every row with g == 0. ICT puts the policy gradient on the top 10% of tokens, so
 ~90% of the rows have g == 0: when the number of non-zero rows is at most `grad_rows`, only those
-rows are gathered and recomputed (logits, softmax and both matmuls on ~10% of the rows, a third
-of the dense work per row since the forward's logits are not stored). Otherwise (GRPO, ICT's dense
+rows are gathered, and their logits, softmax and both matmuls are recomputed (the forward's logits
+are never stored): ~10% of the dense backward's work. Otherwise (GRPO, ICT's dense
 warm-up steps, or a capacity overflow) every row is recomputed in chunks. The choice is a
 `lax.cond` on the actual count, so the result is the exact gradient either way; `grad_rows` is
 only a performance hint (0 = always dense).
@@ -36,10 +36,12 @@ def sparse_grad_rows(method: str, top_fraction: float, entropy_top_fraction: flo
   ICT keeps ceil(f * len_i) <= ceil(f * length) tokens per response, so rows * that bounds its
   selection exactly; 20-Entropy keeps ~f of all tokens (ties may exceed it: dense fallback).
   GRPO and STAPO keep (almost) every token: always dense."""
-  if method == "ict":
-    return rows * -(-int(round(top_fraction * 10_000)) * length // 10_000)
+  if method == "ict":  # ceil in exact rational arithmetic, as selection's counts
+    num, den = selection._rational(top_fraction, "ict top_fraction")
+    return rows * -(-num * length // den)
   if method == "entropy":
-    return -(-int(round(entropy_top_fraction * 10_000)) * rows * length // 10_000)
+    num, den = selection._rational(entropy_top_fraction, "entropy_top_fraction")
+    return -(-num * rows * length // den)
   return 0
 
 
