@@ -13,8 +13,9 @@ states -> per-token log-probs): forward + backward of a plain chunked log-prob h
 with per-chunk `jax.checkpoint` (no statistics; what a plain GRPO step needs), the fused head with
 entropy, Renyi-2 and JS and a gradient on every row (`fused_dense`, what the grpo step runs) or on
 ICT's selected rows only (`fused_sparse`, what the ict step runs), and the fused forward alone;
-`forward_share_of_ict_step` is that forward / the ict step. Threads: the process is pinned to the first `--threads` cores
-(`os.sched_setaffinity`, like `taskset`) before JAX starts. Prints one JSON object.
+`forward_share_of_ict_step` is that forward / the ict step. Threads: the process is pinned to
+the first `--threads` cores (`os.sched_setaffinity`, like `taskset`) before JAX starts. Prints
+one JSON object.
 
     python benchmarks/selection.py [--threads 2] [--repeats 3] [--chunk 128]
 """
@@ -104,12 +105,12 @@ def main(argv=None) -> None:
 
   from ict_jax import lm_head, selection
 
-  logp0, stats0 = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
-                                               group_size=base.group_size, chunk_size=args.chunk)
+  _, stats0 = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
+                                           group_size=base.group_size, chunk_size=args.chunk)
   # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
-  ict_rows = selection.ict_mask(stats0["js"], b["completion_mask"].astype(bool), 0.1)
+  ict_rows = selection.ict_mask(stats0["js"], b["completion_mask"].astype(bool), base.top_fraction)
   g_ict = ict_rows.astype(jnp.float32)
-  capacity = lm_head.sparse_grad_rows("ict", 0.1, 0.2, n, c)
+  capacity = lm_head.sparse_grad_rows("ict", base.top_fraction, base.entropy_top_fraction, n, c)
 
   def fused(h, w, weights, grad_rows=0):
     logp, stats = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,

@@ -131,10 +131,10 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, res, cotangents):
                             ("act_batch", "act_length", "act_vocab"))
     return _unchunked(dh, c), dw
 
-  nnz = jnp.sum(g != 0)
   if not 0 < grad_rows < n * c:
     dh, dw = dense(None)
   else:
+    nnz = jnp.sum(g != 0)  # rows that carry gradient
     block = max(1, min(n * k, grad_rows))
     n_blocks = -(-grad_rows // block)
     cap = n_blocks * block
