@@ -137,7 +137,9 @@ def _sandbox_home(tmp: Path) -> Path:
   venv_bin = home / "ict-jax-venv" / "bin"
   venv_bin.mkdir(parents=True)
   _write_exe(venv_bin / "python",
-             '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv"\nenv -0 > "$HOME/env"\n'
+             # the run is backgrounded: write then rename, so a file the test sees is complete
+             '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv.part"\nmv "$HOME/argv.part" "$HOME/argv"\n'
+             'env -0 > "$HOME/env.part"\nmv "$HOME/env.part" "$HOME/env"\n'
              'echo "training output $PWD"\n')
   return home
 
