@@ -105,7 +105,12 @@ def _js_to_group_mean(
     lpg = logp.reshape(pg.shape)
     w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
     active = jnp.maximum(w.sum(axis=1, keepdims=True), 1.0)  # [P, 1, C, 1]
-    big_p = (pg * w).sum(axis=1, keepdims=True) / active  # [P, 1, C, V]
+    # Sum of the G members as G - 1 elementwise adds: one fused pass. (A reduce over axis 1 of
+    # [P, G, C, V] is a strided, non-minor reduction; XLA:CPU ran it at ~28 ns/element.)
+    total = pg[:, :1] * w[:, :1]
+    for g in range(1, group_size):
+        total = total + pg[:, g : g + 1] * w[:, g : g + 1]
+    big_p = total / active  # [P, 1, C, V]
     log_big_p = _safe_log(big_p)
     mid = 0.5 * (pg + big_p)  # [P, G, C, V]
     log_mid = _safe_log(mid)
