@@ -433,8 +433,8 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
     def hidden_states(self, ids, mask):
       return self.model.hidden_states(ids, mask) + self.fault[:, None, None]
 
-    def head_kernel(self):
-      return self.model.head_kernel()
+    def head_weight(self):
+      return self.model.head_weight()
 
   def faulty_logp_and_stats(model, batch, **kw):
     if "logit_fault" in batch:

@@ -100,8 +100,8 @@ def main(argv=None) -> None:
     def hidden_states(self, ids, mask):
       return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
 
-    def head_kernel(self):
-      return self.w
+    def head_weight(self):
+      return self.w, False
 
   from ict_jax import lm_head, selection
 

@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--completion", type=int, default=0)
   ap.add_argument("--micro_batch", type=int, default=0, help="0: the whole batch")
   ap.add_argument("--chunk", type=int, default=0,
-                  help="LM-head / statistics chunk (default: 128, or the config's)")
+                  help="LM-head / statistics chunk (default: 16, or the config's)")
   ap.add_argument("--method", default="",
                   help="grpo | entropy | stapo | ict (default: ict, or the config's)")
   ap.add_argument("--threads", type=int, default=2, help="CPU cores to pin to (0: all)")
@@ -128,8 +128,9 @@ def model_config(args, cfg=None):
 def step_config(args, cfg=None, method: str | None = None):
   from ict_jax import train_step as ts
   if cfg is None:
+    # chunk 16: the default (tiny, CPU) config's ict.chunk_size; [8, 16, V] float32 blocks
     base = ts.StepConfig(group_size=8, temperature=1.0, method="ict", warmup_steps=0,
-                         chunk_size=128)
+                         chunk_size=16)
   else:
     base = ts.StepConfig.from_config(cfg)
   import dataclasses

@@ -66,19 +66,25 @@ def _split(c: int, chunk_size: int) -> tuple[int, int]:
   return n_chunks, max(1, -(-c // n_chunks))
 
 
-def _logits(h, w, temperature: float, names):
-  logits = jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32) / temperature
+def _w(vocab_major: bool) -> str:
+  """Einsum letters of the head weight: [V, D] (a tied embedding, used as stored) or [D, V]."""
+  return "VD" if vocab_major else "DV"
+
+
+def _logits(h, w, temperature: float, names, vocab_major: bool):
+  logits = jnp.einsum(f"...D,{_w(vocab_major)}->...V", h, w,
+                      preferred_element_type=jnp.float32) / temperature
   return constrain(logits, names)
 
 
-def _forward(h, w, ids, mask, temperature, group_size, chunk_size):
+def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
   names = ("act_batch", "act_length", "act_vocab")
 
   def chunk(xs):
     h_c, ids_c, m_c = xs  # [N, k, D], [N, k], [N, k]
-    logits = _logits(h_c, w, temperature, names)  # [N, k, V]
+    logits = _logits(h_c, w, temperature, names, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
     return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse)
@@ -88,37 +94,38 @@ def _forward(h, w, ids, mask, temperature, group_size, chunk_size):
   return _unchunked(logp, c), _unchunked(lse, c), jax.tree.map(lambda s: _unchunked(s, c), stats)
 
 
-def _rows_backward(h, w, ids, lse, g, temperature, names):
+def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   """Gradients of sum(g * log pi) over blocks: h [B, R, D], ids/lse/g [B, R] -> dh, dW.
 
   B blocks run one after the other (`lax.scan`, dW accumulated in float32)."""
   def block(dw, xs):
     h_b, ids_b, lse_b, g_b = xs
-    logits = _logits(h_b, w, temperature, names)  # [R, V] or [N, k, V]
+    logits = _logits(h_b, w, temperature, names, vocab_major)  # [R, V] or [N, k, V]
     p = jnp.exp(logits - lse_b[..., None])
     onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == ids_b[..., None]
     dlogits = (g_b / temperature)[..., None] * (onehot.astype(jnp.float32) - p)
     dlogits = constrain(dlogits, names).astype(h_b.dtype)
-    dh = jnp.einsum("...V,DV->...D", dlogits, w, preferred_element_type=jnp.float32)
-    dw = dw + jnp.einsum("...D,...V->DV", h_b, dlogits, preferred_element_type=jnp.float32)
+    wl = _w(vocab_major)
+    dh = jnp.einsum(f"...V,{wl}->...D", dlogits, w, preferred_element_type=jnp.float32)
+    dw = dw + jnp.einsum(f"...D,...V->{wl}", h_b, dlogits, preferred_element_type=jnp.float32)
     return dw, dh.astype(h_b.dtype)
 
   dw, dh = jax.lax.scan(block, jnp.zeros(w.shape, jnp.float32), (h, ids, lse, g))
   return dh, dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows):
-  logp, _, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
+  logp, _, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
   return logp, stats
 
 
-def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows):
-  logp, lse, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size)
+def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
+  logp, lse, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
   return (logp, stats), (h, w, ids, lse)
 
 
-def _bwd(temperature, group_size, chunk_size, grad_rows, res, cotangents):
+def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotangents):
   del group_size
   h, w, ids, lse = res
   g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
@@ -128,15 +135,15 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, res, cotangents):
   def dense(_):
     dh, dw = _rows_backward(_chunked(h, n_chunks, k), w, _chunked(ids, n_chunks, k),
                             _chunked(lse, n_chunks, k), _chunked(g, n_chunks, k), temperature,
-                            ("act_batch", "act_length", "act_vocab"))
+                            ("act_batch", "act_length", "act_vocab"), vocab_major)
     return _unchunked(dh, c), dw
 
   if not 0 < grad_rows < n * c:
     dh, dw = dense(None)
   else:
     nnz = jnp.sum(g != 0)  # rows that carry gradient
-    block = max(1, min(n * k, grad_rows))
-    n_blocks = -(-grad_rows // block)
+    n_blocks = -(-grad_rows // (n * k))  # blocks of at most one forward chunk's rows,
+    block = -(-grad_rows // n_blocks)  # as equal as possible: 160 rows -> 2 x 80, not 2 x 128
     cap = n_blocks * block
 
     def sparse(_):
@@ -146,7 +153,7 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, res, cotangents):
       take = lambda x: x.reshape(n * c, *x.shape[2:])[idx].reshape(n_blocks, block, *x.shape[2:])
       g_s = jnp.where(valid, flat[idx], 0.0).reshape(n_blocks, block)
       dh_s, dw = _rows_backward(take(h), w, take(ids), take(lse), g_s, temperature,
-                                ("act_batch", "act_vocab"))
+                                ("act_batch", "act_vocab"), vocab_major)
       dh_s = jnp.where(valid[:, None], dh_s.reshape(cap, d), 0)
       dh = jnp.zeros((n * c, d), h.dtype).at[idx].add(dh_s).reshape(n, c, d)
       return dh, dw
@@ -159,10 +166,11 @@ _logp_and_stats.defvjp(_fwd, _bwd)
 
 
 def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | None,
-                   chunk_size: int = 128, grad_rows: int = 0):
+                   chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
-  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w [D, V] the LM head;
+  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head, [D, V],
+  or [V, D] with `vocab_major` (a tied embedding as stored: no transposed copy per step);
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc)."""
   return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
-                         int(chunk_size), int(grad_rows))
+                         int(chunk_size), int(grad_rows), bool(vocab_major))

@@ -109,9 +109,10 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
   h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1),
                           jnp.concatenate([prompt_mask, cmask], 1))
   h = h[:, p - 1: p + c - 1]  # [N, C, D]
-  w = model.head_kernel().astype(h.dtype)  # [D, V]
-  return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature, group_size=group_size,
-                                chunk_size=chunk_size, grad_rows=grad_rows)
+  w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
+  return lm_head.logp_and_stats(h, w.astype(h.dtype), ids, cmask, temperature=temperature,
+                                group_size=group_size, chunk_size=chunk_size,
+                                grad_rows=grad_rows, vocab_major=vocab_major)
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------

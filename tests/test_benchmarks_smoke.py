@@ -27,7 +27,9 @@ def _check_side(side: dict, iterations: int, warmup: int):
   assert len(side["iteration_s"]) == iterations and len(side["warmup_s"]) == warmup
   median = sorted(side["iteration_s"])[iterations // 2]
   assert side["median_s"] == pytest.approx(median, abs=1e-3)
-  assert side["tokens_per_s"] == pytest.approx(TOKENS / side["median_s"], rel=2e-3)
+  # median_s is rounded to 4 decimals; smoke iterations are short, so allow for that rounding
+  rounding = 5e-5 / side["median_s"]
+  assert side["tokens_per_s"] == pytest.approx(TOKENS / side["median_s"], rel=2e-3 + rounding)
   assert side["completion_tokens"] == [TOKENS] * (iterations + warmup)  # no early EOS
 
 

@@ -1,4 +1,5 @@
 """The fused LM head's custom VJP (dense and sparse-row backward) against plain autodiff."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +63,23 @@ def test_gradients_equal_autodiff(chunk, nonzero, grad_rows):
   # rows without gradient get exactly zero
   dh = np.asarray(got[0])
   assert np.all(dh[np.asarray(g) == 0] == 0)
+
+
+@pytest.mark.parametrize("grad_rows", [12, 0])
+def test_vocab_major_weight_gives_the_same_values_and_gradients(grad_rows):
+  """A tied embedding is passed as stored, [V, D]: same log-probs, stats and (transposed) dW."""
+  h, w, ids, mask = inputs(5)
+  g = cotangent(9)
+  kw = dict(temperature=TEMP, group_size=G, chunk_size=4, grad_rows=grad_rows)
+  dv = lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, **kw)
+  vd = lambda h, e: lm_head.logp_and_stats(h, e, ids, mask, vocab_major=True, **kw)
+  (lp1, st1), (lp2, st2) = jax.jit(dv)(h, w), jax.jit(vd)(h, w.T)
+  np.testing.assert_allclose(np.asarray(lp2), np.asarray(lp1), rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(st2, st1, atol=1e-5)
+  (dh1, dw1), (dh2, de2) = grads(lambda h, w: dv(h, w)[0], g, h, w), grads(
+      lambda h, e: vd(h, e)[0], g, h, w.T)
+  np.testing.assert_allclose(np.asarray(dh2), np.asarray(dh1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(de2).T, np.asarray(dw1), rtol=1e-5, atol=1e-6)
 
 
 def test_forward_values_and_stats():

@@ -140,6 +140,24 @@ def test_chunk_stats_equals_full_pass_and_bf16():
                                atol=2e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("row_blocks", [False, True], ids=["fused", "row_blocked"])
+def test_chunk_stats_paths_match_numpy_and_scipy(row_blocks):
+    """Both implementations of chunk_stats (one [N, C, V] pass; 2-D row blocks, which the CPU
+    backend takes by default) against numpy/scipy, with -inf vocabulary entries, unequal
+    lengths, an empty row, and C = 21 > ROW_BLOCK so that a short last block is exercised."""
+    logits, mask = grouped_batch(7, t=21)
+    p = np_softmax(logits)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log(p), 0.0).sum(-1)
+    h2 = -np.log((p**2).sum(-1))
+    fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, row_blocks=row_blocks))
+    got = fn(jnp.asarray(logits), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got["entropy"]), h * mask, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got["renyi2"]), h2 * mask, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
+    assert selection.use_row_blocks() == (jax.default_backend() == "cpu")  # no mesh set here
+
+
 def test_trl_entropy_helpers_agree():
     torch = pytest.importorskip("torch")
     trl_utils = pytest.importorskip("trl.trainer.utils")

@@ -162,9 +162,16 @@ class Qwen2(nnx.Module):
       return self.embed["embedding"][...].T
     return self.lm_head["kernel"][...]
 
+  def head_weight(self) -> tuple[Array, bool]:
+    """(w, vocab_major): the LM head as stored, [V, D] for a tied embedding, else [D, V]."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed["embedding"][...], True
+    return self.lm_head["kernel"][...], False
+
   def logits_from_hidden(self, h: Array) -> Array:
     """h [B, T, D] (after the final norm) -> float32 logits [B, T, V]."""
-    logits = jnp.einsum("BTD,DV->BTV", h, self.head_kernel().astype(h.dtype),
+    w, vocab_major = self.head_weight()
+    logits = jnp.einsum("BTD,VD->BTV" if vocab_major else "BTD,DV->BTV", h, w.astype(h.dtype),
                         preferred_element_type=jnp.float32)
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
