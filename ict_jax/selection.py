@@ -9,7 +9,8 @@ ICT Jensen-Shannon score in a single pass, so the train step can fuse it with th
 matmul; ``sequence_stats`` / ``token_stats`` / ``js_scores`` run it over a full [N, T, V]
 array with a ``fori_loop`` over T-chunks that slices the logits in place (the last chunk is
 shifted left to end at T and overlaps its predecessor instead of padding, so no padded copy
-of the logits is made).
+of the logits is made). On the CPU backend without a multi-device mesh, ``chunk_stats`` computes
+the same values over 2-D [<= 16 positions, V] slices of each response (see ``ROW_BLOCK``).
 
 Counts "ceil(fraction * n)" are computed in exact integer arithmetic with the fraction taken
 as the nearest rational of denominator <= 10_000 (exact for up to 4 decimals), so
