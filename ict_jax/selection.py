@@ -97,11 +97,7 @@ def _js_to_group_mean(
     p: jax.Array, logp: jax.Array, mask: jax.Array, group_size: int
 ) -> jax.Array:
     """p, logp [N, C, V], mask [N, C] -> JS(p_i || P) [N, C], P = mean of active rollouts."""
-    n, c, v = p.shape
-    if group_size < 1 or n % group_size:
-        raise ValueError(
-            f"selection: N={n} rows is not a positive multiple of group_size={group_size}"
-        )
+    n, c, v = p.shape  # chunk_stats has checked that G divides N
     pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
     lpg = logp.reshape(pg.shape)
     w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
@@ -176,7 +172,7 @@ def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK):
         js.append(0.5 * jnp.stack(kl))
     ren = jnp.concatenate(ren, 1)
     out = {"entropy": jnp.concatenate(ent, 1) * valid,
-           "renyi2": jnp.where(valid > 0, -jnp.log(jnp.where(valid > 0, ren, 1.0)), 0.0) * valid}
+           "renyi2": -jnp.log(jnp.where(valid > 0, ren, 1.0)) * valid}  # ren = 0 if invalid
     if group_size is not None:
         out["js"] = jnp.clip(jnp.concatenate(js, 1), 0.0, LOG2) * valid
     return out
