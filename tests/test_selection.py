@@ -156,6 +156,8 @@ def test_chunk_stats_paths_match_numpy_and_scipy(row_blocks):
     np.testing.assert_allclose(np.asarray(got["renyi2"]), h2 * mask, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
     assert selection.use_row_blocks() == (jax.default_backend() == "cpu")  # no mesh set here
+    with pytest.raises(ValueError, match="N=8 rows is not a positive multiple of group_size=3"):
+        selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 3, row_blocks=row_blocks)
 
 
 def test_trl_entropy_helpers_agree():
