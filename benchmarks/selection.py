@@ -77,7 +77,8 @@ def main(argv=None) -> None:
   h = model.hidden_states(jnp.concatenate([b["prompt_ids"], b["completion_ids"]], 1),
                           jnp.concatenate([b["prompt_mask"], b["completion_mask"]], 1))
   h = jax.block_until_ready(h[:, p - 1: p + c - 1])  # [N, C, D]
-  w = model.head_kernel()  # [D, V]
+  w, vocab_major = model.head_weight()  # as the step takes it: [V, D] when tied
+  w_letters = "VD" if vocab_major else "DV"
 
   def logp_only(h, w, remat=True):  # the same chunking as the step, no statistics
     n_chunks = -(-c // min(args.chunk, c))
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     ids = jnp.moveaxis(ids.reshape(n, n_chunks, k), 1, 0)
 
     def chunk(hc, ic):
-      logits = jnp.einsum("BTD,DV->BTV", hc, w, preferred_element_type=jnp.float32)
+      logits = jnp.einsum(f"BTD,{w_letters}->BTV", hc, w, preferred_element_type=jnp.float32)
       return jnp.take_along_axis(logits, ic[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
     chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
     return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
       return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
 
     def head_weight(self):
-      return self.w, False
+      return self.w, vocab_major
 
   from ict_jax import lm_head, selection
 

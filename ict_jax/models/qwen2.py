@@ -156,12 +156,6 @@ class Qwen2(nnx.Module):
       self.lm_head = nnx.Dict(kernel=_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd))
 
   # ---- pieces the train step fuses with its chunked loss ------------------------------------
-  def head_kernel(self) -> Array:
-    """The LM head as [D, V] (the transposed embedding when tied)."""
-    if self.cfg.tie_word_embeddings:
-      return self.embed["embedding"][...].T
-    return self.lm_head["kernel"][...]
-
   def head_weight(self) -> tuple[Array, bool]:
     """(w, vocab_major): the LM head as stored, [V, D] for a tied embedding, else [D, V]."""
     if self.cfg.tie_word_embeddings:
