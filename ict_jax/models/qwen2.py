@@ -22,8 +22,8 @@ _INIT_STD = 0.02
 
 
 class LayerCache(NamedTuple):
-  k: Array  # [B, S, K, H]
-  v: Array  # [B, S, K, H]
+  k: Array  # [B, K, S, H]: heads-major, as the attention dots read it
+  v: Array  # [B, K, S, H]
 
 
 def _dtype(name: str):
@@ -95,16 +95,19 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kv = "BSKH"  # keys/values of the T tokens themselves
     if cache is not None:  # write the T new keys/values at cache_index, attend to all S
-      k = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache_index, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache_index, axis=1)
+      to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
+      k = jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2)
+      v = jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2)
       cache = LayerCache(k, v)
-      k, v = k.astype(dt), v.astype(dt)
+      k, v, kv = k.astype(dt), v.astype(dt), "BKSH"  # heads-major: the dots need no transpose
     b, t = q.shape[:2]
     q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+    scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
     probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    out = jnp.einsum(f"BKGTS,{kv}->BKGTH", probs, v)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
     return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), cache
 
@@ -171,9 +174,9 @@ class Qwen2(nnx.Module):
 
   def init_cache(self, batch: int, length: int, dtype=None) -> list[LayerCache]:
     cfg = self.cfg
-    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)  # [B, K, S, H]
     dt = dtype or _dtype(cfg.dtype)
-    names = ("act_batch", "act_cache_length", "act_kv_heads", None)
+    names = ("act_batch", "act_kv_heads", "act_cache_length", None)
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
     return [LayerCache(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
 
@@ -194,7 +197,7 @@ class Qwen2(nnx.Module):
     if cache is None:  # keys are the T tokens themselves
       q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
     else:
-      s = cache[0].k.shape[1]
+      s = cache[0].k.shape[2]
       q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
       k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
