@@ -15,7 +15,10 @@ the lower token id), then top-p (the smallest set of most likely tokens whose ma
 like `transformers`' TopPLogitsWarper), then one draw by inverse CDF from a single uniform per row
 (no [B, V] Gumbel noise). The returned log-prob is that of the sampled token under the distribution
 actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
-the raw logits, and the log-prob is `log_softmax(raw logits)` at that token.
+the raw logits, and the log-prob is `log_softmax(raw logits)` at that token. The decode loop
+takes vocabulary-major logits [V, B] from `Qwen2.next_token_logits`; greedy and plain
+temperature sampling reduce them in two levels (`_plain_step`) without building any [B, V]
+probabilities, indices or cumulative sums; top-k / top-p work on the transposed [B, V].
 
 Compilation. Prompt length and max_new_tokens are rounded up to buckets (powers of two from 16, or a
 given list); the jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
@@ -45,6 +48,7 @@ QWEN_PAD_ID = 151643
 _MIN_BUCKET = 16
 _CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
 _F32_ONE_BITS = 0x3F800000
+_GROUPS = 128  # vocabulary groups of the two-level greedy / plain-sampling reductions
 _TOP_P_CANDIDATES = 256  # top-p fast path: the nucleus usually lies within the 256 best tokens
 
 
@@ -132,15 +136,67 @@ def _first_argmax(x: Array) -> Array:
   return jnp.min(jnp.where(hit, idx, x.shape[-1] - 1), axis=-1)
 
 
+def _token_groups(v: int) -> int:
+  """How many token groups the two-level reductions use for a vocabulary of v: a power of two
+  <= sqrt(v), at most _GROUPS (151936 -> 128 groups of 1187 tokens)."""
+  return min(_GROUPS, 1 << (math.isqrt(v).bit_length() - 1))
+
+
+def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tuple[Array, Array]:
+  """Greedy or plain temperature sampling from vocabulary-major logits lv [V, B].
+
+  Group n holds tokens n, n + G, n + 2G, ... (G = _token_groups(V)): viewing lv as [V / G, G, B]
+  every reduction runs over the major axis and streams contiguous [G, B] rows into G * B
+  accumulators; the second level reduces only [G, B]. Greedy is the first maximum of the raw
+  logits (the first NaN if any), its log-prob log_softmax(raw logits). Sampling draws from
+  softmax(logits / temperature) by inverse CDF with one uniform per row: first a group by the
+  group sums, then a token inside it; the log-prob is the drawn token's under that
+  distribution. Three passes over lv (max, exp-sum, and for greedy the first index), no [B, V]
+  probabilities or cumulative sums."""
+  v, b = lv.shape
+  g = _token_groups(v)
+  per = -(-v // g)  # tokens per group
+  x = lv.astype(jnp.float32)
+  if not greedy:
+    x = x / temperature
+  if per * g != v:
+    x = jnp.pad(x, ((0, per * g - v), (0, 0)), constant_values=-jnp.inf)
+  # The barriers keep XLA from merging two levels into one [V, B] -> [B] reduction, which
+  # XLA:CPU runs several times slower than the two.
+  level1 = lambda f, y, axis: jax.lax.optimization_barrier(f(y, axis=axis))
+  rows = jnp.arange(b)
+  if greedy:  # the maximum by contiguous blocks: the first block holding it holds the first one
+    blocks = x.reshape(g, per, b)
+    block_max = level1(jnp.max, blocks, 1)  # [G, B]
+    m = jnp.max(block_max, axis=0)
+  else:
+    m = jnp.max(level1(jnp.max, x.reshape(per, g, b), 0), axis=0)  # [B]
+  group_sum = level1(jnp.sum, jnp.exp(x.reshape(per, g, b) - m), 0).T  # [B, G]
+  cum = jnp.cumsum(group_sum, axis=-1)
+  log_z = jnp.log(cum[:, -1])
+  if greedy:
+    first = _first_argmax(block_max.T)  # the first block holding the maximum (or a NaN)
+    inside = blocks[first, :, rows]  # [B, per]
+    j = _first_argmax(inside)
+    tok = jnp.minimum(first * per + j, v - 1)  # (v - 1: a row of -inf only)
+    return tok.astype(jnp.int32), inside[rows, j] - m - log_z
+  x = x.reshape(per, g, b)  # token r * G + n at [r, n]
+  target = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
+  n = _first_crossing(cum, group_sum, target)  # [B]
+  before = jnp.take_along_axis(cum - group_sum, n[:, None], axis=1)[:, 0]
+  col = x[:, n, rows].T  # [B, per]: the tokens of group n
+  e = jnp.exp(col - m[:, None])
+  r = _first_crossing(jnp.cumsum(e, axis=-1), e, target - before)
+  return (r * g + n).astype(jnp.int32), col[rows, r] - m - log_z
+
+
 def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
                  top_k: int, use_top_p: bool) -> tuple[Array, Array]:
   """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32)."""
   logits = logits.astype(jnp.float32)
   top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
-  if greedy:
-    tok = _first_argmax(logits)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - logz
+  if greedy or not (top_k or use_top_p):
+    return _plain_step(logits.T, key, temperature, greedy=greedy)
   if top_k:  # work on the k best candidates only: [B, k], sorted descending
     vals, cand = jax.lax.top_k(logits, top_k)
     scaled = vals / temperature
@@ -157,11 +213,19 @@ def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *,
   scaled = logits / temperature
   shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
   e = jnp.exp(shifted)  # [B, V] in [0, 1], max exactly 1
-  if use_top_p:
-    e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
+  e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
   tok = _inverse_cdf(key, e)
   lp = jnp.take_along_axis(shifted, tok[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(e, axis=-1))
   return tok, lp
+
+
+def _next_token(lv: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
+                top_k: int, use_top_p: bool) -> tuple[Array, Array]:
+  """_sample_step for vocabulary-major logits lv [V, B] (what the decode head produces)."""
+  if greedy or not (0 < top_k < lv.shape[0] or use_top_p):
+    return _plain_step(lv, key, temperature, greedy=greedy)
+  return _sample_step(lv.T, key, temperature, top_p, greedy=greedy, top_k=top_k,
+                      use_top_p=use_top_p)
 
 
 def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0,
@@ -196,18 +260,18 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
   cache = model.init_cache(b, p + max_len)
   h, cache = model.hidden_states(prompt_ids, mask, positions=positions, cache=cache,
                                  cache_index=jnp.int32(0), kv_mask=kv_mask)
-  logits = model.logits_from_hidden(h[:, -1:])[:, 0]  # [B, V]: left padding -> last is real
+  logits = model.next_token_logits(h[:, -1])  # [V, B]: left padding -> the last slot is real
 
   def emit(i, logits, done, out):
-    """Sample completion token i from logits [B, V] and write it into the outputs."""
-    tok, lp = _sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy,
-                           top_k=top_k, use_top_p=use_top_p)
+    """Sample completion token i from logits [V, B] and write it into the outputs."""
+    tok, lp = _next_token(logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy,
+                          top_k=top_k, use_top_p=use_top_p)
     active = ~done
     tok = jnp.where(active, tok, pad_id)
     out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active),
                logprobs=out["logprobs"].at[:, i].set(jnp.where(active, lp, 0.0)))
     if return_logits:
-      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits, i, axis=1)
+      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits.T, i, axis=1)
     done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
     return tok, done, out
 
@@ -215,7 +279,7 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
              mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows),
              logprobs=constrain(jnp.zeros((b, max_len), jnp.float32), rows))
   if return_logits:
-    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[-1]), jnp.float32),
+    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[0]), jnp.float32),
                               ("act_batch", None, None))
   tok, done, out = emit(0, logits, num_prompt == 0, out)
 
@@ -226,10 +290,10 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
   def body(carry):
     i, cache, tok, done, out = carry  # tok [B]: completion token i - 1, in slot p + i - 1
     step_model = nnx.merge(graphdef, state)
-    logits, cache = step_model(tok[:, None], jnp.ones((b, 1), jnp.int32),
-                               positions=(num_prompt + i - 1)[:, None], cache=cache,
-                               cache_index=p + i - 1, kv_mask=kv_mask)
-    tok, done, out = emit(i, logits[:, 0], done, out)
+    h, cache = step_model.hidden_states(tok[:, None], jnp.ones((b, 1), jnp.int32),
+                                        positions=(num_prompt + i - 1)[:, None], cache=cache,
+                                        cache_index=p + i - 1, kv_mask=kv_mask)
+    tok, done, out = emit(i, step_model.next_token_logits(h[:, 0]), done, out)
     return i + 1, cache, tok, done, out
 
   carry = (jnp.int32(1), cache, tok, done, out)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ict_jax.grpo import LOSS_TYPES
+from ict_jax.models.axes import cpu_single_device
 
 __all__ = [
     "SELECTORS",
@@ -130,8 +131,7 @@ _LOG_FLOOR = -1e30  # floor of log p: -inf logits (masked vocabulary) give p * l
 
 def use_row_blocks() -> bool:
     """Whether ``chunk_stats`` takes the row-blocked path by default (see ROW_BLOCK)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() == "cpu" and (mesh.empty or mesh.size == 1)
+    return cpu_single_device()
 
 
 def _row_sum(x: jax.Array) -> jax.Array:
