@@ -145,14 +145,15 @@ def _token_groups(v: int) -> int:
 def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tuple[Array, Array]:
   """Greedy or plain temperature sampling from vocabulary-major logits lv [V, B].
 
-  Group n holds tokens n, n + G, n + 2G, ... (G = _token_groups(V)): viewing lv as [V / G, G, B]
-  every reduction runs over the major axis and streams contiguous [G, B] rows into G * B
-  accumulators; the second level reduces only [G, B]. Greedy is the first maximum of the raw
-  logits (the first NaN if any), its log-prob log_softmax(raw logits). Sampling draws from
-  softmax(logits / temperature) by inverse CDF with one uniform per row: first a group by the
-  group sums, then a token inside it; the log-prob is the drawn token's under that
-  distribution. Three passes over lv (max, exp-sum, and for greedy the first index), no [B, V]
-  probabilities or cumulative sums."""
+  Two passes over lv, a maximum and a sum of exp(x - max), each in two levels whose second
+  reduces only [G, B] (G = _token_groups(V)); no [B, V] probabilities, indices or cumulative
+  sums are built. Greedy is the first maximum of the raw logits (the first NaN if any): the
+  maximum is taken per contiguous block of V / G tokens, and the first block holding it is
+  searched. Its log-prob is log_softmax(raw logits). Sampling draws from
+  softmax(logits / temperature) by inverse CDF with one uniform per row over strided groups
+  (group n holds tokens n, n + G, n + 2G, ...: viewed as [V / G, G, B], the sums stream
+  contiguous [G, B] rows): first a group by the group sums, then a token inside it; the
+  log-prob is the drawn token's under that distribution."""
   v, b = lv.shape
   g = _token_groups(v)
   per = -(-v // g)  # tokens per group
