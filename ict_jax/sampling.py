@@ -220,15 +220,6 @@ def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *,
   return tok, lp
 
 
-def _next_token(lv: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
-                top_k: int, use_top_p: bool) -> tuple[Array, Array]:
-  """_sample_step for vocabulary-major logits lv [V, B] (what the decode head produces)."""
-  if greedy or not (0 < top_k < lv.shape[0] or use_top_p):
-    return _plain_step(lv, key, temperature, greedy=greedy)
-  return _sample_step(lv.T, key, temperature, top_p, greedy=greedy, top_k=top_k,
-                      use_top_p=use_top_p)
-
-
 def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0,
                   top_p=1.0) -> tuple[Array, Array]:
   """Sample one token per row from logits [B, V] -> (ids [B] int32, log-probs [B] float32).
@@ -265,8 +256,8 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
 
   def emit(i, logits, done, out):
     """Sample completion token i from logits [V, B] and write it into the outputs."""
-    tok, lp = _next_token(logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy,
-                          top_k=top_k, use_top_p=use_top_p)
+    tok, lp = _sample_step(logits.T, jax.random.fold_in(rng, i), temperature, top_p,
+                           greedy=greedy, top_k=top_k, use_top_p=use_top_p)  # (.T.T: no copy)
     active = ~done
     tok = jnp.where(active, tok, pad_id)
     out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active),
