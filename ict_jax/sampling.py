@@ -166,13 +166,14 @@ def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> t
   # XLA:CPU runs several times slower than the two.
   level1 = lambda f, y, axis: jax.lax.optimization_barrier(f(y, axis=axis))
   rows = jnp.arange(b)
+  groups = x.reshape(per, g, b)  # token r * G + n at [r, n]
   if greedy:  # the maximum by contiguous blocks: the first block holding it holds the first one
     blocks = x.reshape(g, per, b)
     block_max = level1(jnp.max, blocks, 1)  # [G, B]
     m = jnp.max(block_max, axis=0)
   else:
-    m = jnp.max(level1(jnp.max, x.reshape(per, g, b), 0), axis=0)  # [B]
-  group_sum = level1(jnp.sum, jnp.exp(x.reshape(per, g, b) - m), 0).T  # [B, G]
+    m = jnp.max(level1(jnp.max, groups, 0), axis=0)  # [B]
+  group_sum = level1(jnp.sum, jnp.exp(groups - m), 0).T  # [B, G]
   cum = jnp.cumsum(group_sum, axis=-1)
   log_z = jnp.log(cum[:, -1])
   if greedy:
@@ -181,11 +182,10 @@ def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> t
     j = _first_argmax(inside)
     tok = jnp.minimum(first * per + j, v - 1)  # (v - 1: a row of -inf only)
     return tok.astype(jnp.int32), inside[rows, j] - m - log_z
-  x = x.reshape(per, g, b)  # token r * G + n at [r, n]
   target = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
   n = _first_crossing(cum, group_sum, target)  # [B]
   before = jnp.take_along_axis(cum - group_sum, n[:, None], axis=1)[:, 0]
-  col = x[:, n, rows].T  # [B, per]: the tokens of group n
+  col = groups[:, n, rows].T  # [B, per]: the tokens of group n
   e = jnp.exp(col - m[:, None])
   r = _first_crossing(jnp.cumsum(e, axis=-1), e, target - before)
   return (r * g + n).astype(jnp.int32), col[rows, r] - m - log_z
