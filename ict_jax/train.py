@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -28,6 +27,7 @@ from ict_jax.models.config import Qwen2Config
 from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
+from ict_jax.preemption import Preemption
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
 from ict_jax.tokenizer import Tokenizer
@@ -111,46 +111,6 @@ def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
                                seed=cfg.train.seed, mesh=mesh, log=log.info)
 
 
-class _Preemption:
-  """SIGTERM (TPU preemption, scancel) -> a final save within `grace_s`, then exit 0.
-
-  A jitted call cannot be interrupted, so the handler only notes the time; the loop then either
-  finishes the current step and saves it, or, when the step would not end before the deadline
-  (`fits`), drops it and saves the last completed state."""
-
-  received = False  # any SIGTERM in this process: main() then skips the interpreter teardown
-
-  def __init__(self, grace_s: float = float("inf")):
-    self.requested = False
-    self.grace_s = grace_s
-    self.deadline = float("inf")
-    self._old = None
-
-  def fits(self, seconds: float | None) -> bool:
-    """Whether work estimated at `seconds` (None: no estimate yet) ends before the deadline."""
-    return seconds is not None and time.monotonic() + seconds < self.deadline
-
-  def __enter__(self):
-    if hasattr(signal, "SIGTERM"):
-      try:
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-      except ValueError:  # not the main thread
-        self._old = None
-    return self
-
-  def _handle(self, signum, frame):
-    if not self.requested:
-      self.deadline = time.monotonic() + self.grace_s
-    self.requested = _Preemption.received = True
-    log.warning("SIGTERM: saving a checkpoint within %g s (train.sigterm_grace_s), then exiting",
-                self.grace_s)
-
-  def __exit__(self, *exc):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-    return False
-
-
 # ---- the program ------------------------------------------------------------------------------
 def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool = True) -> list[dict]:
   """Run (or resume) training; returns the metrics of the steps run in this call."""
@@ -221,24 +181,23 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                            "config": config_lib.to_dict(cfg)}, force=force)
 
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
-       _Preemption(cfg.train.sigterm_grace_s) as preempt:
+       Preemption(cfg.train.sigterm_grace_s) as preempt:
     last_step_s = None  # the previous train step + logging + save, in seconds
 
-    def stop_early(step: int, position: int) -> None:
-      """Preempted before step `step` ran: save the state of `step` completed steps."""
+    def stop(step: int, position: int, why: str) -> None:
+      """Preempted before step `step + 1` ran: save the state of `step` completed steps."""
       it.position = position  # this step's prompts come again after the resume
       if ckpt.latest_step() != step:
         save(step, force=True)
       ckpt.wait()
-      log.warning("preempted: step %d would not end within train.sigterm_grace_s; saved step %d; "
-                  "exiting", step + 1, step)
+      log.warning("preempted%s: saved step %d; exiting", why, step)
 
     try:
       for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         position = it.position
-        if preempt.requested:  # the signal came after the previous step's check
-          stop_early(step, position)
+        if preempt.reached(step):  # the same answer on every host at this step
+          stop(step, position, "")
           break
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
@@ -250,8 +209,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
         batch = roll.batch()
         t1 = time.perf_counter()
-        if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
-          stop_early(step, position)
+        if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
+          stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
           break
         old_logp = None
         for _ in range(cfg.train.num_iterations):
@@ -271,12 +230,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                                                 roll.completions, roll.golds,
                                                                 roll.rewards)][:SAMPLES_LOGGED])
         done = step + 1
-        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
           save(done, force=True)
-        if preempt.requested:
-          ckpt.wait()
-          log.warning("preempted: saved step %d; exiting", done)
-          break
         last_step_s = time.perf_counter() - t1
     finally:
       ckpt.close()
@@ -319,7 +274,7 @@ def main(argv=None) -> None:
     train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
   except ConfigError as e:
     _error(str(e))
-  if _Preemption.received:
+  if Preemption.stopped:
     # the checkpoint is committed and the logs are closed: skip the interpreter teardown
     # (seconds of XLA / TensorStore destructors), which the grace period cannot spare
     sys.stdout.flush()
