@@ -101,9 +101,9 @@ class _Concat:
 
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
-  from ict_jax.data.prompts import build_prompt
-  exs = [train_src[i] for i in range(len(train_src))]
-  prompts = [tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style)) for e in exs]
+  from ict_jax.data.prompts import encode_prompts
+  exs, _, prompts = encode_prompts([train_src[i] for i in range(len(train_src))], tok,
+                                   style=cfg.data.prompt_style)
   answers = [tok.encode(str(e["answer"])) for e in exs]
   arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
   return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
