@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ict_jax.checkpoint import CheckpointError, resolve_path
+from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -184,22 +184,9 @@ class Checkpoint:
   """A read-only view of `<workdir>/checkpoints/` with one selected step (`.step`)."""
 
   def __init__(self, directory: str | os.PathLike, step: int | None = None, *, model_config=None):
-    import orbax.checkpoint as ocp
-    self.directory = resolve_path(directory)
-    absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)  # read_only=True warns about the options it overrides
-    try:
-      self._mngr = ocp.CheckpointManager(
-          self.directory,
-          options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
-          item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-    finally:
-      absl_log.setLevel(level)
-    steps = self.steps
-    if not steps:
-      raise CheckpointError(f"no checkpoints in {os.fspath(self.directory)!r}")
-    self.step = steps[-1] if step is None else self._check_step(step)
+    self._reader = CheckpointReader(directory)
+    self.directory = self._reader.directory
+    self.step = self._reader.pick_step(step)
     self._model_config = model_config
     self._axes: dict[str, tuple] | None = None
     self._tensors: dict[int, dict[str, TensorInfo]] = {}
@@ -209,17 +196,10 @@ class Checkpoint:
   @property
   def steps(self) -> list[int]:
     """Every committed step, oldest first (re-read from the directory on each call)."""
-    self._mngr.reload()
-    return sorted(int(s) for s in self._mngr.all_steps())
+    return self._reader.steps
 
   def _check_step(self, step: int | None) -> int:
-    if step is None:
-      return self.step
-    steps = self.steps
-    if int(step) not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in {os.fspath(self.directory)!r}; "
-                            f"available steps: {steps}")
-    return int(step)
+    return self.step if step is None else self._reader.pick_step(step)
 
   def at(self, step: int) -> "Checkpoint":
     """The same checkpoint directory with another step selected."""
@@ -227,11 +207,9 @@ class Checkpoint:
 
   def meta(self, step: int | None = None) -> dict:
     """The step's JSON item: data_position, step, seed, config."""
-    import orbax.checkpoint as ocp
     step = self._check_step(step)
     if step not in self._meta:
-      restored = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-      self._meta[step] = dict(restored.meta)
+      self._meta[step] = self._reader.meta(step)
     return self._meta[step]
 
   @property
@@ -253,8 +231,7 @@ class Checkpoint:
     optimizer state included), from Orbax metadata only."""
     step = self._check_step(step)
     if step not in self._tensors:
-      md = self._mngr.item_metadata(step)["state"]
-      tree = getattr(md, "tree", md)
+      tree = self._reader.state_metadata(step)
       if tree is None:
         raise CheckpointError(f"{os.fspath(self.directory / str(step))}/state: no Orbax tree metadata")
       self._tensors[step] = {
@@ -331,7 +308,7 @@ class Checkpoint:
     return f"Checkpoint({os.fspath(self.directory)!r}, step={self.step}, steps={self.steps})"
 
   def close(self) -> None:
-    self._mngr.close()
+    self._reader.close()
 
   def __enter__(self) -> "Checkpoint":
     return self
@@ -439,12 +416,7 @@ def _restore(ckpt: Checkpoint, step: int, item: str, infos: list[TensorInfo], me
     flat_target[info.path] = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
     flat_args[info.path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=info.shape, dtype=info.dtype)
   wrap = lambda t: _nest({"/".join(prefix) + "/" + p: v for p, v in t.items()})
-  args = ocp.args.PyTreeRestore(item=wrap(flat_target), restore_args=wrap(flat_args), partial_restore=True)
-  try:
-    restored = ckpt._mngr.restore(step, args=ocp.args.Composite(state=args)).state
-  except Exception as e:
-    raise CheckpointError(f"{os.fspath(ckpt.directory / str(step))}/state: cannot restore "
-                          f"{[i.path for i in infos][:4]} ({type(e).__name__}: {str(e)[:400]})") from e
+  restored = ckpt._reader.restore_state(step, wrap(flat_target), wrap(flat_args))
   return {p: _get(restored, prefix + _split(p)) for p in flat_target}
 
 
