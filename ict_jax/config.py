@@ -112,7 +112,6 @@ class TrainConfig:
   num_iterations: int = 1         # passes over each rollout batch (old log-probs kept)
   micro_batch_size: int = 0       # sequences per micro-batch (0: the whole batch)
   seed: int = 0
-  log_every: int = 1
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   async_checkpointing: bool = True
@@ -147,7 +146,7 @@ _CHOICES = {
     "reward.kind": ("math", "choice", "answer"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-             "train.steps", "train.num_iterations", "train.log_every", "train.checkpoint_every",
+             "train.steps", "train.num_iterations", "train.checkpoint_every",
              "train.keep_checkpoints", "ict.chunk_size", "data.max_prompt_len",
              "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
              "train.eval_samples", "train.eval_prompts")
@@ -184,7 +183,7 @@ def tiny_config() -> ml_collections.ConfigDict:
   c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
   c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
   c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 32, 1e-2
-  c.train.steps, c.train.checkpoint_every, c.train.log_every = 60, 20, 1
+  c.train.steps, c.train.checkpoint_every = 60, 20
   return c
 
 
