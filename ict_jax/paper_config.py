@@ -1,4 +1,6 @@
-"""Shared settings of the paper-scale runs (Qwen2.5 + GSM8K/MATH, ICT top-10% JS tokens).
+"""Shared settings of the paper-scale runs (Qwen2.5 + GSM8K/MATH, ICT top-10% JS tokens), used by
+`configs/qwen2_5_*_math.py` (and importable from any project: `from ict_jax.paper_config import
+paper_config`).
 
 Values the paper ("Beyond Entropy: Learning from Token-Level Distributional Deviations for LLM
 Reasoning") states are marked PAPER; the rest are ASSUMPTIONS, chosen as common verl / TRL
