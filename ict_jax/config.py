@@ -119,6 +119,12 @@ class TrainConfig:
   eval_samples: int = 4           # samples per held-out prompt for pass@k at eval time
   eval_prompts: int = 64
   sigterm_grace_s: float = 30.0
+  profile_steps: str = ""         # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  wandb_project: str = ""         # also log to this Weights & Biases project (needs `pip install wandb`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +139,7 @@ class Config:
   reward: RewardConfig = RewardConfig()
   warm_start: WarmStartConfig = WarmStartConfig()
   train: TrainConfig = TrainConfig()
+  log: LogConfig = LogConfig()
 
 
 _CHOICES = {
@@ -263,9 +270,25 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
   if mb and total % mb:
     raise ConfigError(f"config.train.micro_batch_size: {mb} does not divide the "
                       f"{total} sequences of a step (prompts_per_step x group_size)")
+  if cfg.train.profile_steps:
+    profile_range(cfg.train.profile_steps)
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   return cfg
+
+
+def profile_range(text: str) -> tuple[int, int]:
+  """`train.profile_steps` "a,b" -> (a, b), steps 1-based and inclusive; ConfigError otherwise."""
+  try:
+    steps = [int(p) for p in text.split(",")]
+  except ValueError:
+    steps = []
+  if len(steps) == 1:
+    steps *= 2
+  if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+    raise ConfigError(f"config.train.profile_steps: expected \"a,b\" with 1 <= a <= b (steps to trace), "
+                      f"got {text!r}")
+  return steps[0], steps[1]
 
 
 def to_dict(cfg: Config) -> dict:

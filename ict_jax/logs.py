@@ -1,5 +1,6 @@
 """Run logs: `config.json`, the `metrics` log (one JSON object per step), the `samples` log (a
-few prompts/completions/rewards per step), TensorBoard, a progress bar.
+few prompts/completions/rewards per step), TensorBoard, a progress bar, and Weights & Biases when
+`log.wandb_project` is set.
 
 Object stores (gs://, s3://) cannot append to an object, so a log is a folder of parts,
 ``<workdir>/metrics/<first step, 8 digits>.jsonl``, each part rewritten whole at every write and
@@ -95,14 +96,34 @@ class JsonlLog:
     _write_whole(self.folder / f"{self._first:08d}.jsonl", "".join(line + "\n" for line in self._lines))
 
 
+def import_wandb():
+  """The `wandb` module, or one ConfigError saying how to get it (imported only when asked for)."""
+  from ict_jax.config import ConfigError
+  try:
+    import wandb
+  except ImportError:
+    raise ConfigError("config.log.wandb_project is set but the wandb package is not installed: "
+                      "pip install wandb (or leave log.wandb_project empty)") from None
+  return wandb
+
+
+def _numbers(record: dict[str, Any]):
+  return {k: v for k, v in record.items()
+          if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 class MetricsLogger:
 
   def __init__(self, workdir: str, *, enabled: bool = True, progress: bool = True, total: int = 0,
-               initial: int = 0, config: dict | None = None, tensorboard: bool = True):
+               initial: int = 0, config: dict | None = None, tensorboard: bool = True,
+               wandb_project: str = ""):
     self.enabled = enabled
-    self._bar = self._tb = None
+    self._bar = self._tb = self._wandb = None
     if not enabled:
       return
+    if wandb_project:
+      self._wandb = import_wandb().init(project=wandb_project, config=config,
+                                        name=os.path.basename(os.fspath(workdir).rstrip("/")) or None)
     root = epath.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     if config is not None:
@@ -125,13 +146,19 @@ class MetricsLogger:
     step = record["step"]
     self._metrics.write(step, [record])
     self._samples.write(step, [{"step": step, **sample} for sample in samples or ()])
+    numbers = _numbers(record)
     if self._tb is not None:
-      for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
+      for k, v in numbers.items():
+        self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.log(numbers, step=step)
     if self._bar is not None:
-      self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
-                            entropy=f"{record.get('entropy', float('nan')):.3f}", refresh=False)
+      nan = float("nan")
+      self._bar.set_postfix(reward=f"{record.get('reward_mean', nan):.3f}",
+                            entropy=f"{record.get('entropy', nan):.3f}",
+                            lr=f"{record.get('learning_rate', nan):.2e}",
+                            tok_s_chip=f"{record.get('tokens_per_s_per_chip', nan):.0f}",
+                            mfu=f"{100 * record.get('mfu', nan):.1f}%", refresh=False)
       self._bar.update(1)
 
   def close(self) -> None:
@@ -139,5 +166,7 @@ class MetricsLogger:
       return
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
     if self._bar is not None:
       self._bar.close()

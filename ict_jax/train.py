@@ -20,9 +20,9 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import sharding
-from ict_jax.checkpoint import Checkpointer
+from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
-from ict_jax.logs import MetricsLogger
+from ict_jax.logs import MetricsLogger, import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
 from ict_jax.models.hf import load_pretrained
@@ -30,6 +30,7 @@ from ict_jax.models.qwen2 import Qwen2
 from ict_jax.preemption import Preemption
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
+from ict_jax.throughput import Throughput
 from ict_jax.tokenizer import Tokenizer
 from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, supervised_warm_start
@@ -116,12 +117,17 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   """Run (or resume) training; returns the metrics of the steps run in this call."""
   cfg = config_lib.validate(config_dict)
   _check_workdir(workdir)
+  if cfg.log.wandb_project:
+    import_wandb()  # a missing package is one error now, not after the compile
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  throughput = Throughput(mcfg)  # the chip's peak: the table, or a matmul measured now (CPU)
+  profile = config_lib.profile_range(cfg.train.profile_steps) if cfg.train.profile_steps else None
   state_sharding = ts.train_state_shardings(optimizer, abstract_params, params_sharding, mesh)
   tok = Tokenizer()
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
@@ -169,7 +175,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   it = PromptIterator(train_src, cfg.rollout.prompts_per_step, seed=cfg.train.seed, position=position)
   base_key = jax.random.key(cfg.train.seed)
   logger = MetricsLogger(workdir, enabled=sharding.is_main_process(), progress=progress,
-                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg))
+                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg),
+                         wandb_project=cfg.log.wandb_project)
   history: list[dict] = []
   rc = cfg.rollout
 
@@ -183,6 +190,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
        Preemption(cfg.train.sigterm_grace_s) as preempt:
     last_step_s = None  # the previous train step + logging + save, in seconds
+    tracing = False  # a jax.profiler trace is running (train.profile_steps)
 
     def stop(step: int, position: int, why: str) -> None:
       """Preempted before step `step + 1` ran: save the state of `step` completed steps."""
@@ -199,6 +207,9 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         if preempt.reached(step):  # the same answer on every host at this step
           stop(step, position, "")
           break
+        if profile and step + 1 == profile[0]:
+          jax.profiler.start_trace(os.fspath(resolve_path(workdir) / "profile"))
+          tracing = True
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
         roll = collect((graphdef, state.params), examples, tok, pool, rng=key,
@@ -219,9 +230,15 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           state, metrics, logp = step_fn(state, batch, ref_params)
           old_logp = logp if old_logp is None else old_logp
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, **roll.stats, **metrics, "step_s": time.perf_counter() - t1,
+        dt, step_s = time.perf_counter() - t0, time.perf_counter() - t1
+        updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
+        record = {"step": step + 1, **roll.stats, **metrics, "step_s": step_s,
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
+                  "learning_rate": float(learning_rate(updates - 1) if callable(learning_rate) else learning_rate),
+                  **throughput.step_metrics(rows=batch["completion_ids"].shape[0],
+                                            seq_len=batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1],
+                                            passes=cfg.train.num_iterations, step_s=step_s,
+                                            tokens=roll.stats["completion_tokens"], iteration_s=dt),
                   "sample": roll.completions[0][:200]}
         history.append(record)
         logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
@@ -230,10 +247,16 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                                                 roll.completions, roll.golds,
                                                                 roll.rewards)][:SAMPLES_LOGGED])
         done = step + 1
+        if tracing and done == profile[1]:
+          jax.profiler.stop_trace()
+          tracing = False
+          log.info("profile of steps %d-%d written to %s/profile", *profile, workdir)
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
           save(done, force=True)
         last_step_s = time.perf_counter() - t1
     finally:
+      if tracing:
+        jax.profiler.stop_trace()
       ckpt.close()
       logger.close()
   return history
