@@ -36,7 +36,7 @@ from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, supervised_warm_start
 
 log = logging.getLogger("ict_jax.train")
-SAMPLES_LOGGED = 16  # completions per step written to samples.jsonl
+SAMPLES_LOGGED = 16  # completions per step written to the samples log
 
 
 # ---- set-up pieces -----------------------------------------------------------------------------
