@@ -58,6 +58,9 @@ from ict_jax.config import Config, ConfigError  # noqa: E402
 from ict_jax.sampling import bucket_length  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, model_config  # noqa: E402
 
+# compile_s is a compile, never a load from JAX_COMPILATION_CACHE_DIR
+jax.config.update("jax_enable_compilation_cache", False)
+
 GiB = 1 << 30
 GPU_SPECS_DIR = os.path.join(os.path.dirname(__file__), "gpu_specs")
 GPU_MEM_FRACTION = 0.90  # launch/gpu_slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACTION
