@@ -13,5 +13,5 @@ from _paper import paper_config  # noqa: E402
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-1.5B", prompts_per_step=128, steps=500, mesh_fsdp=-1,
+  return paper_config("/ckpt/Qwen2.5-1.5B", "qwen2_5_1_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1,
                       micro_batch_size=64)
