@@ -290,11 +290,11 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
   report = measure(lowered, target, program="train_step", advice=advice)
   tokens = rows * (prompt_len + completion_len)
   report.model_flops_per_step = float(mcfg.flops_per_token(prompt_len + completion_len) * tokens)
-  report.shapes = dict(rows=rows, micro_batch_size=mb, prompt_len=prompt_len,
+  report.shapes = dict(rows=rows, micro_batch_size=mb, group_size=cfg.rollout.group_size, prompt_len=prompt_len,
                        completion_len=completion_len, mesh=dict(mesh.shape),
                        model=cfg.model.path or cfg.model.preset, num_params=mcfg.num_params(),
                        dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, remat=mcfg.remat,
-                       method=cfg.ict.method, note=note)
+                       method=cfg.ict.method, rows_per_shard=mb // shards, note=note)
   return report
 
 
@@ -311,6 +311,9 @@ def format_report(r: Report, target: Target) -> str:
            f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"]
   if s.get("note"):
     lines.append(f"  note: {s['note']}")
+  if s.get("method") == "ict" and 0 < s.get("rows_per_shard", 0) < s.get("group_size", 0):
+    lines.append(f"  note: a row shard holds {s['rows_per_shard']} rows of a micro-batch, less than "
+                 f"a group ({s['group_size']}): the ICT group mean crosses chips")
   lines += [f"  per chip: arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
             f"(aliased {_gib(r.alias_bytes)}), temporaries {_gib(r.temp_bytes)}, generated code "
             f"{_gib(r.generated_code_bytes)}",
