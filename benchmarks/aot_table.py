@@ -29,16 +29,17 @@ V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.model.para
 RUNS: dict[str, tuple[str, str, list[str]]] = {
     "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
     "7b_v5e-8_bf16_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
-    "0.5b_v5e-8": ("0.5B", "v5e-8", []),
+    "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
+    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
     "1.5b_h100-8": ("1.5B", "h100-8", []),
-    "7b_h100-8": ("7B", "h100-8", []),
     "0.5b_h100-8": ("0.5B", "h100-8", []),
+    "7b_h100-8": ("7B", "h100-8", []),
     "1.5b_v5p-32": ("1.5B", "v5p-32", []),
     "7b_v5p-32": ("7B", "v5p-32", []),
     "0.5b_v5p-32": ("0.5B", "v5p-32", []),
     "1.5b_h200-8": ("1.5B", "h200-8", []),
-    "7b_h200-8": ("7B", "h200-8", []),
     "0.5b_h200-8": ("0.5B", "h200-8", []),
+    "7b_h200-8": ("7B", "h200-8", []),
 }
 
 
@@ -87,7 +88,9 @@ def table(reports: dict[str, dict]) -> str:
       continue
     s, c = r["shapes"], r["collectives"]
     mesh = s["mesh"]
-    fit = f"yes ({_gib(r['margin_bytes'])})" if r["fits"] else "**no**"
+    accepted = r.get("compiler_accepted", bool(c))  # reports before the key: compiled = counted
+    fit = (f"yes ({_gib(r['margin_bytes'])})" if r["fits"] else
+           "**no** (compiled, but peak > usable)" if accepted else "**no** (compiler: out of memory)")
     coll = (" / ".join(str(c.get(k, 0)) for k in ("all-gather", "all-reduce", "reduce-scatter",
                                                    "collective-permute", "all-to-all"))
             if c else "—")
@@ -134,6 +137,7 @@ def main() -> None:
     if os.path.exists(path):
       with open(path) as f:
         reports[name] = json.load(f)
+      reports[name].setdefault("command", " ".join(command(name)))  # a run started by hand
   write_results(reports)
   print(table(reports))
 

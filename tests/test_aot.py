@@ -48,7 +48,7 @@ def test_report_has_the_keys_and_fits(tpu_small):
               "collectives", "model_flops_per_step", "temp_bytes", "argument_bytes",
               "generated_code_bytes", "margin_bytes"):
     assert key in r, key
-  assert r["fits"] is True and r["target"] == "v5e-8"
+  assert r["fits"] is True and r["compiler_accepted"] is True and r["target"] == "v5e-8"
   assert r["hbm_bytes_per_device"] == int(15.75 * 2**30)  # libtpu's usable HBM of a v5e chip
   assert 0 < r["peak_bytes_per_device"] < r["hbm_bytes_per_device"]
   assert r["margin_bytes"] == r["hbm_bytes_per_device"] - r["peak_bytes_per_device"]
@@ -88,7 +88,7 @@ def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
                 "--config.model.remat=false", "--completion_len", "8176", "--target", "v5e-8",
                 json_path=tmp_path / "big.json")
   assert proc.returncode == 1, proc.stderr[-3000:]
-  assert r["fits"] is False
+  assert r["fits"] is False and r["compiler_accepted"] is False
   assert r["peak_bytes_per_device"] > r["hbm_bytes_per_device"]
   assert "RESOURCE_EXHAUSTED" in r["error"]
   assert "DOES NOT FIT" in proc.stdout
