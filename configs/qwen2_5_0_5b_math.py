@@ -9,5 +9,5 @@ from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-0.5B", prompts_per_step=128, steps=500, mesh_fsdp=-1,
+  return paper_config("/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1,
                       micro_batch_size=128)

@@ -9,5 +9,5 @@ from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-7B", prompts_per_step=128, steps=500, mesh_fsdp=-1, mesh_tensor=1,
+  return paper_config("/ckpt/Qwen2.5-7B", "qwen2_5_7b", prompts_per_step=128, steps=500, mesh_fsdp=-1, mesh_tensor=1,
                       micro_batch_size=32)

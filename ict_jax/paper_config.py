@@ -9,10 +9,12 @@ GRPO practice for Qwen2.5 math RL, and kept configurable.
 from ict_jax.config import default_config
 
 
-def paper_config(model_dir: str, *, prompts_per_step: int, steps: int, mesh_fsdp: int = -1,
-                 mesh_tensor: int = 1, micro_batch_size: int = 0):
+def paper_config(model_dir: str, preset: str, *, prompts_per_step: int, steps: int,
+                 mesh_fsdp: int = -1, mesh_tensor: int = 1, micro_batch_size: int = 0):
   c = default_config()
   c.model.path = model_dir                  # local HF folder, e.g. /ckpt/Qwen2.5-1.5B
+  c.model.preset = preset                   # its architecture (python -m ict_jax.aot uses it
+                                            # where the folder is absent)
   c.model.dtype = "bfloat16"                # ASSUMPTION: bf16 compute
   c.model.param_dtype = "float32"           # ASSUMPTION: fp32 master weights + Adam state
   c.model.remat = True

@@ -16,10 +16,12 @@ from ict_jax.models.hf import read_config
 from ict_jax.models.qwen2 import abstract_model
 
 
-def make_mesh(cfg: Config) -> Mesh:
-  """The ("data", "fsdp", "tensor") mesh of `config.mesh` over all devices."""
+def make_mesh(cfg: Config, devices=None) -> Mesh:
+  """The ("data", "fsdp", "tensor") mesh of `config.mesh` over `devices` (default: all; `aot`
+  passes a target's compile-only devices)."""
   try:
-    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
+                              devices=devices)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
 

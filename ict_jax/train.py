@@ -136,10 +136,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   with_ref = cfg.loss.beta > 0
   start_step, position, ref_params = 0, 0, None
   if ckpt.latest_step() is not None:
-    abstract_tree = {"state": jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, optimizer.init(p)), abstract_params),
-        state_sharding)}
+    abstract_tree = {"state": ts.abstract_train_state(optimizer, abstract_params, state_sharding)}
     if with_ref:
       abstract_tree["ref_params"] = abstract_params
     start_step, tree, meta = ckpt.restore(abstract_tree)

@@ -242,3 +242,12 @@ def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_shar
   shardings = train_state_shardings(optimizer, jax.eval_shape(lambda: params), params_sharding, mesh)
   with jax.set_mesh(mesh):
     return jax.jit(init, in_shardings=(params_sharding,), out_shardings=shardings)(params)
+
+
+def abstract_train_state(optimizer, params_abstract, state_sharding) -> TrainState:
+  """The TrainState `init_train_state` makes, as `jax.ShapeDtypeStruct`s carrying
+  `state_sharding` (no array allocated): a checkpoint restore target, and what `ict_jax.aot`
+  compiles the step for."""
+  shapes = jax.eval_shape(lambda p: TrainState(jnp.int32(0), p, optimizer.init(p)), params_abstract)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      shapes, state_sharding)
