@@ -24,7 +24,7 @@ class ModelConfig:
   path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
   dtype: str = "float32"          # compute dtype
   param_dtype: str = "float32"    # parameter / optimizer dtype
-  remat: bool = False             # jax.checkpoint each decoder layer in the train step
+  remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +139,7 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "model.remat_policy": ("none", "full", "minimal"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),

@@ -26,8 +26,9 @@ def make_mesh(cfg: Config) -> Mesh:
 
 def model_config(cfg: Config, hf_dir: str) -> Qwen2Config:
   """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
-  dtypes and remat from `config.model`."""
-  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
+  dtypes and the remat policy from `config.model`."""
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            remat_policy=cfg.model.remat_policy)
   try:
     if hf_dir:
       return read_config(hf_dir, **kw)

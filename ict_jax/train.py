@@ -187,7 +187,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     if hf_dir:
       try:
         model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                mesh=mesh, remat=cfg.model.remat)
+                                mesh=mesh, remat_policy=cfg.model.remat_policy)
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily
         raise ConfigError(str(e)) from None

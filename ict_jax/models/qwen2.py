@@ -4,7 +4,11 @@ Einsum letters match parameter and sharding names:
   B batch, T query length, S key length, D embed, N heads, K kv_heads, G groups (N/K),
   H head_dim, F mlp, V vocab.
 Parameters carry logical axis names in their `axes` metadata (see `models/axes.py`).
-The KV cache is an explicit pytree passed in and returned, so decoding is a pure function.
+The decoder stack is one `DecoderLayer` whose parameters are stacked on a leading `layers` axis
+(L, logical name "layers"), run by `jax.lax.scan`: XLA compiles one layer, not L copies. A named
+remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train step.
+The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
+stacked like the parameters, [L, B, K, S, H], and scanned with them.
 """
 from __future__ import annotations
 
@@ -22,15 +26,27 @@ _INIT_STD = 0.02
 
 
 class LayerCache(NamedTuple):
-  k: Array  # [B, K, S, H]: heads-major, as the attention dots read it
-  v: Array  # [B, K, S, H]
+  """Keys and values, [L, B, K, S, H] for the model (heads-major, as the attention dots read
+  them); inside the scanned layer each is one layer's [B, K, S, H]."""
+  k: Array
+  v: Array
+
+
+# remat policy name -> jax.checkpoint policy (MaxText's names); "none" runs the layer as is.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's input
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls
+}
 
 
 def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal",
+           stack: tuple[int, ...] = ()) -> nnx.Param:
+  """A parameter of `stack + shape`; a stacked one gets the logical axis "layers" first."""
+  shape, axes = tuple(stack) + tuple(shape), ("layers",) * len(stack) + tuple(axes)
   if init == "ones":
     value = jnp.ones(shape, dtype)
   elif init == "zeros":
@@ -41,8 +57,8 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None):
-    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones")
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None, stack=()):
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones", stack)
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:  # [..., D]
@@ -71,17 +87,18 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pd = _dtype(cfg.param_dtype)
+    p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init, stack)
     self.cfg = cfg
-    self.q_proj = nnx.Dict(kernel=_param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd),
-                           bias=_param(rngs, (n, h), ("heads", "head_dim"), pd, "zeros"))
-    self.k_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
-                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
-    self.v_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
-                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
-    self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd))
+    self.q_proj = nnx.Dict(kernel=p((d, n, h), ("embed", "heads", "head_dim")),
+                           bias=p((n, h), ("heads", "head_dim"), "zeros"))
+    self.k_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
+                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
+    self.v_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
+                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
+    self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
   def __call__(self, x: Array, cos: Array, sin: Array, bias: Array,
                cache: LayerCache | None, cache_index: Array | None):
@@ -113,11 +130,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, f, pd = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype)
-    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
-    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
-    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd))
+    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd, stack=stack))
 
   def __call__(self, x: Array) -> Array:  # [B,T,D]
     dt = x.dtype
@@ -128,12 +145,15 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+  """One decoder layer; built with `stack=(L,)` it holds all L layers' parameters stacked, and
+  is called on one layer's slice of them (see `Qwen2.hidden_states`)."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     pd = _dtype(cfg.param_dtype)
-    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
+    self.attn = Attention(cfg, rngs=rngs, stack=stack)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
+    self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
   def __call__(self, x, cos, sin, bias, cache, cache_index):
     h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index)
@@ -142,8 +162,17 @@ class DecoderLayer(nnx.Module):
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
 
 
-def _remat_layer(layer: DecoderLayer, x, cos, sin, bias):
-  return layer(x, cos, sin, bias, None, None)[0]
+def _stacked_layers(cfg: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
+  """The L decoder layers as one `DecoderLayer` of stacked [L, ...] parameters. They are drawn
+  layer by layer from `rngs` and then stacked, so a seed gives the same weights as L separate
+  layers would (the layout changed, the initialisation did not)."""
+  per_layer = [nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=rngs), nnx.Param))
+               for _ in range(cfg.num_hidden_layers)]
+  stacked = nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0), stack=(cfg.num_hidden_layers,)))
+  state = nnx.state(stacked, nnx.Param)
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+  nnx.update(stacked, state)
+  return stacked
 
 
 class Qwen2(nnx.Module):
@@ -153,7 +182,7 @@ class Qwen2(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     self.cfg = cfg
     self.embed = nnx.Dict(embedding=_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd))
-    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    self.layers = _stacked_layers(cfg, rngs)  # one DecoderLayer of [L, ...] parameters
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Dict(kernel=_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd))
@@ -190,22 +219,39 @@ class Qwen2(nnx.Module):
                           preferred_element_type=jnp.float32)
     return constrain(logits, ("act_vocab", "act_batch"))
 
-  def init_cache(self, batch: int, length: int, dtype=None) -> list[LayerCache]:
+  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
+    """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype)."""
     cfg = self.cfg
-    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)  # [B, K, S, H]
+    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim)
     dt = dtype or _dtype(cfg.dtype)
-    names = ("act_batch", "act_kv_heads", "act_cache_length", None)
+    names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
-    return [LayerCache(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
+    return LayerCache(zeros(), zeros())
+
+  def _decoder_stack(self, x, cos, sin, bias, cache: LayerCache | None, cache_index):
+    """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
+    stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
+    cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
+    graphdef, state = nnx.split(self.layers)
+
+    def layer(x, xs):
+      layer_state, layer_cache = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, bias, layer_cache, cache_index)
+
+    policy = self.cfg.remat_policy
+    if cache is None and policy != "none":
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return jax.lax.scan(layer, x, (state, cache))
 
   def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
-                    positions: Array | None = None, cache: list[LayerCache] | None = None,
+                    positions: Array | None = None, cache: LayerCache | None = None,
                     cache_index: Array | None = None, kv_mask: Array | None = None):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).
     positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
-    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1."""
+    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1; the cache is
+    a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
@@ -215,7 +261,7 @@ class Qwen2(nnx.Module):
     if cache is None:  # keys are the T tokens themselves
       q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
     else:
-      s = cache[0].k.shape[2]
+      s = cache.k.shape[3]
       q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
       k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
@@ -223,13 +269,7 @@ class Qwen2(nnx.Module):
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    new_cache = []
-    for i, layer in enumerate(self.layers):
-      if cache is None and cfg.remat:
-        x = nnx.remat(_remat_layer)(layer, x, cos, sin, bias)
-      else:
-        x, c = layer(x, cos, sin, bias, None if cache is None else cache[i], cache_index)
-        new_cache.append(c)
+    x, new_cache = self._decoder_stack(x, cos, sin, bias, cache, cache_index)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
 
