@@ -118,8 +118,10 @@ def model_config(args, cfg=None):
         raise SystemExit(f"--config {args.config}: model.path {cfg.model.path!r} has no "
                          f"config.json and the file name names no preset of {sorted(PRESETS)}")
       mcfg = Qwen2Config.preset(names[0] if names else cfg.model.preset)
+    from ict_jax.setup import resolve_attention
     mcfg = mcfg.replace(dtype=args.dtype or cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                        remat_policy=cfg.model.remat_policy)
+                        remat_policy=cfg.model.remat_policy,
+                        attention=resolve_attention(cfg.model.attention))
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)
   return mcfg

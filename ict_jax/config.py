@@ -25,6 +25,8 @@ class ModelConfig:
   dtype: str = "float32"          # compute dtype
   param_dtype: str = "float32"    # parameter / optimizer dtype
   remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
+  attention: str = "auto"         # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
+                                  # einsum | dot_product | cudnn | splash (see models/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("none", "full", "minimal"),
+    "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),

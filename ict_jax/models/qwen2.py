@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ict_jax.models.attention import attend
 from ict_jax.models.axes import constrain, cpu_single_device
 from ict_jax.models.config import Qwen2Config
 
@@ -100,9 +101,11 @@ class Attention(nnx.Module):
                            bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
     self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
-  def __call__(self, x: Array, cos: Array, sin: Array, bias: Array,
+  def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                cache: LayerCache | None, cache_index: Array | None):
-    """x [B,T,D]; bias [B,1,1,T,S] additive mask; returns ([B,T,D], new cache)."""
+    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, `mask` is the attention mask [B,T]
+    and `cfg.attention` names the implementation (`models/attention.py`); with one, `mask` is
+    the additive bias [B,1,1,T,S] of the einsum over the S cache slots."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -112,19 +115,20 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv = "BSKH"  # keys/values of the T tokens themselves
-    if cache is not None:  # write the T new keys/values at cache_index, attend to all S
+    if cache is None:  # the T tokens attend to themselves
+      out = attend(q, k, v, mask, cfg.attention)
+    else:  # write the T new keys/values at cache_index, attend to all S
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
       k = jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2)
       v = jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2)
       cache = LayerCache(k, v)
-      k, v, kv = k.astype(dt), v.astype(dt), "BKSH"  # heads-major: the dots need no transpose
-    b, t = q.shape[:2]
-    q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
-    scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
-    probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
-    out = jnp.einsum(f"BKGTS,{kv}->BKGTH", probs, v)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+      k, v = k.astype(dt), v.astype(dt)  # heads-major: the dots need no transpose
+      b, t = q.shape[:2]
+      q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
+      scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+      probs = jax.nn.softmax(scores + mask, axis=-1).astype(dt)
+      out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
+      out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
     return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), cache
 
@@ -155,8 +159,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, bias, cache, cache_index):
-    h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index)
+  def __call__(self, x, cos, sin, mask, cache, cache_index):
+    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
@@ -228,7 +232,7 @@ class Qwen2(nnx.Module):
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
     return LayerCache(zeros(), zeros())
 
-  def _decoder_stack(self, x, cos, sin, bias, cache: LayerCache | None, cache_index):
+  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
     stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
     cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
@@ -236,7 +240,7 @@ class Qwen2(nnx.Module):
 
     def layer(x, xs):
       layer_state, layer_cache = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, bias, layer_cache, cache_index)
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index)
 
     policy = self.cfg.remat_policy
     if cache is None and policy != "none":
@@ -258,18 +262,18 @@ class Qwen2(nnx.Module):
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    if cache is None:  # keys are the T tokens themselves
-      q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
+    if cache is None:  # keys are the T tokens themselves: the attention implementation masks
+      mask = attention_mask
     else:
       s = cache.k.shape[3]
       q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
       k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
-    bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
+      allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
+      mask = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    x, new_cache = self._decoder_stack(x, cos, sin, bias, cache, cache_index)
+    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
 
