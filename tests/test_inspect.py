@@ -255,3 +255,11 @@ def test_export_cli(run, tmp_path, capsys):
   assert (tmp_path / "a" / "config.json").exists()
   assert export.main(["--workdir", run["workdir"], "--step", "9", "--out", str(tmp_path / "b")]) == 2
   assert "available steps: [1, 2]" in capsys.readouterr().err
+
+
+def test_old_per_layer_checkpoint_layout_is_one_clear_error():
+  """Checkpoints written before the scanned layers held layers/<i>/...; say so, not 'missing'."""
+  old = {p: None for p in ("embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel",
+                           "layers/0/mlp/gate_proj/kernel", "final_norm/scale")}
+  with pytest.raises(CheckpointError, match=r"ckpt/2: saved with one tensor per decoder layer \(layers/0/\.\.\.\)"):
+    ins._shape_dims(old, "ckpt/2")
