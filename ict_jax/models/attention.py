@@ -29,6 +29,7 @@ from ict_jax.models.axes import logical_to_spec
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
 SPLASH_BLOCKS = (512, 256, 128)  # splash tile along T (queries and keys): the largest dividing T
+SPLASH_LANES = 128  # T is padded up to a multiple of this (the TPU lane width)
 
 
 def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
@@ -59,10 +60,7 @@ def _splash_kernel(groups: int, t: int, interpret: bool):
   q [G, T, H], k and v [T, H], segment ids [T] -> [G, T, H]."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-  block = next((b for b in SPLASH_BLOCKS if t % b == 0), None)
-  if block is None:
-    raise ValueError(f"splash attention: sequence length {t} is not a multiple of 128 (the TPU "
-                     f"lane width); bucket the lengths, or use model.attention='dot_product'")
+  block = next(b for b in SPLASH_BLOCKS if t % b == 0)  # t is padded to a multiple of 128
   mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(groups)])
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
@@ -84,9 +82,16 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *,
                      interpret: bool = False) -> Array:
   """The Pallas TPU splash kernel. Under a mesh (`jax.set_mesh`) it runs per shard of the batch
   (act_batch) and KV heads (act_kv_heads) by `shard_map`, as a Pallas kernel is not partitioned
-  by XLA. `interpret=True` runs the kernel in the Pallas interpreter (any backend; tests)."""
+  by XLA. T is padded up to a multiple of 128 with padding tokens (segment 0, after the row's
+  end, so no real token sees them). `interpret=True` runs the kernel in the Pallas interpreter
+  (any backend; tests)."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
+  pad = -t % SPLASH_LANES
+  if pad:
+    widen = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    out = splash_attention(widen(q), widen(k), widen(v), widen(segment_ids), interpret=interpret)
+    return out[:, :t]
   qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv_heads, n // kv_heads, h)
   qg = qg.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
