@@ -24,7 +24,9 @@ class ModelConfig:
   path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
   dtype: str = "float32"          # compute dtype
   param_dtype: str = "float32"    # parameter / optimizer dtype
-  remat: bool = False             # jax.checkpoint each decoder layer in the train step
+  remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
+  attention: str = "auto"         # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
+                                  # einsum | dot_product | cudnn | splash (see models/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +147,8 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "model.remat_policy": ("none", "full", "minimal"),
+    "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),

@@ -17,7 +17,7 @@ def paper_config(model_dir: str, preset: str, *, prompts_per_step: int, steps: i
                                             # where the folder is absent)
   c.model.dtype = "bfloat16"                # ASSUMPTION: bf16 compute
   c.model.param_dtype = "float32"           # ASSUMPTION: fp32 master weights + Adam state
-  c.model.remat = True
+  c.model.remat_policy = "full"
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, mesh_fsdp, mesh_tensor
   c.data.name = "gsm8k+math"                # PAPER: trained on GSM8K + MATH
   c.data.config = ""

@@ -122,7 +122,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
   hf_dir = init_from_hf or cfg.model.path
-  mcfg = model_config(cfg, hf_dir)
+  mcfg = model_config(cfg, hf_dir, mesh)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
@@ -150,7 +150,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     if hf_dir:
       try:
         model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                mesh=mesh, remat=cfg.model.remat)
+                                mesh=mesh, remat_policy=mcfg.remat_policy, attention=mcfg.attention)
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily
         raise ConfigError(str(e)) from None

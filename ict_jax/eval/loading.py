@@ -81,7 +81,7 @@ def load_workdir(workdir: str, *, step: int | None = None, mesh=None, dtype: str
         step = reader.pick_step(step)
         cfg = config if config is not None else read_run_config(workdir, step)
         mesh = mesh if mesh is not None else setup.make_mesh(cfg)
-        mcfg = setup.model_config(cfg, cfg.model.path)
+        mcfg = setup.model_config(cfg, cfg.model.path, mesh)
         if dtype is not None:
             mcfg = mcfg.replace(dtype=jnp.dtype(dtype).name)
         graphdef, abstract, _ = setup.abstract_params(mcfg, mesh)
