@@ -111,23 +111,26 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
     return dw, dh.astype(h_b.dtype)
 
   dw, dh = jax.lax.scan(block, jnp.zeros(w.shape, jnp.float32), (h, ids, lse, g))
-  return dh, dw.astype(w.dtype)
+  return dh, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
-  logp, _, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
+  logp, _, stats = _forward(h, w.astype(h.dtype), ids, mask, temperature, group_size, chunk_size,
+                            vocab_major)
   return logp, stats
 
 
 def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
-  logp, lse, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
+  logp, lse, stats = _forward(h, w.astype(h.dtype), ids, mask, temperature, group_size,
+                              chunk_size, vocab_major)
   return (logp, stats), (h, w, ids, lse)
 
 
 def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotangents):
   del group_size
-  h, w, ids, lse = res
+  h, w_stored, ids, lse = res
+  w = w_stored.astype(h.dtype)  # the matmuls' dtype; dW is summed in float32, returned as stored
   g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
   n, c, d = h.shape
   n_chunks, k = _split(c, chunk_size)
@@ -159,7 +162,7 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotan
       return dh, dw
 
     dh, dw = jax.lax.cond(nnz <= cap, sparse, dense, None)
-  return dh, dw, None, None
+  return dh, dw.astype(w_stored.dtype), None, None
 
 
 _logp_and_stats.defvjp(_fwd, _bwd)
@@ -169,8 +172,10 @@ def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | Non
                    chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
-  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head, [D, V],
-  or [V, D] with `vocab_major` (a tied embedding as stored: no transposed copy per step);
+  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head as
+  stored (float32 master weights), [D, V], or [V, D] with `vocab_major` (a tied embedding as
+  stored: no transposed copy per step). The matmuls run in h's dtype (the compute dtype); dW is
+  accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc)."""
   return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
                          int(chunk_size), int(grad_rows), bool(vocab_major))

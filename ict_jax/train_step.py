@@ -10,6 +10,12 @@ micro-batches (`lax.scan`) and divided by the summed denominators, so micro-batc
 big batch exactly. Then global-norm clipping and AdamW (optax), skipped when anything is
 non-finite (`optax.apply_if_finite`).
 
+Precision: the parameters (the master copy the updates land on), AdamW's moments and the
+gradient sums are float32 whatever the compute dtype (`model.dtype`); the model casts each weight
+to the compute dtype where it is used, and the LM head's dW is accumulated in float32. The step
+refuses non-float32 parameters: in bfloat16 an update below 2**-9 of a weight rounds away (at
+lr 1e-6 almost all of them), and a float32 copy beside bfloat16 weights would only add memory.
+
 Selection thresholds that look across rows (20-Entropy's top-k, STAPO's entropy quantile) are
 taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-batch invariant.
 """
@@ -110,7 +116,7 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
                           jnp.concatenate([prompt_mask, cmask], 1))
   h = h[:, p - 1: p + c - 1]  # [N, C, D]
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
-  return lm_head.logp_and_stats(h, w.astype(h.dtype), ids, cmask, temperature=temperature,
+  return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature,
                                 group_size=group_size, chunk_size=chunk_size,
                                 grad_rows=grad_rows, vocab_major=vocab_major)
 
@@ -158,6 +164,11 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
   advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy)."""
 
   def step_fn(state: TrainState, batch: Batch, ref_params=None):
+    low = [(jax.tree_util.keystr(path), x.dtype)
+           for path, x in jax.tree_util.tree_leaves_with_path(state.params) if x.dtype != jnp.float32]
+    if low:
+      raise ValueError(f"train step: parameters must be float32 master weights (compute runs in "
+                       f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)")
     n = batch["completion_ids"].shape[0]
     mb = cfg.micro_batch_size or n
     if n % mb or mb % cfg.group_size:
