@@ -248,7 +248,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
                        reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
-        batch = roll.batch()
+        batch = ts.trim_batch(roll.batch())  # the real length, bucketed: few compiled shapes
         t1 = time.perf_counter()
         if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
           stop_early(step, position)

@@ -22,11 +22,12 @@ taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-ba
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ict_jax import grpo, lm_head, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
+from ict_jax.sampling import bucket_length
 from ict_jax.sharding import put_global
 
 Batch = dict[str, jax.Array]
@@ -65,6 +67,7 @@ class StepConfig:
   chunk_size: int = 128
   micro_batch_size: int = 0
   sparse_backward: bool = True
+  max_completion_length: int = 0  # dr_grpo's T (rollout.max_new_tokens); 0: the batch's width
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
@@ -76,7 +79,8 @@ class StepConfig:
         loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
         epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
         sparse_backward=cfg.ict.sparse_backward,
-        micro_batch_size=cfg.train.micro_batch_size)
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_completion_length=cfg.rollout.max_new_tokens)
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -121,6 +125,39 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
                                 grad_rows=grad_rows, vocab_major=vocab_major)
 
 
+# ---- the batch at its real length -----------------------------------------------------------
+COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logp")  # [N, C], right-padded
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
+
+
+def trim_batch(batch: Batch, buckets: Sequence[int] | None = None) -> Batch:
+  """The batch cut to its real length, on the host, before the step (few compiled shapes).
+
+  Completion columns [N, C] -> [N, C'], C' = min(C, sampling.bucket_length(longest completion,
+  buckets)); left-padded prompt columns [N, P] -> [N, P'] likewise from the left. The columns cut
+  hold padding only (mask 0): positions are cumsum(mask) - 1, padding keys are masked out, and
+  every loss, statistic and metric sums over the mask, so the step's results are those of the
+  untrimmed batch (dr_grpo's divisor is `StepConfig.max_completion_length`, not the width). With
+  the default power-of-two buckets a step compiles at most log2(C / 16) + 1 completion widths.
+  logp comes back [N, C']; feed it as old_logp with the same trimmed batch."""
+  cmask = np.asarray(batch["completion_mask"])
+  pmask = np.asarray(batch["prompt_mask"])
+  c, p = cmask.shape[1], pmask.shape[1]
+  used = np.flatnonzero(cmask.any(axis=0))
+  c_new = min(c, bucket_length(int(used[-1]) + 1 if used.size else 1, buckets))
+  used = np.flatnonzero(pmask.any(axis=0))
+  p_new = min(p, bucket_length(p - int(used[0]) if used.size else 1, buckets))
+  out = {}
+  for k, x in batch.items():
+    if k in COMPLETION_KEYS:
+      out[k] = x[:, :c_new]
+    elif k in PROMPT_KEYS:
+      out[k] = x[:, p - p_new:]
+    else:
+      out[k] = x
+  return out
+
+
 # ---- the loss of one micro-batch -------------------------------------------------------------
 def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
@@ -149,7 +186,8 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
     token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
   terms = grpo.policy_loss_terms(
       logp, old_logp, adv, mask, ref_logp=ref_logp, beta=cfg.beta, epsilon_low=cfg.epsilon_low,
-      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask)
+      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask,
+      max_completion_length=cfg.max_completion_length or None)
   metrics = dict(terms.metrics)
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"],
                                              stats["renyi2"]))

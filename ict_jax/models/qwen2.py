@@ -84,8 +84,11 @@ class Attention(nnx.Module):
     self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd))
 
   def __call__(self, x: Array, cos: Array, sin: Array, bias: Array,
-               cache: LayerCache | None, cache_index: Array | None):
-    """x [B,T,D]; bias [B,1,1,T,S] additive mask; returns ([B,T,D], new cache)."""
+               cache: LayerCache | None, cache_index: Array | None, prefill: bool = False):
+    """x [B,T,D]; bias [B,1,1,T,S] additive mask; returns ([B,T,D], new cache).
+
+    With a cache the T new keys/values are written at cache_index; they attend to all S cache
+    slots, or with `prefill` (an empty cache) to the T new keys only (bias [B,1,1,T,T])."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -98,10 +101,11 @@ class Attention(nnx.Module):
     kv = "BSKH"  # keys/values of the T tokens themselves
     if cache is not None:  # write the T new keys/values at cache_index, attend to all S
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
-      k = jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2)
-      v = jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2)
-      cache = LayerCache(k, v)
-      k, v, kv = k.astype(dt), v.astype(dt), "BKSH"  # heads-major: the dots need no transpose
+      cache = LayerCache(
+          jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
+          jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2))
+      if not prefill:  # prefill keeps the T fresh keys: nothing before them is visible
+        k, v, kv = cache.k.astype(dt), cache.v.astype(dt), "BKSH"  # heads-major: no transpose
     b, t = q.shape[:2]
     q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
     scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
@@ -135,8 +139,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, cos, sin, bias, cache, cache_index):
-    h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index)
+  def __call__(self, x, cos, sin, bias, cache, cache_index, prefill: bool = False):
+    h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index, prefill)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
@@ -200,19 +204,22 @@ class Qwen2(nnx.Module):
 
   def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
                     positions: Array | None = None, cache: list[LayerCache] | None = None,
-                    cache_index: Array | None = None, kv_mask: Array | None = None):
+                    cache_index: Array | None = None, kv_mask: Array | None = None,
+                    prefill: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).
     positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
-    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1."""
+    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1. `prefill`
+    (static): the cache holds nothing visible yet, so the T tokens attend to each other only
+    (scores [.., T, T], not [.., T, S]: a prompt does not pay for the max_new_tokens slots)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    if cache is None:  # keys are the T tokens themselves
+    if cache is None or prefill:  # keys are the T tokens themselves
       q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
     else:
       s = cache[0].k.shape[2]
@@ -228,7 +235,7 @@ class Qwen2(nnx.Module):
       if cache is None and cfg.remat:
         x = nnx.remat(_remat_layer)(layer, x, cos, sin, bias)
       else:
-        x, c = layer(x, cos, sin, bias, None if cache is None else cache[i], cache_index)
+        x, c = layer(x, cos, sin, bias, None if cache is None else cache[i], cache_index, prefill)
         new_cache.append(c)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
