@@ -158,6 +158,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   _check_workdir(workdir)
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
+  try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
+    ts.check_micro_batch(cfg.train.micro_batch_size
+                         or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)

@@ -194,6 +194,20 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
   return terms.numerator, (terms.denominator, metrics, sg_logp)
 
 
+def check_micro_batch(micro_batch: int, mesh) -> None:
+  """A micro-batch must split evenly over the mesh's row axes (data x fsdp); otherwise the
+  sharding rules would drop those axes and every device would compute every row. Raises
+  ValueError naming train.micro_batch_size and the mesh."""
+  if mesh is None or mesh.empty:
+    return
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  if micro_batch % rows:
+    raise ValueError(f"config.train.micro_batch_size: a micro-batch of {micro_batch} rows does not "
+                     f"divide over the mesh's data x fsdp = {mesh.shape['data']} x "
+                     f"{mesh.shape['fsdp']} = {rows} devices (mesh {dict(mesh.shape)}); use a "
+                     f"multiple of {rows} (0 = the whole batch of prompts_per_step x group_size)")
+
+
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, state_sharding=None, donate: bool = True):
   """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`.
@@ -212,9 +226,15 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     if n % mb or mb % cfg.group_size:
       raise ValueError(f"micro_batch_size {mb} must divide the batch ({n} rows) and be a "
                        f"multiple of group_size {cfg.group_size}")
+    check_micro_batch(mb, jax.sharding.get_abstract_mesh())
     batch = {k: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
     grad_fn = jax.value_and_grad(_microbatch_terms, has_aux=True)
-    micro = jax.tree.map(lambda x: x.reshape(n // mb, mb, *x.shape[1:]), batch)
+    # [N] -> [N / mb, mb]: micro-batch i is rows i*mb .. i*mb + mb - 1 (whole groups), and each
+    # one is spread over every device (not micro-batch i on device i): a device's share of a
+    # micro-batch is mb / (data x fsdp) consecutive rows, whole groups when it has >= G of them.
+    micro = jax.tree.map(
+        lambda x: constrain(x.reshape(n // mb, mb, *x.shape[1:]),
+                            (None, "act_batch") + (None,) * (x.ndim - 1)), batch)
 
     def accumulate(carry, mbatch):
       grads, num, den, metrics = carry
