@@ -23,7 +23,7 @@ class ModelConfig:
   preset: str = "tiny"            # Qwen2Config preset when `path` is empty
   path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
   dtype: str = "float32"          # compute dtype
-  param_dtype: str = "float32"    # parameter / optimizer dtype
+  param_dtype: str = "float32"    # master weights: float32 only for training (see validate)
   remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
   attention: str = "auto"         # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
                                   # einsum | dot_product | cudnn | splash (see models/attention.py)
@@ -276,6 +276,18 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
                       f"{total} sequences of a step (prompts_per_step x group_size)")
   if cfg.train.profile_steps:
     profile_range(cfg.train.profile_steps)
+  if cfg.model.param_dtype != "float32":
+    # Adam moments, gradient sums and the weights the updates land on follow the parameters'
+    # dtype. In bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at
+    # lr 1e-6 nearly every update of a weight of magnitude >= 1e-3 is lost, and bf16 moments and
+    # micro-batch gradient sums lose more. A float32 master copy next to bfloat16 weights would
+    # cost more memory than float32 weights alone (6 vs 4 bytes a parameter), so there is
+    # nothing to gain: compute runs in model.dtype (bfloat16) from the float32 weights.
+    raise ConfigError(
+        f"config.model.param_dtype: training keeps float32 weights, Adam moments and gradient "
+        f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
+        f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
+        f"model.dtype=bfloat16 and keep model.param_dtype=float32")
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   return cfg

@@ -71,7 +71,30 @@ def _w(vocab_major: bool) -> str:
   return "VD" if vocab_major else "DV"
 
 
+# Vocabulary-parallel layout (a mesh): inside the head, rows are split over "data" only and the
+# vocabulary over the other axes ("act_head_vocab" -> tensor, fsdp); the head weight is resharded
+# once per step from its parameter layout ([D over fsdp, V over tensor]) to [D, V over
+# tensor x fsdp], so no chip ever holds the whole [D, V] head, and the hidden states of the
+# chunk's rows are gathered over fsdp instead (N x k x D, far smaller). Reductions over V
+# (logsumexp, entropy, Renyi-2, the JS score's KL sums, the picked logit) are partial sums plus
+# all-reduces of [N, k] scalars. A group's G rows sit on one chip whenever a chip's share of
+# the rows (micro-batch / data) holds whole groups, so the JS group mean moves no [k, V] block.
+ROW_NAMES = ("act_head_batch", None)  # [N, k] statistics and ids
+LOGIT_NAMES = ("act_head_batch", None, "act_head_vocab")  # [N, k, V]
+HIDDEN_NAMES = ("act_head_batch", None, None)  # [N, k, D]
+
+
+def _weight_names(vocab_major: bool):
+  return ("act_head_vocab", None) if vocab_major else (None, "act_head_vocab")
+
+
+def _head_weight(w, dtype, vocab_major: bool):
+  """The stored head cast to the compute dtype, laid out by vocabulary shards (see above)."""
+  return constrain(w.astype(dtype), _weight_names(vocab_major))
+
+
 def _logits(h, w, temperature: float, names, vocab_major: bool):
+  h = constrain(h, names[:-1] + (None,))
   logits = jnp.einsum(f"...D,{_w(vocab_major)}->...V", h, w,
                       preferred_element_type=jnp.float32) / temperature
   return constrain(logits, names)
@@ -80,11 +103,11 @@ def _logits(h, w, temperature: float, names, vocab_major: bool):
 def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
-  names = ("act_batch", "act_length", "act_vocab")
 
   def chunk(xs):
     h_c, ids_c, m_c = xs  # [N, k, D], [N, k], [N, k]
-    logits = _logits(h_c, w, temperature, names, vocab_major)  # [N, k, V]
+    ids_c, m_c = constrain(ids_c, ROW_NAMES), constrain(m_c, ROW_NAMES)
+    logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
     return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse)
@@ -97,7 +120,8 @@ def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major):
 def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   """Gradients of sum(g * log pi) over blocks: h [B, R, D], ids/lse/g [B, R] -> dh, dW.
 
-  B blocks run one after the other (`lax.scan`, dW accumulated in float32)."""
+  B blocks run one after the other (`lax.scan`, dW accumulated in float32, vocabulary-sharded
+  like w)."""
   def block(dw, xs):
     h_b, ids_b, lse_b, g_b = xs
     logits = _logits(h_b, w, temperature, names, vocab_major)  # [R, V] or [N, k, V]
@@ -108,26 +132,30 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
     wl = _w(vocab_major)
     dh = jnp.einsum(f"...V,{wl}->...D", dlogits, w, preferred_element_type=jnp.float32)
     dw = dw + jnp.einsum(f"...D,...V->{wl}", h_b, dlogits, preferred_element_type=jnp.float32)
-    return dw, dh.astype(h_b.dtype)
+    return constrain(dw, _weight_names(vocab_major)), dh.astype(h_b.dtype)
 
-  dw, dh = jax.lax.scan(block, jnp.zeros(w.shape, jnp.float32), (h, ids, lse, g))
-  return dh, dw.astype(w.dtype)
+  dw0 = constrain(jnp.zeros(w.shape, jnp.float32), _weight_names(vocab_major))
+  dw, dh = jax.lax.scan(block, dw0, (h, ids, lse, g))
+  return dh, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
-  logp, _, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
+  logp, _, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
+                            group_size, chunk_size, vocab_major)
   return logp, stats
 
 
 def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
-  logp, lse, stats = _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major)
+  logp, lse, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
+                              group_size, chunk_size, vocab_major)
   return (logp, stats), (h, w, ids, lse)
 
 
 def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotangents):
   del group_size
-  h, w, ids, lse = res
+  h, w_stored, ids, lse = res
+  w = _head_weight(w_stored, h.dtype, vocab_major)  # dW is summed in float32, returned as stored
   g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
   n, c, d = h.shape
   n_chunks, k = _split(c, chunk_size)
@@ -135,7 +163,7 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotan
   def dense(_):
     dh, dw = _rows_backward(_chunked(h, n_chunks, k), w, _chunked(ids, n_chunks, k),
                             _chunked(lse, n_chunks, k), _chunked(g, n_chunks, k), temperature,
-                            ("act_batch", "act_length", "act_vocab"), vocab_major)
+                            LOGIT_NAMES, vocab_major)
     return _unchunked(dh, c), dw
 
   if not 0 < grad_rows < n * c:
@@ -153,13 +181,13 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotan
       take = lambda x: x.reshape(n * c, *x.shape[2:])[idx].reshape(n_blocks, block, *x.shape[2:])
       g_s = jnp.where(valid, flat[idx], 0.0).reshape(n_blocks, block)
       dh_s, dw = _rows_backward(take(h), w, take(ids), take(lse), g_s, temperature,
-                                ("act_batch", "act_vocab"), vocab_major)
+                                ("act_head_batch", "act_head_vocab"), vocab_major)
       dh_s = jnp.where(valid[:, None], dh_s.reshape(cap, d), 0)
       dh = jnp.zeros((n * c, d), h.dtype).at[idx].add(dh_s).reshape(n, c, d)
       return dh, dw
 
     dh, dw = jax.lax.cond(nnz <= cap, sparse, dense, None)
-  return dh, dw, None, None
+  return dh, dw.astype(w_stored.dtype), None, None
 
 
 _logp_and_stats.defvjp(_fwd, _bwd)
@@ -169,8 +197,10 @@ def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | Non
                    chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
-  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head, [D, V],
-  or [V, D] with `vocab_major` (a tied embedding as stored: no transposed copy per step);
+  h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head as
+  stored (float32 master weights), [D, V], or [V, D] with `vocab_major` (a tied embedding as
+  stored: no transposed copy per step). The matmuls run in h's dtype (the compute dtype); dW is
+  accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc)."""
   return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
                          int(chunk_size), int(grad_rows), bool(vocab_major))

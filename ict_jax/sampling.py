@@ -4,7 +4,9 @@ Layout. Prompts are left-padded [B, P]; the cache holds S = P_bucket + N_bucket 
 slots [0, P_bucket) and completion token i in slot P_bucket + i. Keys are visible when their slot is
 <= the query's slot and `kv_mask` is 1 (prompt mask, then ones). RoPE positions come from the
 prompt (`cumsum(mask) - 1`) and continue with `num_prompt_tokens + i` for completion token i, so
-left padding never shifts a position (same as `transformers` with an attention mask).
+left padding never shifts a position (same as `transformers` with an attention mask). Prefill
+attends over the prompt only (`hidden_states(prefill=True)`: [P, P] scores, not [P, P + N]) and
+writes its keys/values into slots [0, P_bucket).
 
 Decode is one `[B, 1]` forward per step inside a `lax.while_loop` that stops when every row has
 emitted an EOS token or `max_new_tokens` tokens. The EOS token itself is part of the completion
@@ -251,7 +253,7 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
 
   cache = model.init_cache(b, p + max_len)
   h, cache = model.hidden_states(prompt_ids, mask, positions=positions, cache=cache,
-                                 cache_index=jnp.int32(0), kv_mask=kv_mask)
+                                 cache_index=jnp.int32(0), prefill=True)  # [P, P] scores
   logits = model.next_token_logits(h[:, -1])  # [V, B]: left padding -> the last slot is real
 
   def emit(i, logits, done, out):

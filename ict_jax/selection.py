@@ -103,12 +103,11 @@ def _js_to_group_mean(
     lpg = logp.reshape(pg.shape)
     w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
     active = jnp.maximum(w.sum(axis=1, keepdims=True), 1.0)  # [P, 1, C, 1]
-    # Sum of the G members as G - 1 elementwise adds: one fused pass. (A reduce over axis 1 of
-    # [P, G, C, V] is a strided, non-minor reduction; XLA:CPU ran it at ~28 ns/element.)
-    total = pg[:, :1] * w[:, :1]
-    for g in range(1, group_size):
-        total = total + pg[:, g : g + 1] * w[:, g : g + 1]
-    big_p = total / active  # [P, 1, C, V]
+    # One reduction over the group axis: local when a device holds whole groups, else one
+    # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a sharded
+    # group axis would each move a [C, V] block). XLA:CPU without a mesh takes the row-blocked
+    # path (ROW_BLOCK), where this strided reduction's speed does not matter.
+    big_p = (pg * w).sum(axis=1, keepdims=True) / active  # [P, 1, C, V]
     log_big_p = _safe_log(big_p)
     mid = 0.5 * (pg + big_p)  # [P, G, C, V]
     log_mid = _safe_log(mid)
@@ -268,10 +267,9 @@ def _top_k_rows(score: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
     """Per row keep the k highest-scoring valid positions; ties -> lower position first."""
     key = jnp.where(valid, -score.astype(jnp.float32), jnp.inf) + 0.0  # +0.0: no -0.0 keys
     order = jnp.argsort(key, axis=-1, stable=True)  # [R, L]
-    rows = jnp.arange(key.shape[0])[:, None]
-    rank = jnp.zeros_like(order).at[rows, order].set(
-        jnp.broadcast_to(jnp.arange(key.shape[1], dtype=order.dtype), order.shape)
-    )
+    # the inverse permutation by a second sort, not a scatter: a row-wise op, so rows sharded
+    # over a mesh stay where they are (a scatter with [R, L] indices gathered them)
+    rank = jnp.argsort(order, axis=-1)
     return valid & (rank < k[:, None])
 
 

@@ -121,6 +121,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     import_wandb()  # a missing package is one error now, not after the compile
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
+  try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
+    ts.check_micro_batch(cfg.train.micro_batch_size
+                         or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir, mesh)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
@@ -215,7 +220,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
                        reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
-        batch = roll.batch()
+        batch = ts.trim_batch(roll.batch())  # the real length, bucketed: few compiled shapes
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
           stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")

@@ -10,17 +10,24 @@ micro-batches (`lax.scan`) and divided by the summed denominators, so micro-batc
 big batch exactly. Then global-norm clipping and AdamW (optax), skipped when anything is
 non-finite (`optax.apply_if_finite`).
 
+Precision: the parameters (the master copy the updates land on), AdamW's moments and the
+gradient sums are float32 whatever the compute dtype (`model.dtype`); the model casts each weight
+to the compute dtype where it is used, and the LM head's dW is accumulated in float32. The step
+refuses non-float32 parameters: in bfloat16 an update below 2**-9 of a weight rounds away (at
+lr 1e-6 almost all of them), and a float32 copy beside bfloat16 weights would only add memory.
+
 Selection thresholds that look across rows (20-Entropy's top-k, STAPO's entropy quantile) are
 taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-batch invariant.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -28,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ict_jax import grpo, lm_head, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
+from ict_jax.sampling import bucket_length
 from ict_jax.sharding import put_global
 
 Batch = dict[str, jax.Array]
@@ -59,6 +67,7 @@ class StepConfig:
   chunk_size: int = 128
   micro_batch_size: int = 0
   sparse_backward: bool = True
+  max_completion_length: int = 0  # dr_grpo's T (rollout.max_new_tokens); 0: the batch's width
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
@@ -70,7 +79,8 @@ class StepConfig:
         loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
         epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
         sparse_backward=cfg.ict.sparse_backward,
-        micro_batch_size=cfg.train.micro_batch_size)
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_completion_length=cfg.rollout.max_new_tokens)
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -117,9 +127,42 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
                           jnp.concatenate([prompt_mask, cmask], 1))
   h = h[:, p - 1: p + c - 1]  # [N, C, D]
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
-  return lm_head.logp_and_stats(h, w.astype(h.dtype), ids, cmask, temperature=temperature,
+  return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature,
                                 group_size=group_size, chunk_size=chunk_size,
                                 grad_rows=grad_rows, vocab_major=vocab_major)
+
+
+# ---- the batch at its real length -----------------------------------------------------------
+COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logp")  # [N, C], right-padded
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
+
+
+def trim_batch(batch: Batch, buckets: Sequence[int] | None = None) -> Batch:
+  """The batch cut to its real length, on the host, before the step (few compiled shapes).
+
+  Completion columns [N, C] -> [N, C'], C' = min(C, sampling.bucket_length(longest completion,
+  buckets)); left-padded prompt columns [N, P] -> [N, P'] likewise from the left. The columns cut
+  hold padding only (mask 0): positions are cumsum(mask) - 1, padding keys are masked out, and
+  every loss, statistic and metric sums over the mask, so the step's results are those of the
+  untrimmed batch (dr_grpo's divisor is `StepConfig.max_completion_length`, not the width). With
+  the default power-of-two buckets a step compiles at most log2(C / 16) + 1 completion widths.
+  logp comes back [N, C']; feed it as old_logp with the same trimmed batch."""
+  cmask = np.asarray(batch["completion_mask"])
+  pmask = np.asarray(batch["prompt_mask"])
+  c, p = cmask.shape[1], pmask.shape[1]
+  used = np.flatnonzero(cmask.any(axis=0))
+  c_new = min(c, bucket_length(int(used[-1]) + 1 if used.size else 1, buckets))
+  used = np.flatnonzero(pmask.any(axis=0))
+  p_new = min(p, bucket_length(p - int(used[0]) if used.size else 1, buckets))
+  out = {}
+  for k, x in batch.items():
+    if k in COMPLETION_KEYS:
+      out[k] = x[:, :c_new]
+    elif k in PROMPT_KEYS:
+      out[k] = x[:, p - p_new:]
+    else:
+      out[k] = x
+  return out
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
@@ -150,11 +193,26 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
     token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
   terms = grpo.policy_loss_terms(
       logp, old_logp, adv, mask, ref_logp=ref_logp, beta=cfg.beta, epsilon_low=cfg.epsilon_low,
-      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask)
+      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask,
+      max_completion_length=cfg.max_completion_length or None)
   metrics = dict(terms.metrics)
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"],
                                              stats["renyi2"]))
   return terms.numerator, (terms.denominator, metrics, sg_logp)
+
+
+def check_micro_batch(micro_batch: int, mesh) -> None:
+  """A micro-batch must split evenly over the mesh's row axes (data x fsdp); otherwise the
+  sharding rules would drop those axes and every device would compute every row. Raises
+  ValueError naming train.micro_batch_size and the mesh."""
+  if mesh is None or mesh.empty:
+    return
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  if micro_batch % rows:
+    raise ValueError(f"config.train.micro_batch_size: a micro-batch of {micro_batch} rows does not "
+                     f"divide over the mesh's data x fsdp = {mesh.shape['data']} x "
+                     f"{mesh.shape['fsdp']} = {rows} devices (mesh {dict(mesh.shape)}); use a "
+                     f"multiple of {rows} (0 = the whole batch of prompts_per_step x group_size)")
 
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
@@ -165,14 +223,25 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
   advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy)."""
 
   def step_fn(state: TrainState, batch: Batch, ref_params=None):
+    low = [(jax.tree_util.keystr(path), x.dtype)
+           for path, x in jax.tree_util.tree_leaves_with_path(state.params) if x.dtype != jnp.float32]
+    if low:
+      raise ValueError(f"train step: parameters must be float32 master weights (compute runs in "
+                       f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)")
     n = batch["completion_ids"].shape[0]
     mb = cfg.micro_batch_size or n
     if n % mb or mb % cfg.group_size:
       raise ValueError(f"micro_batch_size {mb} must divide the batch ({n} rows) and be a "
                        f"multiple of group_size {cfg.group_size}")
+    check_micro_batch(mb, jax.sharding.get_abstract_mesh())
     batch = {k: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
     grad_fn = jax.value_and_grad(_microbatch_terms, has_aux=True)
-    micro = jax.tree.map(lambda x: x.reshape(n // mb, mb, *x.shape[1:]), batch)
+    # [N] -> [N / mb, mb]: micro-batch i is rows i*mb .. i*mb + mb - 1 (whole groups), and each
+    # one is spread over every device (not micro-batch i on device i): a device's share of a
+    # micro-batch is mb / (data x fsdp) consecutive rows, whole groups when it has >= G of them.
+    micro = jax.tree.map(
+        lambda x: constrain(x.reshape(n // mb, mb, *x.shape[1:]),
+                            (None, "act_batch") + (None,) * (x.ndim - 1)), batch)
 
     def accumulate(carry, mbatch):
       grads, num, den, metrics = carry

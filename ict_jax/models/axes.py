@@ -40,6 +40,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
     ("act_cache_length", ()),
+    # the train step's LM head works on vocabulary shards: rows over data only (lm_head.py)
+    ("act_head_batch", ("data",)),
+    ("act_head_vocab", ("tensor", "fsdp")),
 )
 
 

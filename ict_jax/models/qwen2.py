@@ -102,10 +102,12 @@ class Attention(nnx.Module):
     self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
   def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-               cache: LayerCache | None, cache_index: Array | None):
-    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, `mask` is the attention mask [B,T]
-    and `cfg.attention` names the implementation (`models/attention.py`); with one, `mask` is
-    the additive bias [B,1,1,T,S] of the einsum over the S cache slots."""
+               cache: LayerCache | None, cache_index: Array | None, prefill: bool = False):
+    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, or with `prefill` (an empty cache:
+    the T new keys/values are written at cache_index and nothing before them is visible),
+    `mask` is the attention mask [B,T] and `cfg.attention` names the implementation
+    (`models/attention.py`); when decoding with a cache, `mask` is the additive bias
+    [B,1,1,T,S] of the einsum over the S cache slots."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -115,14 +117,15 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is None:  # the T tokens attend to themselves
-      out = attend(q, k, v, mask, cfg.attention)
-    else:  # write the T new keys/values at cache_index, attend to all S
+    if cache is not None:  # write the T new keys/values at cache_index
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
-      k = jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2)
-      v = jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2)
-      cache = LayerCache(k, v)
-      k, v = k.astype(dt), v.astype(dt)  # heads-major: the dots need no transpose
+      cache = LayerCache(
+          jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
+          jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2))
+    if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
+      out = attend(q, k, v, mask, cfg.attention)
+    else:  # decoding: attend to all S cache slots
+      k, v = cache.k.astype(dt), cache.v.astype(dt)  # heads-major: the dots need no transpose
       b, t = q.shape[:2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
       scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
@@ -159,8 +162,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache, cache_index):
-    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index)
+  def __call__(self, x, cos, sin, mask, cache, cache_index, prefill: bool = False):
+    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, prefill)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
@@ -232,7 +235,8 @@ class Qwen2(nnx.Module):
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
     return LayerCache(zeros(), zeros())
 
-  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index):
+  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index,
+                     prefill: bool = False):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
     stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
     cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
@@ -240,7 +244,8 @@ class Qwen2(nnx.Module):
 
     def layer(x, xs):
       layer_state, layer_cache = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index)
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index,
+                                              prefill)
 
     policy = self.cfg.remat_policy
     if cache is None and policy != "none":
@@ -249,20 +254,23 @@ class Qwen2(nnx.Module):
 
   def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
                     positions: Array | None = None, cache: LayerCache | None = None,
-                    cache_index: Array | None = None, kv_mask: Array | None = None):
+                    cache_index: Array | None = None, kv_mask: Array | None = None,
+                    prefill: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).
     positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
     written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1; the cache is
-    a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`)."""
+    a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`). `prefill` (static): the cache holds
+    nothing visible yet, so the T tokens attend to each other only (scores [.., T, T], not
+    [.., T, S]: a prompt does not pay for the max_new_tokens slots)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    if cache is None:  # keys are the T tokens themselves: the attention implementation masks
+    if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask
     else:
       s = cache.k.shape[3]
@@ -273,7 +281,7 @@ class Qwen2(nnx.Module):
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index)
+    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index, prefill)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
 
