@@ -511,7 +511,7 @@ def free_device_bytes(devices) -> int | None:
   """The least free memory (bytes_limit - bytes_in_use) over `devices`; None without stats."""
   free = []
   for d in devices:
-    stats = d.memory_stats() if d.is_addressable else None
+    stats = d.memory_stats() if d.process_index == jax.process_index() else None
     if stats and "bytes_limit" in stats:
       free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
   return min(free) if free else None

@@ -412,12 +412,17 @@ def test_return_logprobs_false_leaves_them_out(model):
 def test_auto_decode_batch_size():
   auto = sampling.auto_decode_batch_size
   assert auto(64, 4, 10**6, None) == 64  # no memory statistics (CPU): all rows
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  assert sampling.free_device_bytes(mesh.devices.flat) is None  # XLA:CPU reports none
+  from ict_jax.models.config import Qwen2Config
+  resolve = functools.partial(sampling.resolve_decode_batch_size, cfg=Qwen2Config.preset("tiny"),
+                              cache_len=64, mesh=mesh, dtype="float32")
+  assert resolve("auto", 24) == 24 and resolve(None, 24) == 24 and resolve(6, 24) == 6
   # 64 rows over 4 row shards, 1 MB a row, 5 MB free: 0.8 x 5 MB holds 4 rows a device -> 16
   assert auto(64, 4, 10**6, 5 * 10**6) == 16
   assert auto(48, 4, 10**6, 2 * 10**6) == 4  # 1 row a device: the largest divisor <= 4
   with pytest.raises(ValueError, match="not even one row"):
     auto(64, 4, 10**6, 10**6)
-  from ict_jax.models.config import Qwen2Config
   q = Qwen2Config.preset("qwen2_5_7b")  # 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 56 KiB a token
   row = sampling.decode_row_bytes(q, 2304, None, "bfloat16")
   assert row == 56 * 1024 * 2304 + 8 * 152064 * 4
