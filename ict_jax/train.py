@@ -25,7 +25,8 @@ from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import Config, ConfigError
 from ict_jax.logs import MetricsLogger
 from ict_jax.models.config import Qwen2Config
-from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
+from ict_jax.setup import (abstract_params as make_abstract_params, decode_batch_size, make_mesh,
+                           model_config, rollout_dtype)
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.pool import RewardPool
@@ -158,6 +159,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   _check_workdir(workdir)
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
+  roll_dtype = rollout_dtype(cfg, mesh)
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
@@ -247,7 +249,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                        prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
                        reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
-                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
+                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh,
+                       rollout_dtype=roll_dtype, decode_batch_size=decode_batch_size(cfg))
         batch = roll.batch()
         t1 = time.perf_counter()
         if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
@@ -265,11 +268,13 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
                   "sample": roll.completions[0][:200]}
         history.append(record)
-        logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
-                                       "completion": c, "gold": str(gd), "reward": float(r)}
-                                      for i, k, c, gd, r in zip(roll.prompt_ids, roll.prompt_mask,
-                                                                roll.completions, roll.golds,
-                                                                roll.rewards)][:SAMPLES_LOGGED])
+        shown = roll.rows[:SAMPLES_LOGGED]  # rows this host scored (process 0 writes the logs)
+        prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown],
+                                                                roll.prompt_mask[shown])])
+        logger.write(record, samples=[{"prompt": p, "completion": c, "gold": str(gd),
+                                       "reward": float(roll.rewards[r])}
+                                      for p, r, c, gd in zip(prompts, shown, roll.completions,
+                                                             roll.golds)])
         done = step + 1
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
           save(done, force=True)
