@@ -302,6 +302,22 @@ def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mes
   return RolloutPolicy(rgraphdef, fn(pure))
 
 
+def abstract_rollout_policy(model_cfg, *, dtype: str, mesh: Mesh | None = None) -> RolloutPolicy:
+  """A RolloutPolicy of `jax.ShapeDtypeStruct`s (in `dtype`, carrying the decoding layout's
+  shardings on `mesh`) for a `Qwen2Config`: what `lower_generate` needs to compile the sampler
+  for a mesh whose devices are absent (e.g. a TPU topology's)."""
+  if dtype not in ROLLOUT_DTYPES:
+    raise ValueError(f"rollout dtype must be one of {ROLLOUT_DTYPES}, got {dtype!r}")
+  params = nnx.state(abstract_model(model_cfg), nnx.Param)
+  shardings = None if mesh is None else decode_shardings(params, mesh)
+  pure = params.to_pure_dict()
+  structs = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(
+          x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s),
+      pure, shardings if shardings is not None else jax.tree.map(lambda _: None, pure))
+  return RolloutPolicy(_rollout_graphdef(model_cfg, dtype), structs)
+
+
 # ---- the generator ------------------------------------------------------------------------------
 def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_p, eos_ids, pad_id,
                  *, max_len: int, greedy: bool, top_k: int, use_top_p: bool, return_logprobs: bool,

@@ -475,3 +475,23 @@ def test_decode_program_gathers_no_weights(model):
   hlo = sampling.lower_generate(sampling.RolloutPolicy(graphdef, train), 8, 16, 16,
                                 mesh=mesh).compile().as_text()
   assert weights <= set(_all_gather_shapes(hlo))
+
+
+def test_sub_batches_shrink_the_compiled_programs_memory():
+  """lower_generate on an abstract rollout policy (no weights in memory): decoding 32 rows as 4
+  sub-batches of 8 keeps one sub-batch's KV cache live, so the compiled program's temporaries
+  shrink by ~4x, and its arguments are the bfloat16 weights, whole on each device."""
+  from ict_jax.models.config import Qwen2Config
+  cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+  policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16")
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(policy.state))
+  mem = {}
+  for size in (32, 8):
+    compiled = sampling.lower_generate(policy, 32, 64, 1024, decode_batch_size=size).compile()
+    mem[size] = compiled.memory_analysis()
+  cache_bytes = 2 * 2 * 2 * (64 + 1024) * 16 * 2  # K and V x layers x KV heads x slots x H x 2 B
+  assert mem[32].temp_size_in_bytes >= 32 * cache_bytes
+  assert mem[8].temp_size_in_bytes < mem[32].temp_size_in_bytes / 2.5
+  weights = sum(x.size * 2 for x in jax.tree.leaves(policy.state))
+  assert mem[8].argument_size_in_bytes >= weights
