@@ -25,6 +25,14 @@ given list); the jitted generator is cached by jax per (graphdef, bucketed shape
 flags). temperature, top_p and the actual max_new_tokens are traced values, so changing them does
 not recompile. The KV cache lives in the compute dtype (`cfg.dtype`) inside the loop carry and is
 updated in place; nothing the caller owns is donated (the outputs do not alias any input).
+
+Weights and memory. The sampler decodes with a `RolloutPolicy`: the parameters cast once to the
+rollout dtype (bfloat16 on accelerators in training) and laid out for decoding (`DECODE_RULES`:
+nothing over "fsdp", heads / MLP / vocabulary over "tensor") by one jitted call
+(`make_rollout_policy`), so no decode step casts or all-gathers a weight. `decode_batch_size`
+decodes the rows in sub-batches (one KV cache live at a time), "auto" sizing them from the
+devices' free memory (`decode_row_bytes`). `lower_generate` + `abstract_rollout_policy` compile
+the same program for devices that are absent.
 """
 from __future__ import annotations
 
