@@ -667,7 +667,7 @@ def lower_generate(policy: RolloutPolicy, batch: int, prompt_len: int, max_new_t
   sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
   args = (policy.state, sds((batch, prompt_len), jnp.int32, rows),
           sds((batch, prompt_len), jnp.int32, rows),
-          jax.eval_shape(lambda: jax.random.key(0)),
+          sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, repl),
           sds((), jnp.int32, repl), sds((), jnp.float32, repl), sds((), jnp.float32, repl),
           sds(_eos_array(QWEN_EOS_IDS).shape, jnp.int32, repl), sds((), jnp.int32, repl))
   static = dict(graphdef=policy.graphdef, max_len=max_new_tokens, greedy=greedy, top_k=top_k,
