@@ -75,6 +75,9 @@ def test_trim_keeps_old_logp_aligned_and_what_is_not_padding():
   np.testing.assert_array_equal(small["advantages"], big["advantages"])
   narrow = padded_batch(p_pad=0, c_width=12)  # never wider than given
   assert ts.trim_batch(narrow)["completion_ids"].shape == (N, 12)
+  longest = int(np.asarray(big["completion_mask"]).sum(axis=1).max())  # the rollout's gathered max
+  told = ts.trim_batch(big, completion_len=longest)  # the mask is not read
+  assert all(np.array_equal(told[k], small[k]) for k in small)
 
 
 def test_few_widths_compile():
