@@ -56,6 +56,7 @@ def main(argv=None) -> int:
   p.add_argument("--micro_batch", type=int, default=0, help="default: the config's")
   p.add_argument("--prompt", type=int, default=512)
   p.add_argument("--completion", type=int, default=2048)
+  p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (diagnostics)")
   p.add_argument("--set", action="append", default=[], help="config overrides key=value (python literal)")
   p.add_argument("--json", default="")
   args = p.parse_args(argv)
@@ -98,6 +99,8 @@ def main(argv=None) -> int:
   mesh = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
                             devices=devices)
   mcfg = model_config(cfg, "", mesh)
+  if args.layers:
+    mcfg = mcfg.replace(num_hidden_layers=args.layers)
   graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
   compiled = lowered.compile()
   t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
-  out = dict(target=args.target, preset=args.preset, rows=rows,
+  out = dict(target=args.target, preset=args.preset, layers=mcfg.num_hidden_layers, rows=rows,
              micro_batch=cfg.train.micro_batch_size, prompt=args.prompt, completion=args.completion,
              mesh=dict(mesh.shape), model={k: getattr(mcfg, k) for k in ("dtype", "param_dtype")
                                            if hasattr(mcfg, k)},
