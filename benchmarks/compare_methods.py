@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ict_jax import config as config_lib  # noqa: E402
+from ict_jax.logs import read_log  # noqa: E402
 
 METHODS = ("grpo", "entropy", "stapo", "ict")
 CURVES = (("reward_mean", "reward"), ("entropy", "Shannon entropy (nats)"),
@@ -70,7 +71,7 @@ def run_one(method: str, seed: int, hf_dir: str, out: str, steps: int) -> dict:
   t0 = time.perf_counter()
   history = train(c, workdir, init_from_hf=hf_dir, progress=False)
   if len(history) < steps:  # resumed from a finished run: read the log instead
-    history = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    history = read_log(workdir, "metrics")
   train_s = time.perf_counter() - t0
   loaded, mesh = load_workdir(workdir)
   test = load_split("synthetic_arith", "test", data_dir=c.data.data_dir, config="level1")

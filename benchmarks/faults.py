@@ -7,7 +7,7 @@ Faults (each through `python -m ict_jax.train`, a fresh process per run, 1 CPU d
   kill       SIGKILL during sampling, during the train step and during an async checkpoint save,
              `--kills` times in one run directory; each time the same command is re-run. Checked:
              it resumes from the newest complete checkpoint, at most checkpoint_every steps are
-             lost, and the final metrics.jsonl equals an uninterrupted run's step by step.
+             lost, and the final metrics log equals an uninterrupted run's step by step.
   sigterm    SIGTERM during a step (the step finishes, is saved, exit 0 within
              train.sigterm_grace_s) and during sampling when the step would not fit in the grace
              period (the step is dropped, the last completed state saved, exit 0 in time); the
@@ -207,10 +207,8 @@ def run_to_end(workdir, flags, logdir, name, timeout=1800.0, **kw) -> Run:
 
 
 def metrics(workdir) -> list[dict]:
-  path = Path(workdir) / "metrics.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  from ict_jax.logs import read_log
+  return read_log(workdir, "metrics")
 
 
 def resumed_from(stderr: str) -> int:

@@ -118,8 +118,10 @@ def model_config(args, cfg=None):
         raise SystemExit(f"--config {args.config}: model.path {cfg.model.path!r} has no "
                          f"config.json and the file name names no preset of {sorted(PRESETS)}")
       mcfg = Qwen2Config.preset(names[0] if names else cfg.model.preset)
+    from ict_jax.setup import resolve_attention
     mcfg = mcfg.replace(dtype=args.dtype or cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                        remat=cfg.model.remat)
+                        remat_policy=cfg.model.remat_policy,
+                        attention=resolve_attention(cfg.model.attention))
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)
   return mcfg
@@ -350,7 +352,7 @@ def main(argv=None) -> None:
                 "layers": mcfg.num_hidden_layers,
                 "heads": mcfg.num_attention_heads, "kv_heads": mcfg.num_key_value_heads,
                 "mlp": mcfg.intermediate_size, "tied": mcfg.tie_word_embeddings,
-                "dtype": mcfg.dtype, "param_dtype": mcfg.param_dtype, "remat": mcfg.remat,
+                "dtype": mcfg.dtype, "param_dtype": mcfg.param_dtype, "remat_policy": mcfg.remat_policy,
                 "params": mcfg.num_params()},
       "batch": n, "prompt_len": args.prompt, "completion_len": args.completion,
       "tokens_per_step": n * s, "group_size": scfg.group_size, "chunk_size": scfg.chunk_size,

@@ -1,17 +1,13 @@
-"""Qwen2.5-7B on GSM8K + MATH with ICT — the paper's setting (see configs/_paper.py).
+"""Qwen2.5-7B on GSM8K + MATH with ICT — the paper's setting (see ict_jax/paper_config.py).
 
     python -m ict_jax.train --config configs/qwen2_5_7b_math.py --workdir gs://BUCKET/run \
         --config.model.path=/ckpt/Qwen2.5-7B [--config.ict.method=grpo|entropy|stapo|ict]
 
 Mesh: v5p-32: fsdp=16; v5e-8: --config.mesh.fsdp=4 --config.mesh.tensor=2. Batch: 128 prompts x G=8 per step (ASSUMPTION), micro-batches of 32 sequences.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _paper import paper_config  # noqa: E402
+from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-7B", prompts_per_step=128, steps=500, mesh_fsdp=-1, mesh_tensor=1,
+  return paper_config("/ckpt/Qwen2.5-7B", "qwen2_5_7b", prompts_per_step=128, steps=500, mesh_fsdp=-1, mesh_tensor=1,
                       micro_batch_size=32)

@@ -123,8 +123,7 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def _restore_step(self, abstract_state: Any, step: int) -> tuple[Any, dict]:
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        restored = self._mngr.restore(step, args=args)
+        restored = _restore_items(self._mngr, step, state=ocp.args.StandardRestore(abstract_state), meta=True)
         return restored.state, dict(restored.meta)
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, dict]:
@@ -194,6 +193,89 @@ class Checkpointer:
         self._mngr.close()
 
     def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _restore_items(mngr: ocp.CheckpointManager, step: int, *, state: Any = None, meta: bool = False):
+    """The one Orbax restore call: the `state` item with these restore args (None: skip it) and/or
+    the `meta` JSON item of `step`."""
+    items = {}
+    if state is not None:
+        items["state"] = state
+    if meta:
+        items["meta"] = ocp.args.JsonRestore()
+    return mngr.restore(int(step), args=ocp.args.Composite(**items))
+
+
+class CheckpointReader:
+    """Read-only `<workdir>/checkpoints/`: steps, meta, metadata and partial restores of the state.
+
+    What evaluation (`eval/loading.py`) and notebooks (`inspect.py`) read through; nothing is
+    written (no temp-dir clean-up, no save)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = resolve_path(directory)
+        if not self.directory.exists():
+            raise CheckpointError(f"{os.fspath(self.directory)!r} does not exist: no checkpoints there")
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        absl_log.setLevel(logging.ERROR)  # read_only=True warns about the options it overrides
+        try:
+            self._mngr = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
+                item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        finally:
+            absl_log.setLevel(level)
+
+    @property
+    def steps(self) -> list[int]:
+        """Every committed step, oldest first (re-read from the directory on each call)."""
+        self._mngr.reload()
+        return sorted(int(s) for s in self._mngr.all_steps())
+
+    def pick_step(self, step: int | None = None) -> int:
+        """`step` if it exists (else `CheckpointError` listing the steps); None: the latest."""
+        steps = self.steps
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {os.fspath(self.directory)!r}")
+        if step is None:
+            return steps[-1]
+        if int(step) not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {os.fspath(self.directory)!r}; "
+                                  f"available steps: {steps}")
+        return int(step)
+
+    def meta(self, step: int) -> dict:
+        """The step's JSON item (data_position, step, seed, config)."""
+        return dict(_restore_items(self._mngr, step, meta=True).meta)
+
+    def state_metadata(self, step: int) -> Any:
+        """Orbax's metadata tree of the `state` item (shapes, dtypes, shardings; no array read)."""
+        md = self._mngr.item_metadata(step)["state"]
+        return getattr(md, "tree", md)
+
+    def restore_state(self, step: int, target: Any, restore_args: Any = None) -> Any:
+        """Only the leaves of `target` (a sub-tree of the saved state, `jax.ShapeDtypeStruct`s with
+        shardings) read from `step`, each straight into its sharding (Orbax partial restore)."""
+        if restore_args is None:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        try:
+            return _restore_items(self._mngr, step, state=args).state
+        except Exception as e:
+            leaves = ["/".join(str(getattr(k, "key", k)) for k in path)
+                      for path, _ in jax.tree_util.tree_leaves_with_path(target)]
+            raise CheckpointError(f"{os.fspath(self.directory / str(int(step)))}/state: cannot restore "
+                                  f"{leaves[:4]} ({type(e).__name__}: {str(e)[:400]})") from e
+
+    def close(self) -> None:
+        self._mngr.close()
+
+    def __enter__(self) -> "CheckpointReader":
         return self
 
     def __exit__(self, *exc) -> None:

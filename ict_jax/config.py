@@ -24,7 +24,9 @@ class ModelConfig:
   path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
   dtype: str = "float32"          # compute dtype
   param_dtype: str = "float32"    # master weights: float32 only for training (see validate)
-  remat: bool = False             # jax.checkpoint each decoder layer in the train step
+  remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
+  attention: str = "auto"         # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
+                                  # einsum | dot_product | cudnn | splash (see models/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,6 @@ class TrainConfig:
   num_iterations: int = 1         # passes over each rollout batch (old log-probs kept)
   micro_batch_size: int = 0       # sequences per micro-batch (0: the whole batch)
   seed: int = 0
-  log_every: int = 1
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   async_checkpointing: bool = True
@@ -120,6 +121,12 @@ class TrainConfig:
   eval_samples: int = 4           # samples per held-out prompt for pass@k at eval time
   eval_prompts: int = 64
   sigterm_grace_s: float = 30.0
+  profile_steps: str = ""         # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  wandb_project: str = ""         # also log to this Weights & Biases project (needs `pip install wandb`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +141,14 @@ class Config:
   reward: RewardConfig = RewardConfig()
   warm_start: WarmStartConfig = WarmStartConfig()
   train: TrainConfig = TrainConfig()
+  log: LogConfig = LogConfig()
 
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "model.remat_policy": ("none", "full", "minimal"),
+    "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
@@ -147,7 +157,7 @@ _CHOICES = {
     "reward.kind": ("math", "choice", "answer"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-             "train.steps", "train.num_iterations", "train.log_every", "train.checkpoint_every",
+             "train.steps", "train.num_iterations", "train.checkpoint_every",
              "train.keep_checkpoints", "ict.chunk_size", "data.max_prompt_len",
              "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
              "train.eval_samples", "train.eval_prompts")
@@ -184,7 +194,7 @@ def tiny_config() -> ml_collections.ConfigDict:
   c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
   c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
   c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 32, 1e-2
-  c.train.steps, c.train.checkpoint_every, c.train.log_every = 60, 20, 1
+  c.train.steps, c.train.checkpoint_every = 60, 20
   return c
 
 
@@ -276,9 +286,25 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
         f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
         f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
         f"model.dtype=bfloat16 and keep model.param_dtype=float32")
+  if cfg.train.profile_steps:
+    profile_range(cfg.train.profile_steps)
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   return cfg
+
+
+def profile_range(text: str) -> tuple[int, int]:
+  """`train.profile_steps` "a,b" -> (a, b), steps 1-based and inclusive; ConfigError otherwise."""
+  try:
+    steps = [int(p) for p in text.split(",")]
+  except ValueError:
+    steps = []
+  if len(steps) == 1:
+    steps *= 2
+  if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+    raise ConfigError(f"config.train.profile_steps: expected \"a,b\" with 1 <= a <= b (steps to trace), "
+                      f"got {text!r}")
+  return steps[0], steps[1]
 
 
 def to_dict(cfg: Config) -> dict:

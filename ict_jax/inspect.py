@@ -2,16 +2,19 @@
 
     ckpt = open_checkpoint("runs/default")          # or ".../checkpoints/40", or step=40
     ckpt.show()                                     # treescope in a notebook, text elsewhere
-    ckpt.tree()                                     # {"layers": {0: {"attn": {"q_proj": {"kernel": TensorInfo}}}}}
-    x = load_param(ckpt, "layers/0/attn/q_proj/kernel", mesh=mesh)   # one tensor, nothing else
+    ckpt.tree()                                     # {"layers": {"attn": {"q_proj": {"kernel": TensorInfo}}}}
+    x = load_param(ckpt, "layers/attn/q_proj/kernel", mesh=mesh)     # one tensor [L, D, N, H]
+    x0 = load_param(ckpt, "layers/0/attn/q_proj/kernel")              # layer 0's slice [D, N, H]
     param_stats(ckpt).layer_norms                   # {"embed": ..., "layers/0": ..., ...}
     diff(ckpt, 20, 40).layer_relative               # ||theta_40 - theta_20|| / ||theta_20|| per layer
     to_hf(ckpt, "/tmp/hf")                          # a folder transformers.from_pretrained loads
 
 The tree comes from Orbax's metadata (`<step>/state/_METADATA`, `_sharding`): no array is read.
 Tensors are read with Orbax partial restore (`PyTreeRestore(partial_restore=True)`), one tensor or
-one layer at a time, each straight into the placement asked for (one device, or the
+one stacked tensor at a time, each straight into the placement asked for (one device, or the
 `NamedSharding` of its logical axes on a mesh), so a large checkpoint is never loaded whole.
+The decoder layers' parameters are stacked: `layers/<name>` is one [L, ...] tensor (the model
+scans over it); per-layer figures ("layers/3") are computed on its slices.
 Nothing here writes to the checkpoint directory.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ict_jax.checkpoint import CheckpointError, resolve_path
+from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +132,20 @@ def _split(path: str) -> tuple:
 
 
 def layer_group(path: str) -> str:
-  """'layers/3/attn/q_proj/kernel' -> 'layers/3'; 'embed/embedding' -> 'embed'."""
+  """'layers/3/attn/q_proj/kernel' -> 'layers/3'; 'layers/attn/q_proj/kernel' (stacked, all
+  layers) -> 'layers'; 'embed/embedding' -> 'embed'."""
   parts = path.split("/")
-  return "/".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+  return "/".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else parts[0]
+
+
+def _stacked(path: str) -> bool:
+  """A decoder-layer parameter stacked on a leading [L] axis ('layers/attn/q_proj/kernel')."""
+  return layer_group(path) == "layers"
+
+
+def _read_group(path: str) -> str:
+  """Tensors read together: each stacked tensor alone, the rest by layer group."""
+  return path if _stacked(path) else layer_group(path)
 
 
 def _group_sort_key(group: str):
@@ -184,22 +198,9 @@ class Checkpoint:
   """A read-only view of `<workdir>/checkpoints/` with one selected step (`.step`)."""
 
   def __init__(self, directory: str | os.PathLike, step: int | None = None, *, model_config=None):
-    import orbax.checkpoint as ocp
-    self.directory = resolve_path(directory)
-    absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)  # read_only=True warns about the options it overrides
-    try:
-      self._mngr = ocp.CheckpointManager(
-          self.directory,
-          options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
-          item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-    finally:
-      absl_log.setLevel(level)
-    steps = self.steps
-    if not steps:
-      raise CheckpointError(f"no checkpoints in {os.fspath(self.directory)!r}")
-    self.step = steps[-1] if step is None else self._check_step(step)
+    self._reader = CheckpointReader(directory)
+    self.directory = self._reader.directory
+    self.step = self._reader.pick_step(step)
     self._model_config = model_config
     self._axes: dict[str, tuple] | None = None
     self._tensors: dict[int, dict[str, TensorInfo]] = {}
@@ -209,17 +210,10 @@ class Checkpoint:
   @property
   def steps(self) -> list[int]:
     """Every committed step, oldest first (re-read from the directory on each call)."""
-    self._mngr.reload()
-    return sorted(int(s) for s in self._mngr.all_steps())
+    return self._reader.steps
 
   def _check_step(self, step: int | None) -> int:
-    if step is None:
-      return self.step
-    steps = self.steps
-    if int(step) not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in {os.fspath(self.directory)!r}; "
-                            f"available steps: {steps}")
-    return int(step)
+    return self.step if step is None else self._reader.pick_step(step)
 
   def at(self, step: int) -> "Checkpoint":
     """The same checkpoint directory with another step selected."""
@@ -227,11 +221,9 @@ class Checkpoint:
 
   def meta(self, step: int | None = None) -> dict:
     """The step's JSON item: data_position, step, seed, config."""
-    import orbax.checkpoint as ocp
     step = self._check_step(step)
     if step not in self._meta:
-      restored = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-      self._meta[step] = dict(restored.meta)
+      self._meta[step] = self._reader.meta(step)
     return self._meta[step]
 
   @property
@@ -253,8 +245,7 @@ class Checkpoint:
     optimizer state included), from Orbax metadata only."""
     step = self._check_step(step)
     if step not in self._tensors:
-      md = self._mngr.item_metadata(step)["state"]
-      tree = getattr(md, "tree", md)
+      tree = self._reader.state_metadata(step)
       if tree is None:
         raise CheckpointError(f"{os.fspath(self.directory / str(step))}/state: no Orbax tree metadata")
       self._tensors[step] = {
@@ -331,7 +322,7 @@ class Checkpoint:
     return f"Checkpoint({os.fspath(self.directory)!r}, step={self.step}, steps={self.steps})"
 
   def close(self) -> None:
-    self._mngr.close()
+    self._reader.close()
 
   def __enter__(self) -> "Checkpoint":
     return self
@@ -361,18 +352,21 @@ def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None,
 # ---- the architecture -------------------------------------------------------------------------
 def _shape_dims(params: Mapping[str, TensorInfo], where: str) -> dict:
   """Architecture sizes read off the parameter shapes."""
-  need = ("embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel",
-          "layers/0/mlp/gate_proj/kernel")
+  need = ("embed/embedding", "layers/attn/q_proj/kernel", "layers/attn/k_proj/kernel",
+          "layers/mlp/gate_proj/kernel")
   missing = [p for p in need if p not in params]
+  if missing and "layers/0/attn/q_proj/kernel" in params:
+    raise CheckpointError(f"{where}: saved with one tensor per decoder layer (layers/0/...), the "
+                          "layout before the scanned layers; this version reads stacked layers/... "
+                          "tensors only")
   if missing:
     raise CheckpointError(f"{where}: not a Qwen2 parameter tree (missing {missing})")
   vocab, hidden = params["embed/embedding"].shape
-  _, heads, _ = params["layers/0/attn/q_proj/kernel"].shape
-  _, kv_heads, _ = params["layers/0/attn/k_proj/kernel"].shape
-  layers = len({p.split("/")[1] for p in params if p.startswith("layers/")})
+  layers, _, heads, _ = params["layers/attn/q_proj/kernel"].shape
+  _, _, kv_heads, _ = params["layers/attn/k_proj/kernel"].shape
   return dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
               num_key_value_heads=kv_heads, num_hidden_layers=layers,
-              intermediate_size=params["layers/0/mlp/gate_proj/kernel"].shape[1],
+              intermediate_size=params["layers/mlp/gate_proj/kernel"].shape[2],
               tie_word_embeddings="lm_head/kernel" not in params)
 
 
@@ -439,44 +433,56 @@ def _restore(ckpt: Checkpoint, step: int, item: str, infos: list[TensorInfo], me
     flat_target[info.path] = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
     flat_args[info.path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=info.shape, dtype=info.dtype)
   wrap = lambda t: _nest({"/".join(prefix) + "/" + p: v for p, v in t.items()})
-  args = ocp.args.PyTreeRestore(item=wrap(flat_target), restore_args=wrap(flat_args), partial_restore=True)
-  try:
-    restored = ckpt._mngr.restore(step, args=ocp.args.Composite(state=args)).state
-  except Exception as e:
-    raise CheckpointError(f"{os.fspath(ckpt.directory / str(step))}/state: cannot restore "
-                          f"{[i.path for i in infos][:4]} ({type(e).__name__}: {str(e)[:400]})") from e
+  restored = ckpt._reader.restore_state(step, wrap(flat_target), wrap(flat_args))
   return {p: _get(restored, prefix + _split(p)) for p in flat_target}
 
 
-def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> TensorInfo:
+def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> tuple[TensorInfo, int | None]:
+  """-> (the stored tensor, layer index or None): "layers/3/x" names layer 3 of stacked "layers/x"."""
   tensors = ckpt.tensors(step, item=item)
   path = path.strip("/")
-  if path not in tensors:
-    close = difflib.get_close_matches(path, list(tensors), n=3)
-    raise KeyError(f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
-                   + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}"))
-  return tensors[path]
+  if path in tensors:
+    return tensors[path], None
+  parts = path.split("/")
+  if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+    stacked = tensors.get("/".join(["layers"] + parts[2:]))
+    if stacked is not None and int(parts[1]) < stacked.shape[0]:
+      return stacked, int(parts[1])
+  close = difflib.get_close_matches(path, list(tensors), n=3)
+  raise KeyError(f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
+                 + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}"))
 
 
 def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = None,
                item: str = "params") -> jax.Array:
-  """One tensor (e.g. "layers/3/attn/q_proj/kernel"), read alone by Orbax partial restore.
+  """One tensor (e.g. "layers/attn/q_proj/kernel", all layers [L, D, N, H]), read alone by Orbax
+  partial restore; "layers/3/attn/q_proj/kernel" is layer 3's slice [D, N, H] of it (the stacked
+  tensor is read, then sliced).
 
   Without `mesh` it lands on the first local device; with one, in the `NamedSharding` of its
   logical axes (`models.axes.logical_to_spec`), each device reading only its shard."""
   step = ckpt._check_step(step)
-  return _restore(ckpt, step, item, [_lookup(ckpt, step, item, path)], mesh)[path.strip("/")]
+  info, layer = _lookup(ckpt, step, item, path)
+  x = _restore(ckpt, step, item, [info], mesh)[info.path]
+  if layer is None:
+    return x
+  out = x.sharding
+  if mesh is not None:
+    from ict_jax.models.axes import logical_to_spec
+    names = ckpt._axes[info.path][1:]
+    out = jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape[1:], dict(mesh.shape)))
+  return jax.jit(lambda x: x[layer], out_shardings=out)(x)
 
 
 def _groups(ckpt: Checkpoint, step: int, item: str) -> dict[str, list[TensorInfo]]:
   groups: dict[str, list[TensorInfo]] = {}
   for info in ckpt.tensors(step, item=item).values():
-    groups.setdefault(layer_group(info.path), []).append(info)
+    groups.setdefault(_read_group(info.path), []).append(info)
   return {g: groups[g] for g in sorted(groups, key=_group_sort_key)}
 
 
 def load_params(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> dict:
-  """The whole parameter pure dict (layer indices as ints), without the optimizer state."""
+  """The whole parameter pure dict (the model's `nnx.to_pure_dict`), without the optimizer state."""
   step = ckpt._check_step(step)
   return _nest(_restore(ckpt, step, item, list(ckpt.tensors(step, item=item).values()), mesh))
 
@@ -490,20 +496,38 @@ def restore_model(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item:
 
 
 # ---- norms -----------------------------------------------------------------------------------------
-@jax.jit
-def _sumsq(tree):  # {path: array} -> {path: float32 []}
-  return jax.tree.map(lambda x: jnp.sum(jnp.square(x.astype(jnp.float32))), tree)
+def _sum_per_layer(path: str, sq: jax.Array) -> jax.Array:
+  """Sum of squares: per layer [L] for a stacked tensor, else a scalar."""
+  return jnp.sum(sq, axis=tuple(range(1, sq.ndim))) if _stacked(path) else jnp.sum(sq)
 
 
 @jax.jit
-def _diff_sumsq(a, b):  # -> {path: sum((b - a)^2)}
-  return jax.tree.map(lambda x, y: jnp.sum(jnp.square(y.astype(jnp.float32) - x.astype(jnp.float32))), a, b)
+def _sumsq(tree):  # {path: array} -> {path: float32 [] or [L]}
+  return {p: _sum_per_layer(p, jnp.square(x.astype(jnp.float32))) for p, x in tree.items()}
 
 
-def _layer_norms(tensor_sumsq: Mapping[str, float]) -> dict[str, float]:
+@jax.jit
+def _diff_sumsq(a, b):  # -> {path: sum((b - a)^2), [] or [L]}
+  return {p: _sum_per_layer(p, jnp.square(b[p].astype(jnp.float32) - x.astype(jnp.float32)))
+          for p, x in a.items()}
+
+
+def _host_sums(sums) -> dict[str, np.ndarray]:
+  return {p: np.asarray(v, np.float64) for p, v in sums.items()}
+
+
+def _tensor_norms(sumsq: Mapping[str, np.ndarray]) -> dict[str, float]:
+  return {p: math.sqrt(float(np.sum(s))) for p, s in sumsq.items()}
+
+
+def _layer_norms(tensor_sumsq: Mapping[str, np.ndarray]) -> dict[str, float]:
+  """Per layer group: "layers/i" gathers layer i's slice of every stacked tensor."""
   out: dict[str, float] = {}
   for path, s in tensor_sumsq.items():
-    out[layer_group(path)] = out.get(layer_group(path), 0.0) + s
+    per_group = ({f"layers/{i}": x for i, x in enumerate(s)} if _stacked(path)
+                 else {layer_group(path): float(s)})
+    for g, x in per_group.items():
+      out[g] = out.get(g, 0.0) + float(x)
   return {g: math.sqrt(out[g]) for g in sorted(out, key=_group_sort_key)}
 
 
@@ -526,12 +550,12 @@ class ParamStats:
 
 
 def param_stats(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> ParamStats:
-  """Per-tensor and per-layer L2 norms, reading one layer at a time."""
+  """Per-tensor and per-layer L2 norms, reading one stacked tensor at a time."""
   step = ckpt._check_step(step)
-  sumsq: dict[str, float] = {}
+  sumsq: dict[str, np.ndarray] = {}
   for infos in _groups(ckpt, step, item).values():
-    sumsq.update({p: float(v) for p, v in _sumsq(_restore(ckpt, step, item, infos, mesh)).items()})
-  return ParamStats(step, {p: math.sqrt(s) for p, s in sumsq.items()}, _layer_norms(sumsq))
+    sumsq.update(_host_sums(_sumsq(_restore(ckpt, step, item, infos, mesh))))
+  return ParamStats(step, _tensor_norms(sumsq), _layer_norms(sumsq))
 
 
 def _relative(delta: float, base: float) -> float:
@@ -565,7 +589,8 @@ class ParamDiff:
 
 
 def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "params") -> ParamDiff:
-  """Per-tensor and per-layer update size between two steps, reading one layer of each at a time."""
+  """Per-tensor and per-layer update size between two steps, reading one stacked tensor of each
+  at a time."""
   step_a, step_b = ckpt._check_step(step_a), ckpt._check_step(step_b)
   ta, tb = ckpt.tensors(step_a, item=item), ckpt.tensors(step_b, item=item)
   mismatch = sorted(p for p in set(ta) | set(tb)
@@ -577,10 +602,10 @@ def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "
   for infos in _groups(ckpt, step_a, item).values():
     a = _restore(ckpt, step_a, item, infos, mesh)
     b = _restore(ckpt, step_b, item, infos, mesh)
-    delta.update({p: float(v) for p, v in _diff_sumsq(a, b).items()})
-    base.update({p: float(v) for p, v in _sumsq(a).items()})
-  return ParamDiff(step_a, step_b, {p: math.sqrt(s) for p, s in delta.items()},
-                   {p: math.sqrt(s) for p, s in base.items()}, _layer_norms(delta), _layer_norms(base))
+    delta.update(_host_sums(_diff_sumsq(a, b)))
+    base.update(_host_sums(_sumsq(a)))
+  return ParamDiff(step_a, step_b, _tensor_norms(delta), _tensor_norms(base), _layer_norms(delta),
+                   _layer_norms(base))
 
 
 # ---- export -------------------------------------------------------------------------------------------

@@ -1,39 +1,141 @@
-"""Run logs: `config.json`, `metrics.jsonl` (one object per step), `samples.jsonl` (a few
-prompts/completions/rewards per step), TensorBoard, a progress bar.
+"""Run logs: `config.json`, the `metrics` log (one JSON object per step), the `samples` log (a
+few prompts/completions/rewards per step), TensorBoard, a progress bar, and Weights & Biases when
+`log.wandb_project` is set.
 
-Only process 0 writes (`enabled`). On resume, metric lines past the restored step are dropped
-so the file stays one line per step.
+Object stores (gs://, s3://) cannot append to an object, so a log is a folder of parts,
+``<workdir>/metrics/<first step, 8 digits>.jsonl``, each part rewritten whole at every write and
+closed after `PART_STEPS` steps or `PART_BYTES` bytes (so a rewrite stays small). Parts are named
+by their first step: ``cat <workdir>/metrics/*.jsonl`` is the log in step order, and
+`read_log(workdir, "metrics")` reads it from any path `epath` knows.
+
+Only process 0 writes (`enabled`). On resume at step `initial`, parts starting after it are
+deleted and lines past it are dropped from the last part left, so the log stays one line per step.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from typing import Any
 
 from etils import epath
+
+PART_STEPS = 100
+PART_BYTES = 1 << 20
+_PART = re.compile(r"^(\d+)\.jsonl$")
+
+
+def _write_whole(path: epath.Path, text: str) -> None:
+  """Replace `path` with `text`: one object PUT on object stores; locally a write to a temporary
+  file then a rename, so a process killed mid-write leaves the previous version, not half a file."""
+  if "://" in os.fspath(path):
+    path.write_text(text)
+    return
+  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+  tmp.write_text(text)
+  os.replace(os.fspath(tmp), os.fspath(path))
+
+
+def _parts(folder: epath.Path) -> list[tuple[int, epath.Path]]:
+  if not folder.exists():
+    return []
+  found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _PART.match(p.name))]
+  return sorted(found, key=lambda fp: fp[0])
+
+
+def _step_of(line: str) -> int | None:
+  try:
+    return int(json.loads(line)["step"])
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+    return None  # a damaged line is dropped
+
+
+def read_log(workdir: str | os.PathLike, name: str = "metrics") -> list[dict]:
+  """Every record of log `name` ("metrics" or "samples") of a workdir, in step order."""
+  rows = []
+  for _, part in _parts(epath.Path(workdir) / name):
+    for line in part.read_text().splitlines():
+      if _step_of(line) is not None:
+        rows.append(json.loads(line))
+  return rows
+
+
+class JsonlLog:
+  """One log of a run: records go to the current part, which is rewritten whole each `write`."""
+
+  def __init__(self, folder: epath.Path, initial: int, *, part_steps: int = PART_STEPS,
+               part_bytes: int = PART_BYTES):
+    self.folder, self.part_steps, self.part_bytes = folder, part_steps, part_bytes
+    folder.mkdir(parents=True, exist_ok=True)
+    for first, part in _parts(folder):  # resume: nothing past step `initial` survives
+      if first > initial:
+        part.unlink()
+        continue
+      lines = part.read_text().splitlines()
+      kept = [line for line in lines if (s := _step_of(line)) is not None and s <= initial]
+      if kept != lines:
+        _write_whole(part, "".join(line + "\n" for line in kept))
+    self._first: int | None = None  # the current part's first step
+    self._lines: list[str] = []
+    self._steps: set[int] = set()
+    self._bytes = 0
+
+  def write(self, step: int, records: list[dict]) -> None:
+    if not records:
+      return
+    lines = [json.dumps(r) for r in records]
+    if self._first is not None and (len(self._steps | {step}) > self.part_steps
+                                    or self._bytes >= self.part_bytes):
+      self._first, self._lines, self._steps, self._bytes = None, [], set(), 0
+    if self._first is None:
+      self._first = step
+    self._lines += lines
+    self._steps.add(step)
+    self._bytes += sum(len(line) + 1 for line in lines)
+    _write_whole(self.folder / f"{self._first:08d}.jsonl", "".join(line + "\n" for line in self._lines))
+
+
+def import_wandb():
+  """The `wandb` module, or one ConfigError saying how to get it (imported only when asked for)."""
+  from ict_jax.config import ConfigError
+  try:
+    import wandb
+  except ImportError:
+    raise ConfigError("config.log.wandb_project is set but the wandb package is not installed: "
+                      "pip install wandb (or leave log.wandb_project empty)") from None
+  return wandb
+
+
+def _numbers(record: dict[str, Any]):
+  return {k: v for k, v in record.items()
+          if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 class MetricsLogger:
 
   def __init__(self, workdir: str, *, enabled: bool = True, progress: bool = True, total: int = 0,
-               initial: int = 0, config: dict | None = None):
+               initial: int = 0, config: dict | None = None, tensorboard: bool = True,
+               wandb_project: str = ""):
     self.enabled = enabled
-    self._bar = self._tb = None
+    self._bar = self._tb = self._wandb = None
     if not enabled:
       return
+    if wandb_project:
+      self._wandb = import_wandb().init(project=wandb_project, config=config,
+                                        name=os.path.basename(os.fspath(workdir).rstrip("/")) or None)
     root = epath.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     if config is not None:
-      (root / "config.json").write_text(json.dumps(config, indent=2))
-    self.path = root / "metrics.jsonl"
-    self._file = _reopen(self.path, initial)
-    self._samples = _reopen(root / "samples.jsonl", initial)
-    try:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.fspath(root / "tb"))
-    except ImportError:  # optional
-      self._tb = None
+      _write_whole(root / "config.json", json.dumps(config, indent=2))
+    self._metrics = JsonlLog(root / "metrics", initial)
+    self._samples = JsonlLog(root / "samples", initial)
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.fspath(root / "tb"))
+      except ImportError:  # optional
+        self._tb = None
     if progress:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
@@ -41,41 +143,30 @@ class MetricsLogger:
   def write(self, record: dict[str, Any], samples: list[dict] | None = None) -> None:
     if not self.enabled:
       return
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    for sample in samples or ():
-      self._samples.write(json.dumps({"step": record["step"], **sample}) + "\n")
-    self._samples.flush()
     step = record["step"]
+    self._metrics.write(step, [record])
+    self._samples.write(step, [{"step": step, **sample} for sample in samples or ()])
+    numbers = _numbers(record)
     if self._tb is not None:
-      for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
+      for k, v in numbers.items():
+        self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.log(numbers, step=step)
     if self._bar is not None:
-      self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
-                            entropy=f"{record.get('entropy', float('nan')):.3f}", refresh=False)
+      nan = float("nan")
+      self._bar.set_postfix(reward=f"{record.get('reward_mean', nan):.3f}",
+                            entropy=f"{record.get('entropy', nan):.3f}",
+                            lr=f"{record.get('learning_rate', nan):.2e}",
+                            tok_s_chip=f"{record.get('tokens_per_s_per_chip', nan):.0f}",
+                            mfu=f"{100 * record.get('mfu', nan):.1f}%", refresh=False)
       self._bar.update(1)
 
   def close(self) -> None:
     if not self.enabled:
       return
-    self._file.close()
-    self._samples.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
     if self._bar is not None:
       self._bar.close()
-
-
-def _reopen(path: epath.Path, initial: int):
-  """Open a JSONL log for appending, first dropping lines past step `initial` (resume)."""
-  kept = []
-  if path.exists():
-    for line in path.read_text().splitlines():
-      try:
-        if json.loads(line)["step"] <= initial:
-          kept.append(line)
-      except (json.JSONDecodeError, KeyError, TypeError):
-        continue
-  path.write_text("".join(line + "\n" for line in kept))
-  return path.open("a")

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from ict_jax import grpo
-from ict_jax.data.prompts import build_prompt
+from ict_jax.data.prompts import encode_prompts
 from ict_jax.sampling import bucket_length, generate
 from ict_jax.tokenizer import left_pad
 
@@ -40,19 +40,6 @@ class Rollout:
                 advantages=self.advantages)
 
 
-def encode_prompts(examples: Sequence[dict], tokenizer, *, style: str, max_len: int):
-  """Prompt ids per example; over-long prompts are dropped and counted."""
-  kept, ids, skipped = [], [], 0
-  for ex in examples:
-    toks = tokenizer.encode(build_prompt(ex, tokenizer, style=style))
-    if len(toks) > max_len:
-      skipped += 1
-      continue
-    kept.append(ex)
-    ids.append(toks)
-  return kept, ids, skipped
-
-
 def host_array(x) -> np.ndarray:
   """A (possibly multi-host sharded) array, whole, on every host."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -75,8 +62,8 @@ def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *,
             advantage_scale: str = "group", mesh=None) -> Rollout:
   """Sample `group_size` completions per example with the current policy and score them."""
   model = model_or_parts if not isinstance(model_or_parts, tuple) else nnx.merge(*model_or_parts)
-  kept, prompt_tokens, skipped = encode_prompts(examples, tokenizer, style=prompt_style,
-                                                max_len=max_prompt_len)
+  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
+  skipped = len(examples) - len(kept)  # over-long prompts
   if not kept:
     raise ValueError(f"every prompt of this batch is longer than data.max_prompt_len={max_prompt_len}")
   width = bucket_length(max(len(t) for t in prompt_tokens))  # few compiled shapes

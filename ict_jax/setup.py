@@ -16,18 +16,37 @@ from ict_jax.models.hf import read_config
 from ict_jax.models.qwen2 import abstract_model
 
 
-def make_mesh(cfg: Config) -> Mesh:
-  """The ("data", "fsdp", "tensor") mesh of `config.mesh` over all devices."""
+def make_mesh(cfg: Config, devices=None) -> Mesh:
+  """The ("data", "fsdp", "tensor") mesh of `config.mesh` over `devices` (default: all; `aot`
+  passes a target's compile-only devices)."""
   try:
-    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
+                              devices=devices)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
 
 
-def model_config(cfg: Config, hf_dir: str) -> Qwen2Config:
+# model.attention "auto" by the platform of the mesh's devices: the flash kernels on
+# accelerators, the reference einsum on CPU (and on anything else).
+AUTO_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+
+
+def resolve_attention(choice: str, mesh: Mesh | None = None) -> str:
+  """`config.model.attention` -> a concrete implementation; "auto" looks at the devices of
+  `mesh` (default: jax.devices()), once, here, so the model never checks the backend."""
+  if choice != "auto":
+    return choice
+  device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+  return AUTO_ATTENTION.get(device.platform, "einsum")
+
+
+def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None) -> Qwen2Config:
   """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
-  dtypes and remat from `config.model`."""
-  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
+  dtypes, the remat policy and the attention implementation from `config.model` ("auto"
+  resolved for the devices of `mesh`, default jax.devices())."""
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            remat_policy=cfg.model.remat_policy,
+            attention=resolve_attention(cfg.model.attention, mesh))
   try:
     if hf_dir:
       return read_config(hf_dir, **kw)

@@ -51,6 +51,9 @@ def make_mesh(shape: Mapping[str, int] | tuple[int, ...] = (1, -1, 1), devices=N
   sizes = resolve_mesh_shape(shape, len(devices))
   if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
     return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+  if devices[0].platform != jax.devices()[0].platform:  # a compile-only target (ict_jax.aot):
+    # laid out along its physical topology, as jax.make_mesh lays out the devices of a real one
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -21,21 +20,23 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import sharding
-from ict_jax.checkpoint import Checkpointer
+from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
-from ict_jax.logs import MetricsLogger
+from ict_jax.logs import MetricsLogger, import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
+from ict_jax.preemption import Preemption
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
+from ict_jax.throughput import Throughput
 from ict_jax.tokenizer import Tokenizer
 from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, supervised_warm_start
 
 log = logging.getLogger("ict_jax.train")
-SAMPLES_LOGGED = 16  # completions per step written to samples.jsonl
+SAMPLES_LOGGED = 16  # completions per step written to the samples log
 
 
 # ---- set-up pieces -----------------------------------------------------------------------------
@@ -101,9 +102,9 @@ class _Concat:
 
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
-  from ict_jax.data.prompts import build_prompt
-  exs = [train_src[i] for i in range(len(train_src))]
-  prompts = [tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style)) for e in exs]
+  from ict_jax.data.prompts import encode_prompts
+  exs, _, prompts = encode_prompts([train_src[i] for i in range(len(train_src))], tok,
+                                   style=cfg.data.prompt_style)
   answers = [tok.encode(str(e["answer"])) for e in exs]
   arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
   return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
@@ -111,51 +112,13 @@ def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
                                seed=cfg.train.seed, mesh=mesh, log=log.info)
 
 
-class _Preemption:
-  """SIGTERM (TPU preemption, scancel) -> a final save within `grace_s`, then exit 0.
-
-  A jitted call cannot be interrupted, so the handler only notes the time; the loop then either
-  finishes the current step and saves it, or, when the step would not end before the deadline
-  (`fits`), drops it and saves the last completed state."""
-
-  received = False  # any SIGTERM in this process: main() then skips the interpreter teardown
-
-  def __init__(self, grace_s: float = float("inf")):
-    self.requested = False
-    self.grace_s = grace_s
-    self.deadline = float("inf")
-    self._old = None
-
-  def fits(self, seconds: float | None) -> bool:
-    """Whether work estimated at `seconds` (None: no estimate yet) ends before the deadline."""
-    return seconds is not None and time.monotonic() + seconds < self.deadline
-
-  def __enter__(self):
-    if hasattr(signal, "SIGTERM"):
-      try:
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-      except ValueError:  # not the main thread
-        self._old = None
-    return self
-
-  def _handle(self, signum, frame):
-    if not self.requested:
-      self.deadline = time.monotonic() + self.grace_s
-    self.requested = _Preemption.received = True
-    log.warning("SIGTERM: saving a checkpoint within %g s (train.sigterm_grace_s), then exiting",
-                self.grace_s)
-
-  def __exit__(self, *exc):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-    return False
-
-
 # ---- the program ------------------------------------------------------------------------------
 def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool = True) -> list[dict]:
   """Run (or resume) training; returns the metrics of the steps run in this call."""
   cfg = config_lib.validate(config_dict)
   _check_workdir(workdir)
+  if cfg.log.wandb_project:
+    import_wandb()  # a missing package is one error now, not after the compile
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
   try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
@@ -164,9 +127,12 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   except ValueError as e:
     raise ConfigError(str(e)) from None
   hf_dir = init_from_hf or cfg.model.path
-  mcfg = model_config(cfg, hf_dir)
+  mcfg = model_config(cfg, hf_dir, mesh)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  throughput = Throughput(mcfg)  # the chip's peak: the table, or a matmul measured now (CPU)
+  profile = config_lib.profile_range(cfg.train.profile_steps) if cfg.train.profile_steps else None
   state_sharding = ts.train_state_shardings(optimizer, abstract_params, params_sharding, mesh)
   tok = Tokenizer()
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
@@ -175,10 +141,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   with_ref = cfg.loss.beta > 0
   start_step, position, ref_params = 0, 0, None
   if ckpt.latest_step() is not None:
-    abstract_tree = {"state": jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, optimizer.init(p)), abstract_params),
-        state_sharding)}
+    abstract_tree = {"state": ts.abstract_train_state(optimizer, abstract_params, state_sharding)}
     if with_ref:
       abstract_tree["ref_params"] = abstract_params
     start_step, tree, meta = ckpt.restore(abstract_tree)
@@ -192,7 +155,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     if hf_dir:
       try:
         model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                mesh=mesh, remat=cfg.model.remat)
+                                mesh=mesh, remat_policy=mcfg.remat_policy, attention=mcfg.attention)
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily
         raise ConfigError(str(e)) from None
@@ -214,7 +177,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   it = PromptIterator(train_src, cfg.rollout.prompts_per_step, seed=cfg.train.seed, position=position)
   base_key = jax.random.key(cfg.train.seed)
   logger = MetricsLogger(workdir, enabled=sharding.is_main_process(), progress=progress,
-                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg))
+                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg),
+                         wandb_project=cfg.log.wandb_project)
   history: list[dict] = []
   rc = cfg.rollout
 
@@ -226,25 +190,28 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                            "config": config_lib.to_dict(cfg)}, force=force)
 
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
-       _Preemption(cfg.train.sigterm_grace_s) as preempt:
+       Preemption(cfg.train.sigterm_grace_s) as preempt:
     last_step_s = None  # the previous train step + logging + save, in seconds
+    tracing = False  # a jax.profiler trace is running (train.profile_steps)
 
-    def stop_early(step: int, position: int) -> None:
-      """Preempted before step `step` ran: save the state of `step` completed steps."""
+    def stop(step: int, position: int, why: str) -> None:
+      """Preempted before step `step + 1` ran: save the state of `step` completed steps."""
       it.position = position  # this step's prompts come again after the resume
       if ckpt.latest_step() != step:
         save(step, force=True)
       ckpt.wait()
-      log.warning("preempted: step %d would not end within train.sigterm_grace_s; saved step %d; "
-                  "exiting", step + 1, step)
+      log.warning("preempted%s: saved step %d; exiting", why, step)
 
     try:
       for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         position = it.position
-        if preempt.requested:  # the signal came after the previous step's check
-          stop_early(step, position)
+        if preempt.reached(step):  # the same answer on every host at this step
+          stop(step, position, "")
           break
+        if profile and step + 1 == profile[0]:
+          jax.profiler.start_trace(os.fspath(resolve_path(workdir) / "profile"))
+          tracing = True
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
         roll = collect((graphdef, state.params), examples, tok, pool, rng=key,
@@ -255,8 +222,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
         batch = ts.trim_batch(roll.batch())  # the real length, bucketed: few compiled shapes
         t1 = time.perf_counter()
-        if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
-          stop_early(step, position)
+        if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
+          stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
           break
         old_logp = None
         for _ in range(cfg.train.num_iterations):
@@ -265,9 +232,15 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           state, metrics, logp = step_fn(state, batch, ref_params)
           old_logp = logp if old_logp is None else old_logp
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, **roll.stats, **metrics, "step_s": time.perf_counter() - t1,
+        dt, step_s = time.perf_counter() - t0, time.perf_counter() - t1
+        updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
+        record = {"step": step + 1, **roll.stats, **metrics, "step_s": step_s,
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
+                  "learning_rate": float(learning_rate(updates - 1) if callable(learning_rate) else learning_rate),
+                  **throughput.step_metrics(rows=batch["completion_ids"].shape[0],
+                                            seq_len=batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1],
+                                            passes=cfg.train.num_iterations, step_s=step_s,
+                                            tokens=roll.stats["completion_tokens"], iteration_s=dt),
                   "sample": roll.completions[0][:200]}
         history.append(record)
         logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
@@ -276,14 +249,16 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                                                 roll.completions, roll.golds,
                                                                 roll.rewards)][:SAMPLES_LOGGED])
         done = step + 1
-        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
+        if tracing and done == profile[1]:
+          jax.profiler.stop_trace()
+          tracing = False
+          log.info("profile of steps %d-%d written to %s/profile", *profile, workdir)
+        if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
           save(done, force=True)
-        if preempt.requested:
-          ckpt.wait()
-          log.warning("preempted: saved step %d; exiting", done)
-          break
         last_step_s = time.perf_counter() - t1
     finally:
+      if tracing:
+        jax.profiler.stop_trace()
       ckpt.close()
       logger.close()
   return history
@@ -324,7 +299,7 @@ def main(argv=None) -> None:
     train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
   except ConfigError as e:
     _error(str(e))
-  if _Preemption.received:
+  if Preemption.stopped:
     # the checkpoint is committed and the logs are closed: skip the interpreter teardown
     # (seconds of XLA / TensorStore destructors), which the grace period cannot spare
     sys.stdout.flush()

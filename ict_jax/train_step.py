@@ -84,8 +84,9 @@ class StepConfig:
 
 
 # ---- optimizer -------------------------------------------------------------------------------
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with warm-up + schedule and global-norm clipping; non-finite updates are skipped."""
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.ScalarOrSchedule:
+  """Optimizer update count -> learning rate: linear warm-up, then constant, cosine or linear decay
+  (a plain number for a constant rate without warm-up, so the optimizer state keeps no count)."""
   lr, warm = cfg.learning_rate, cfg.warmup_steps
   if cfg.schedule == "cosine":
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warm, 0), max(total_steps, warm + 1))
@@ -96,6 +97,12 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
   else:
     sched = optax.join_schedules([optax.linear_schedule(0.0, lr, max(warm, 1)),
                                   optax.constant_schedule(lr)], [warm]) if warm else lr
+  return sched
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with warm-up + schedule and global-norm clipping; non-finite updates are skipped."""
+  sched = learning_rate_schedule(cfg, total_steps)
   chain = []
   if cfg.max_grad_norm > 0:
     chain.append(optax.clip_by_global_norm(cfg.max_grad_norm))
@@ -304,3 +311,12 @@ def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_shar
   shardings = train_state_shardings(optimizer, jax.eval_shape(lambda: params), params_sharding, mesh)
   with jax.set_mesh(mesh):
     return jax.jit(init, in_shardings=(params_sharding,), out_shardings=shardings)(params)
+
+
+def abstract_train_state(optimizer, params_abstract, state_sharding) -> TrainState:
+  """The TrainState `init_train_state` makes, as `jax.ShapeDtypeStruct`s carrying
+  `state_sharding` (no array allocated): a checkpoint restore target, and what `ict_jax.aot`
+  compiles the step for."""
+  shapes = jax.eval_shape(lambda p: TrainState(jnp.int32(0), p, optimizer.init(p)), params_abstract)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      shapes, state_sharding)

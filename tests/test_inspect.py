@@ -1,8 +1,9 @@
 """ict_jax.inspect / ict_jax.export: metadata-only tree, partial restore, norms, diff, HF export.
 
 Two checkpoints are written the way `train.py` writes them ({"state": TrainState, "ref_params"},
-meta with the run config) on an 8-device (1, 4, 2) mesh. Step 2 is step 1 with every tensor of
-layer 1 scaled by 1.5, so the expected update sizes are known exactly.
+meta with the run config) on an 8-device (1, 4, 2) mesh. Step 2 is step 1 with layer 1's slice of
+every stacked decoder tensor ([L, ...] under "layers/") scaled by 1.5, so the expected update sizes
+are known exactly.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def run(tmp_path_factory):
   params_sharding = sharding.pure_shardings(nnx.state(abstract, nnx.Param), mesh)
   optimizer = ts.make_optimizer(run_cfg.optim, 10)
   p1 = _params_of(mcfg)
-  p2 = {**p1, "layers": {0: p1["layers"][0], 1: jax.tree.map(lambda x: x * SCALE, p1["layers"][1])}}
+  p2 = {**p1, "layers": jax.tree.map(lambda x: x.at[1].multiply(SCALE), p1["layers"])}
   host = {}
   with Checkpointer(workdir, async_save=False) as ck:
     for step, p in ((1, p1), (2, p2)):
@@ -96,15 +97,17 @@ def test_tree_is_metadata_only(run, monkeypatch):
   want = {p: (tuple(v.shape), np.dtype(v.dtype))
           for p, v in _flat(nnx.to_pure_dict(nnx.state(abstract_model(mcfg), nnx.Param))).items()}
   assert {p: (t.shape, t.dtype) for p, t in tensors.items()} == want
-  assert isinstance(tree["layers"][1]["attn"]["q_proj"]["kernel"], ins.TensorInfo)  # int layer keys
+  assert isinstance(tree["layers"]["attn"]["q_proj"]["kernel"], ins.TensorInfo)  # stacked layers
   assert sum(t.nbytes for t in tensors.values()) == mcfg.num_params() * 4 == c.nbytes()
   # the sharding each tensor was saved with: (vocab -> tensor, embed -> fsdp) on (1, 4, 2)
   emb = tensors["embed/embedding"]
   assert emb.mesh == {"data": 1, "fsdp": 4, "tensor": 2}
   assert emb.partition_spec == ("tensor", "fsdp")
   assert emb.shard_nbytes * 8 == emb.nbytes
-  q = tensors["layers/0/attn/q_proj/kernel"]  # (embed, heads, head_dim)
-  assert q.partition_spec == ("fsdp", "tensor", None) and q.spec_str == "P('fsdp', 'tensor', None)"
+  q = tensors["layers/attn/q_proj/kernel"]  # (layers, embed, heads, head_dim)
+  assert q.shape == (2, 64, 4, 16)
+  assert q.partition_spec == (None, "fsdp", "tensor", None)
+  assert q.spec_str == "P(None, 'fsdp', 'tensor', None)"
   for path in want:
     assert path in text
   # the whole saved tree: params, AdamW moments, step, ref_params
@@ -116,7 +119,7 @@ def test_tree_is_metadata_only(run, monkeypatch):
 def test_treescope_rendering(ckpt):
   import treescope
   text = treescope.render_to_text(ckpt.tree())
-  assert "float32[64, 4, 16]" in text and "P('fsdp', 'tensor', None)" in text
+  assert "float32[2, 64, 4, 16]" in text and "P(None, 'fsdp', 'tensor', None)" in text
 
 
 # ---- reading tensors ---------------------------------------------------------------------------
@@ -137,13 +140,16 @@ def _restore_full(run, step):
 
 def test_load_param_equals_full_restore(ckpt, run):
   full = _restore_full(run, 2)
-  for path in ("layers/1/attn/q_proj/kernel", "embed/embedding", "final_norm/scale"):
-    want = np.asarray(_flat(full["state"].params)[path])
+  flat = _flat(full["state"].params)
+  for path in ("layers/attn/q_proj/kernel", "embed/embedding", "final_norm/scale"):
+    want = np.asarray(flat[path])
     got = ins.load_param(ckpt, path)
     assert len(got.sharding.device_set) == 1
     np.testing.assert_array_equal(np.asarray(got), want)
+  layer1 = ins.load_param(ckpt, "layers/1/attn/q_proj/kernel")  # one layer's slice of the stack
+  np.testing.assert_array_equal(np.asarray(layer1), np.asarray(flat["layers/attn/q_proj/kernel"])[1])
   ref = ins.load_param(ckpt, "layers/1/mlp/up_proj/kernel", item="ref_params")
-  np.testing.assert_array_equal(np.asarray(ref), run["params"][1]["layers"][1]["mlp"]["up_proj"]["kernel"])
+  np.testing.assert_array_equal(np.asarray(ref), run["params"][1]["layers"]["mlp"]["up_proj"]["kernel"][1])
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2), (1, 8, 1)])
@@ -154,14 +160,20 @@ def test_load_param_onto_mesh(ckpt, run, shape):
   spec = P("fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None, None)
   assert x.sharding == NamedSharding(mesh, spec)
   assert x.addressable_shards[0].data.shape == (64 // fsdp, 4 // tensor, 16)
-  np.testing.assert_array_equal(np.asarray(x), run["params"][1]["layers"][0]["attn"]["q_proj"]["kernel"])
+  want = run["params"][1]["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]
+  np.testing.assert_array_equal(np.asarray(x), want[0])
+  stack = ins.load_param(ckpt, "layers/attn/q_proj/kernel", mesh=mesh, step=1)
+  assert stack.sharding == NamedSharding(mesh, P(None, *spec))
+  np.testing.assert_array_equal(np.asarray(stack), want)
 
 
 def test_errors_name_what_exists(ckpt, tmp_path):
   with pytest.raises(CheckpointError, match=r"available steps: \[1, 2\]"):
     ins.load_param(ckpt, "embed/embedding", step=7)
-  with pytest.raises(KeyError, match="did you mean.*layers/0/attn/q_proj/kernel"):
-    ins.load_param(ckpt, "layers/0/attn/q_proj/kernal")
+  with pytest.raises(KeyError, match="did you mean.*layers/attn/q_proj/kernel"):
+    ins.load_param(ckpt, "layers/attn/q_proj/kernal")
+  with pytest.raises(KeyError, match="no params tensor 'layers/2/attn/q_proj/kernel'"):
+    ins.load_param(ckpt, "layers/2/attn/q_proj/kernel")  # 2 layers: 0 and 1
   with pytest.raises(CheckpointError, match="does not exist"):
     ins.open_checkpoint(tmp_path / "nowhere")
   (tmp_path / "empty").mkdir()
@@ -177,7 +189,7 @@ def test_param_stats_match_numpy(ckpt, run):
   for p, x in ref.items():
     np.testing.assert_allclose(stats.tensor_norms[p], np.sqrt(np.sum(x * x)), rtol=1e-5, err_msg=p)
   assert list(stats.layer_norms) == ["embed", "layers/0", "layers/1", "final_norm"]
-  layer1 = [x for p, x in ref.items() if p.startswith("layers/1/")]
+  layer1 = [x[1] for p, x in ref.items() if p.startswith("layers/")]  # layer 1's slices
   np.testing.assert_allclose(stats.layer_norms["layers/1"], np.sqrt(sum(np.sum(x * x) for x in layer1)),
                              rtol=1e-5)
   assert stats.layer_norms["final_norm"] == pytest.approx(math.sqrt(64))  # RMSNorm scales start at 1
@@ -194,10 +206,12 @@ def test_diff_across_steps(ckpt, run):
   d = ins.diff(ckpt, 1, 2)
   ref1 = _flat(run["params"][1])
   for p, x in ref1.items():
-    if p.startswith("layers/1/"):
-      np.testing.assert_allclose(d.tensor_delta[p], (SCALE - 1) * np.sqrt(np.sum(x * x)), rtol=1e-5, err_msg=p)
+    if p.startswith("layers/"):  # stacked [L, ...]: only layer 1's slice moved
+      np.testing.assert_allclose(d.tensor_delta[p], (SCALE - 1) * np.sqrt(np.sum(x[1] * x[1])), rtol=1e-5,
+                                 err_msg=p)
       if np.any(x):  # (biases start at zero: 0 / 0 counts as no update)
-        np.testing.assert_allclose(d.tensor_relative[p], SCALE - 1, rtol=1e-5, err_msg=p)
+        np.testing.assert_allclose(d.tensor_relative[p], d.tensor_delta[p] / np.sqrt(np.sum(x * x)),
+                                   rtol=1e-5, err_msg=p)
       else:
         assert d.tensor_relative[p] == 0.0, p
     else:
@@ -222,7 +236,7 @@ def test_to_hf_round_trip_with_transformers(ckpt, run, tmp_path):
   chex.assert_trees_all_close(got, want, atol=2e-4, rtol=1e-4)
   # and the exported weights are the saved ones (layer 1 scaled at step 2)
   sd = hf.state_dict()
-  q = run["params"][2]["layers"][1]["attn"]["q_proj"]["kernel"]  # [D, N, H] -> HF [N*H, D]
+  q = run["params"][2]["layers"]["attn"]["q_proj"]["kernel"][1]  # [D, N, H] -> HF [N*H, D]
   np.testing.assert_allclose(sd["model.layers.1.self_attn.q_proj.weight"].numpy(),
                              q.reshape(q.shape[0], -1).T, rtol=1e-6)
 
@@ -241,3 +255,11 @@ def test_export_cli(run, tmp_path, capsys):
   assert (tmp_path / "a" / "config.json").exists()
   assert export.main(["--workdir", run["workdir"], "--step", "9", "--out", str(tmp_path / "b")]) == 2
   assert "available steps: [1, 2]" in capsys.readouterr().err
+
+
+def test_old_per_layer_checkpoint_layout_is_one_clear_error():
+  """Checkpoints written before the scanned layers held layers/<i>/...; say so, not 'missing'."""
+  old = {p: None for p in ("embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel",
+                           "layers/0/mlp/gate_proj/kernel", "final_norm/scale")}
+  with pytest.raises(CheckpointError, match=r"ckpt/2: saved with one tensor per decoder layer \(layers/0/\.\.\.\)"):
+    ins._shape_dims(old, "ckpt/2")

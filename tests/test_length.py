@@ -3,6 +3,7 @@ widths compile, and prefill attends over the prompt only."""
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -100,6 +101,20 @@ def test_few_widths_compile():
   assert step._cache_size() == 2  # widths 16 and 32
 
 
+def dot_shapes(jaxpr, skip=()) -> set:
+  """Output shapes of the 5-D dot_generals of a jaxpr and its sub-jaxprs (scan bodies, ...),
+  not entering primitives named in `skip`."""
+  out = set()
+  for eq in jaxpr.eqns:
+    if eq.primitive.name in skip:
+      continue
+    if eq.primitive.name == "dot_general":
+      out |= {tuple(v.aval.shape) for v in eq.outvars if len(v.aval.shape) == 5}
+    for sub in jax.extend.core.jaxprs_in_params(eq.params):
+      out |= dot_shapes(sub, skip)
+  return out
+
+
 def test_prefill_attends_over_the_prompt_only():
   """prefill=True gives the hidden states and cache of the full-cache prefill, and its attention
   scores are [.., P, P], not [.., P, P + max_new_tokens]."""
@@ -124,14 +139,12 @@ def test_prefill_attends_over_the_prompt_only():
                              atol=1e-6)
   np.testing.assert_allclose(np.asarray(h_pre)[real],
                              np.asarray(model.hidden_states(ids, mask))[real], rtol=1e-5, atol=1e-6)
-  for a, c in zip(jax.tree.leaves(c_pre), jax.tree.leaves(c_full)):  # [B, K, S, H]
-    a, c = np.swapaxes(np.asarray(a)[:, :, :p], 1, 2), np.swapaxes(np.asarray(c)[:, :, :p], 1, 2)
-    np.testing.assert_allclose(a[real], c[real], rtol=1e-5, atol=1e-6)
+  for a, c in zip(jax.tree.leaves(c_pre), jax.tree.leaves(c_full)):  # [L, B, K, S, H]
+    prompt_slots = lambda x: np.asarray(x)[..., :p, :].transpose(1, 3, 0, 2, 4)  # [B, P, L, K, H]
+    np.testing.assert_allclose(prompt_slots(a)[real], prompt_slots(c)[real], rtol=1e-5, atol=1e-6)
 
   def score_shapes(prefill):  # shapes of the attention scores [B, K, G, T, S] in the jaxpr
-    jaxpr = jax.make_jaxpr(lambda: run(prefill)[0])()
-    return {tuple(v.aval.shape) for eq in jaxpr.jaxpr.eqns if eq.primitive.name == "dot_general"
-            for v in eq.outvars if len(v.aval.shape) == 5}
+    return dot_shapes(jax.make_jaxpr(lambda: run(prefill)[0])().jaxpr)
   assert any(p + extra in shape for shape in score_shapes(False))
   assert not any(p + extra in shape for shape in score_shapes(True))
 
@@ -142,7 +155,23 @@ def test_generate_uses_the_prompt_only_prefill():
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda s: sampling.sample_fn(graphdef, s, ids, np.ones_like(ids),
                                                       jax.random.key(0), max_new_tokens=32))(state)
-  shapes = {tuple(v.aval.shape) for eq in jaxpr.jaxpr.eqns if eq.primitive.name == "dot_general"
-            for v in eq.outvars if len(v.aval.shape) == 5}
-  # top level: the prefill (the decode steps, [.., 1, P + N], are inside the while loop)
+  # outside the decode loop (whose steps score [.., 1, P + N]): the prefill
+  shapes = dot_shapes(jaxpr.jaxpr, skip=("while",))
   assert shapes and not any(5 + 32 in s for s in shapes)  # no prompt x (prompt + new) scores
+
+
+def test_length_benchmark_reports_width_following_temporaries():
+  """benchmarks/length.py on tiny shapes: the trimmed widths are the buckets of the longest
+  completions, and the compiled temporaries grow with the width."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                      "length.py")
+  spec = importlib.util.spec_from_file_location("length_benchmark", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = bench.main(["--max_new", "64", "--lengths", "10,64", "--vocab", "256", "--hidden", "32",
+                    "--layers", "1", "--prompt", "8", "--repeats", "1"])
+  small, full = out["trimmed"]
+  assert (small["width"], full["width"], out["untrimmed"]["width"]) == (16, 64, 64)
+  assert small["temp_bytes"] < full["temp_bytes"] == out["untrimmed"]["temp_bytes"]

@@ -90,8 +90,8 @@ def test_sharded_index_folder_and_mesh_placement(tmp_path):
   assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) > 1
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   sharded = load_pretrained(out, mesh=mesh)
-  q = sharded.layers[0].attn.q_proj["kernel"][...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  q = sharded.layers.attn.q_proj["kernel"][...]  # [L, D, N, H], stacked layers
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   ids, mask = _left_padded(128)
   with jax.set_mesh(mesh):
     got = np.asarray(jax.jit(lambda i, m: sharded(i, m))(jnp.asarray(ids), jnp.asarray(mask)))
@@ -197,3 +197,47 @@ def test_every_parameter_has_logical_axes():
   for path, var in nnx.to_flat_state(nnx.state(abstract_model(Qwen2Config.preset("tiny")), nnx.Param)):
     axes = var.get_metadata().get("axes")
     assert axes is not None and len(axes) == len(var.get_value().shape), path
+
+
+# ---- scanned layers, remat policies ------------------------------------------------------------
+def _small(**kw):
+  return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, **kw)
+
+
+def _loss_and_grads(cfg, ids, mask):
+  from flax import nnx
+  from ict_jax.models.qwen2 import init_model
+  graphdef, params = nnx.split(init_model(cfg, seed=1), nnx.Param)
+
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(ids, mask)  # [B, T, V]
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 3] * mask)
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_layers_are_stacked_with_a_layers_axis():
+  from flax import nnx
+  from ict_jax.models.qwen2 import abstract_model
+  flat = nnx.to_flat_state(nnx.state(abstract_model(_small()), nnx.Param))
+  stacked = [(path, var) for path, var in flat if path[0] == "layers"]
+  assert len(stacked) == 12  # 2 norms + q/k/v kernels and biases + o + 3 MLP, once each
+  for path, var in stacked:  # [L, ...] with the logical axis "layers" first, no per-layer index
+    assert var.get_value().shape[0] == 3 and var.get_metadata()["axes"][0] == "layers", path
+    assert not any(isinstance(k, int) for k in path), path
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal"])
+def test_remat_policies_give_the_same_loss_and_gradients(policy):
+  ids, mask = _left_padded(128)
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  loss0, g0 = _loss_and_grads(_small(), ids, mask)
+  loss1, g1 = _loss_and_grads(_small(remat_policy=policy), ids, mask)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+  chex.assert_trees_all_close(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_remat_policy_is_one_clear_error():
+  with pytest.raises(ValueError, match=r"remat_policy: expected one of \('none', 'full', 'minimal'\), got 'True'"):
+    _small(remat_policy="True")

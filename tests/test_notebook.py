@@ -34,5 +34,5 @@ def test_notebook_executes(tmp_path, monkeypatch):
   assert len(pngs) >= 4, f"expected >= 4 figures, got {len(pngs)}"
   assert any("text/html" in o.get("data", {}) for o in outputs), "no treescope rendering"
   text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
-  assert "trained 4 steps" in text and "layers/1/attn/q_proj/kernel" in text
+  assert "trained 4 steps" in text and "layers/attn/q_proj/kernel" in text
   assert "model.safetensors" in text and "config.json" in text

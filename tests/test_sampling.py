@@ -352,7 +352,10 @@ def test_generate_with_a_128_wide_model_matches_full_forward():
                                  num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=64), seed=2)
   graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, state)  # not near-uniform
+  def scale(path, x):  # the matrices (per layer: [L, ...] stacked) and biases: not near-uniform
+    stacked = getattr(path[0], "key", None) == "layers"
+    return x * 10.0 if x.ndim - stacked == 2 else x
+  state = jax.tree_util.tree_map_with_path(scale, state)
   model = nnx.merge(graphdef, state)
   ids, mask = _prompts()
   out, out_mask, lp = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,

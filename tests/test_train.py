@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ict_jax import config as config_lib
+from ict_jax.logs import read_log
 from ict_jax.train import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +30,7 @@ def _quick(**overrides):
 
 
 def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return read_log(workdir, "metrics")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["24", "48"]
   cfg = json.load(open(os.path.join(workdir, "config.json")))
   assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 48
-  samples = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+  samples = read_log(workdir, "samples")
   assert {s["step"] for s in samples} == set(range(1, 49))
 
 
@@ -130,7 +130,7 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
                    group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                    temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, prompt_style="plain",
                    max_prompt_len=cfg.data.max_prompt_len, reward_kind="answer")
-  logged = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+  logged = read_log(workdir, "samples")
   assert [s["completion"] for s in logged] == roll.completions[:len(logged)]
 
 

@@ -395,7 +395,7 @@ def test_non_finite_update_is_skipped(steps, batch):
     assert sum(moved) >= len(moved) - 2  # all but possibly the k biases (gradient 0 in theory)
 
     poisoned = jax.tree.map(np.array, s2.params)
-    poisoned["layers"][1]["mlp"]["down_proj"]["kernel"][3, 5] = np.nan
+    poisoned["layers"]["mlp"]["down_proj"]["kernel"][1, 3, 5] = np.nan  # layer 1 of the stack
     s3 = ts.TrainState(step=s2.step, params=poisoned, opt_state=s2.opt_state)
     s4, m4, _ = step(s3, batch)
     assert int(m4["skipped"]) == 1 and int(m4["total_skipped"]) == 2
@@ -469,15 +469,15 @@ def test_chunked_logp_and_stats_equal_unchunked(chunk, reference, batch):
 
 
 EXPECTED_SPECS = {  # (data, fsdp, tensor) -> params path -> spec
-    (2, 2, 2): {("embed", "embedding"): P("tensor", "fsdp"),
-                ("layers", 0, "attn", "q_proj", "kernel"): P("fsdp", "tensor", None),
-                ("layers", 0, "mlp", "down_proj", "kernel"): P("tensor", "fsdp")},
+    (2, 2, 2): {("embed", "embedding"): P("tensor", "fsdp"),  # layers: stacked [L, ...], unsharded L
+                ("layers", "attn", "q_proj", "kernel"): P(None, "fsdp", "tensor", None),
+                ("layers", "mlp", "down_proj", "kernel"): P(None, "tensor", "fsdp")},
     (1, 8, 1): {("embed", "embedding"): P(None, "fsdp"),
-                ("layers", 0, "attn", "q_proj", "kernel"): P("fsdp", None, None),
-                ("layers", 0, "mlp", "down_proj", "kernel"): P(None, "fsdp")},
+                ("layers", "attn", "q_proj", "kernel"): P(None, "fsdp", None, None),
+                ("layers", "mlp", "down_proj", "kernel"): P(None, None, "fsdp")},
     (8, 1, 1): {("embed", "embedding"): P(None, None),
-                ("layers", 0, "attn", "q_proj", "kernel"): P(None, None, None),
-                ("layers", 0, "mlp", "down_proj", "kernel"): P(None, None)},
+                ("layers", "attn", "q_proj", "kernel"): P(None, None, None, None),
+                ("layers", "mlp", "down_proj", "kernel"): P(None, None, None)},
 }
 
 

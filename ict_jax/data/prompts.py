@@ -48,3 +48,28 @@ def build_prompt(
     if tokenizer is None:
         raise ValueError("prompt style 'chat' needs a tokenizer with apply_chat_template")
     return format_prompt(str(example["question"]), tokenizer, instruction=instruction, system=system)
+
+
+def encode_prompts(
+    examples,
+    tokenizer,
+    *,
+    style: str,
+    instruction: str = MATH_INSTRUCTION,
+    max_len: int | None = None,
+) -> tuple[list, list[str], list[list[int]]]:
+    """-> (kept examples, their prompt texts, their token ids), the one prompt encoding of training,
+    rollouts and evaluation. Prompts over ``max_len`` tokens are left out (the caller counts them);
+    KeyError naming the example when a field the style needs is missing."""
+    kept, texts, ids = [], [], []
+    for i, ex in enumerate(examples):
+        for field in ("answer", "prompt" if style == "plain" else "question"):
+            if field not in ex:
+                raise KeyError(f"example {i} has no {field!r} field (it has {sorted(ex)})")
+        text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
+        toks = tokenizer.encode(text)
+        if max_len is None or len(toks) <= max_len:
+            kept.append(ex)
+            texts.append(text)
+            ids.append(toks)
+    return kept, texts, ids

@@ -19,7 +19,7 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import setup
-from ict_jax.checkpoint import CheckpointError, resolve_path
+from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
 from ict_jax.config import Config, ConfigError
 
 log = logging.getLogger("ict_jax.eval")
@@ -40,24 +40,11 @@ def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
     return LoadedModel(model, os.path.basename(os.path.normpath(hf_dir)) or hf_dir, None, None)
 
 
-def _manager(workdir: str):
-    import orbax.checkpoint as ocp
+def _reader(workdir: str) -> CheckpointReader:
     directory = resolve_path(workdir) / "checkpoints"
     if not directory.exists():
         raise CheckpointError(f"{os.fspath(directory)!r} does not exist: no checkpoints in workdir {workdir!r}")
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-    return ocp, ocp.CheckpointManager(directory, options=options)
-
-
-def _pick_step(mngr, workdir: str, step: int | None) -> int:
-    steps = sorted(int(s) for s in mngr.all_steps())
-    if not steps:
-        raise CheckpointError(f"no checkpoints in {workdir!r}/checkpoints")
-    if step is None:
-        return steps[-1]
-    if int(step) not in steps:
-        raise CheckpointError(f"no checkpoint for step {step} in {workdir!r}/checkpoints; available steps: {steps}")
-    return int(step)
+    return CheckpointReader(directory)
 
 
 def read_run_config(workdir: str, step: int | None = None) -> Config:
@@ -71,12 +58,9 @@ def read_run_config(workdir: str, step: int | None = None) -> Config:
             raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from None
         source = os.fspath(path)
     else:
-        ocp, mngr = _manager(workdir)
-        try:
-            step = _pick_step(mngr, workdir, step)
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        finally:
-            mngr.close()
+        with _reader(workdir) as reader:
+            step = reader.pick_step(step)
+            meta = reader.meta(step)
         if "config" not in meta:
             raise ConfigError(f"{os.fspath(path)} is missing and checkpoint {step}'s meta has no 'config'")
         raw, source = meta["config"], f"{workdir}/checkpoints/{step}/meta"
@@ -93,26 +77,19 @@ def load_workdir(workdir: str, *, step: int | None = None, mesh=None, dtype: str
     `config` defaults to `read_run_config(workdir, step)`; `mesh` to the run's `config.mesh` over
     this machine's devices; `dtype` overrides the compute dtype (parameters keep the dtype they
     were saved in)."""
-    ocp, mngr = _manager(workdir)
-    try:
-        step = _pick_step(mngr, workdir, step)
+    with _reader(workdir) as reader:
+        step = reader.pick_step(step)
         cfg = config if config is not None else read_run_config(workdir, step)
         mesh = mesh if mesh is not None else setup.make_mesh(cfg)
-        mcfg = setup.model_config(cfg, cfg.model.path)
+        mcfg = setup.model_config(cfg, cfg.model.path, mesh)
         if dtype is not None:
             mcfg = mcfg.replace(dtype=jnp.dtype(dtype).name)
         graphdef, abstract, _ = setup.abstract_params(mcfg, mesh)
-        target = {"state": {"params": abstract}}
-        args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                      restore_args=ocp.checkpoint_utils.construct_restore_args(target))
         try:
-            restored = mngr.restore(step, args=ocp.args.Composite(state=args))
-        except Exception as e:
-            raise CheckpointError(f"{workdir!r}/checkpoints/{step}: cannot restore state.params for the "
-                                  f"model of its config ({type(e).__name__}: {str(e)[:500]})") from e
-    finally:
-        mngr.close()
-    model = nnx.merge(graphdef, restored.state["state"]["params"])  # the model holds only Params
+            restored = reader.restore_state(step, {"state": {"params": abstract}})
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (the model of the run's config)") from e.__cause__
+    model = nnx.merge(graphdef, restored["state"]["params"])  # the model holds only Params
     label = os.path.basename(os.path.normpath(os.fspath(workdir))) or os.fspath(workdir)
     log.info("restored state.params of step %d from %s", step, workdir)
     return LoadedModel(model, label, step, cfg), mesh

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ict_jax.data.prompts import MATH_INSTRUCTION, build_prompt
+from ict_jax.data.prompts import MATH_INSTRUCTION, encode_prompts
 from ict_jax.eval import checkers
 from ict_jax.eval.passk import mean_pass_at_k
 
@@ -75,24 +75,6 @@ class ModelSampler:
         c_ids, c_mask = host_array(c_ids)[:rows], host_array(c_mask)[:rows]  # [real * n, N]
         self.completion_tokens += int(c_mask.sum())
         return decode_completions(self.tokenizer, c_ids, c_mask, self.tokenizer.eos_ids)
-
-
-def encode_prompts(examples: Sequence[Mapping[str, Any]], tokenizer, *, style: str, instruction: str,
-                   max_len: int) -> tuple[list, list[str], list[list[int]]]:
-    """-> (kept examples, their prompt texts, their token ids); prompts over max_len tokens are
-    left out. KeyError naming the example when a needed field is missing."""
-    kept, prompts, tokens = [], [], []
-    for i, ex in enumerate(examples):
-        for field in ("answer",) + (("prompt",) if style == "plain" else ("question",)):
-            if field not in ex:
-                raise KeyError(f"evaluate: example {i} has no {field!r} field (it has {sorted(ex)})")
-        text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
-        ids = tokenizer.encode(text)
-        if len(ids) <= max_len:
-            kept.append(ex)
-            prompts.append(text)
-            tokens.append(ids)
-    return kept, prompts, tokens
 
 
 def evaluate(model, tokenizer, examples: Sequence[Mapping[str, Any]], *, answer_type: str, n: int,

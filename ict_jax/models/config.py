@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 
 _DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
+ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,15 @@ class Qwen2Config:
   max_position_embeddings: int = 32768
   dtype: str = "float32"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # storage dtype of the parameters
-  remat: bool = False  # jax.checkpoint around every decoder layer
+  # jax.checkpoint around the scanned decoder layer when there is no KV cache (train step,
+  # scoring): "none"; "full" (keep only each layer's input, recompute the rest in the backward
+  # pass); "minimal" (keep the outputs of the matmuls with weights, recompute the rest).
+  remat_policy: str = "none"
+  # attention without a KV cache (train step, scoring, warm start): "einsum" (the reference),
+  # "dot_product" (jax.nn.dot_product_attention, XLA), "cudnn" (its cuDNN flash kernel, GPU),
+  # "splash" (the Pallas TPU kernel). A concrete choice: the run config's "auto" is resolved
+  # from the mesh's devices in `setup.model_config`. The KV-cache path is always the einsum.
+  attention: str = "einsum"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -39,6 +49,11 @@ class Qwen2Config:
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"Qwen2Config: num_attention_heads {self.num_attention_heads} is not "
                        f"divisible by num_key_value_heads {self.num_key_value_heads}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"Qwen2Config.remat_policy: expected one of {REMAT_POLICIES}, "
+                       f"got {self.remat_policy!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"Qwen2Config.attention: expected one of {ATTENTION}, got {self.attention!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"Qwen2Config.{name}: expected one of {_DTYPES}, got {getattr(self, name)!r}")

@@ -3,6 +3,7 @@
 Loading reads tensor by tensor through `safetensors.safe_open(...).get_slice`, and with a mesh
 each device's shard is read straight into place (`jax.make_array_from_callback`): the model is
 never gathered on one host. Saving writes a folder `transformers.AutoModelForCausalLM` loads.
+The per-layer HF tensors `model.layers.{i}.*` are our stacked [L, ...] parameters under `layers/`.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ _SINGLE = "model.safetensors"
 
 # ---- name and layout mapping ------------------------------------------------------------------
 def _hf_name(path: tuple) -> tuple[str, str]:
-  """Our parameter path -> (HF tensor name, layout kind)."""
+  """Our parameter path -> (HF tensor name, layout kind). The decoder layers' parameters are
+  stacked [L, ...] under "layers/..."; their name is a template with `{i}` for the layer."""
   p = tuple(str(x) for x in path)
   if p == ("embed", "embedding"):
     return "model.embed_tokens.weight", "copy"
@@ -36,8 +38,7 @@ def _hf_name(path: tuple) -> tuple[str, str]:
   if p == ("lm_head", "kernel"):
     return "lm_head.weight", "linear"
   if p[0] == "layers":
-    i, rest = p[1], p[2:]
-    pre = f"model.layers.{i}."
+    rest, pre = p[1:], "model.layers.{i}."
     table = {
         ("input_norm", "scale"): ("input_layernorm.weight", "copy"),
         ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", "copy"),
@@ -67,6 +68,11 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
   if kind == "heads_bias":  # ours [N, H], HF [N*H]
     return (shape[0] * shape[1],)
   raise ValueError(kind)
+
+
+def _layer_names(name: str, path: tuple, shape: tuple) -> list[str] | None:
+  """The HF names of a stacked parameter's L layers (None for an unstacked one)."""
+  return [name.format(i=i) for i in range(shape[0])] if str(path[0]) == "layers" else None
 
 
 def _norm(idx: tuple, shape: tuple) -> list[tuple[int, int]]:
@@ -158,22 +164,22 @@ def _open(file: str, handles: dict):
 
 
 def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None,
-                    remat: bool = False) -> Qwen2:
+                    remat_policy: str = "none", attention: str = "einsum") -> Qwen2:
   """Load a local Hugging Face Qwen2/Qwen2.5 folder into a `Qwen2` model.
 
   dtype: compute dtype; param_dtype: storage dtype (default: dtype). With `mesh`, each
   parameter is created directly in its `NamedSharding` from the logical-axis rules."""
   dt = jnp.dtype(dtype).name
   pdt = jnp.dtype(param_dtype or dtype).name
-  cfg = read_config(path, dtype=dt, param_dtype=pdt, remat=remat)
+  cfg = read_config(path, dtype=dt, param_dtype=pdt, remat_policy=remat_policy, attention=attention)
   where = _weight_files(path)
   abstract = abstract_model(cfg)
   graphdef, state = nnx.split(abstract)
   handles: dict = {}
   used = set()
   try:
-    def load(keypath, var):
-      name, kind = _hf_name(keypath)
+    def open_slice(keypath, name, kind, shape):
+      """The safetensors slice of HF tensor `name`, checked to have our `shape`'s HF layout."""
       if name not in where:
         raise ValueError(f"{path}: missing tensor {name!r} (needed for {'/'.join(map(str, keypath))})")
       file = where[name]
@@ -182,18 +188,33 @@ def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None
         raise ValueError(f"{file}: missing tensor {name!r} (the index says it is here)")
       used.add(name)
       sl = f.get_slice(name)
-      shape = tuple(var.get_value().shape)
-      want = _hf_shape(kind, shape)
-      got = tuple(sl.get_shape())
+      want, got = _hf_shape(kind, shape), tuple(sl.get_shape())
       if got != want:
         raise ValueError(f"{file}: tensor {name!r} has shape {got}, expected {want} for {cfg}")
+      return file, sl
+
+    def load(keypath, var):
+      name, kind = _hf_name(keypath)
+      shape = tuple(var.get_value().shape)
+      layer_names = _layer_names(name, keypath, shape)
+      if layer_names is None:
+        slices = [(name, *open_slice(keypath, name, kind, shape))]
+      else:  # one HF tensor per layer, stacked on our leading axis
+        slices = [(n, *open_slice(keypath, n, kind, shape[1:])) for n in layer_names]
       np_dtype = np.dtype(var.get_value().dtype)
 
-      def read(idx):
+      def read_one(name, file, sl, shape, idx):
         try:
-          return np.ascontiguousarray(_read_shard(lambda s: sl[s], kind, shape, idx)).astype(np_dtype)
+          return _read_shard(lambda s: sl[s], kind, shape, idx)
         except SafetensorError as e:
           raise ValueError(f"{file}: cannot read tensor {name!r} (truncated file?): {e}") from None
+
+      def read(idx):
+        if layer_names is None:
+          return np.ascontiguousarray(read_one(*slices[0], shape, idx)).astype(np_dtype)
+        (l0, l1), rest = _norm(idx, shape)[0], tuple(idx)[1:]
+        return np.ascontiguousarray(
+            np.stack([read_one(*slices[i], shape[1:], rest) for i in range(l0, l1)])).astype(np_dtype)
 
       if mesh is None:
         return var.replace(jnp.asarray(read(())))
@@ -236,12 +257,16 @@ def save_pretrained(model: Qwen2, out_dir: str, *, dtype=None, max_shard_bytes: 
   size = 0
   for keypath, var in nnx.to_flat_state(state):
     name, kind = _hf_name(keypath)
-    arr = np.ascontiguousarray(_to_hf(kind, _host_array(var.get_value()))).astype(np_dtype)
-    if shards[-1] and size + arr.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = arr
-    size += arr.nbytes
+    value = _host_array(var.get_value())
+    layer_names = _layer_names(name, keypath, value.shape)
+    pieces = [(name, value)] if layer_names is None else list(zip(layer_names, value))
+    for name, x in pieces:
+      arr = np.ascontiguousarray(_to_hf(kind, x)).astype(np_dtype)
+      if shards[-1] and size + arr.nbytes > max_shard_bytes:
+        shards.append({})
+        size = 0
+      shards[-1][name] = arr
+      size += arr.nbytes
   if jax.process_index() != 0:
     return
   os.makedirs(out_dir, exist_ok=True)

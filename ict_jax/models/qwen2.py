@@ -4,7 +4,11 @@ Einsum letters match parameter and sharding names:
   B batch, T query length, S key length, D embed, N heads, K kv_heads, G groups (N/K),
   H head_dim, F mlp, V vocab.
 Parameters carry logical axis names in their `axes` metadata (see `models/axes.py`).
-The KV cache is an explicit pytree passed in and returned, so decoding is a pure function.
+The decoder stack is one `DecoderLayer` whose parameters are stacked on a leading `layers` axis
+(L, logical name "layers"), run by `jax.lax.scan`: XLA compiles one layer, not L copies. A named
+remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train step.
+The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
+stacked like the parameters, [L, B, K, S, H], and scanned with them.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ict_jax.models.attention import attend
 from ict_jax.models.axes import constrain, cpu_single_device
 from ict_jax.models.config import Qwen2Config
 
@@ -22,15 +27,27 @@ _INIT_STD = 0.02
 
 
 class LayerCache(NamedTuple):
-  k: Array  # [B, K, S, H]: heads-major, as the attention dots read it
-  v: Array  # [B, K, S, H]
+  """Keys and values, [L, B, K, S, H] for the model (heads-major, as the attention dots read
+  them); inside the scanned layer each is one layer's [B, K, S, H]."""
+  k: Array
+  v: Array
+
+
+# remat policy name -> jax.checkpoint policy (MaxText's names); "none" runs the layer as is.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's input
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls
+}
 
 
 def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal",
+           stack: tuple[int, ...] = ()) -> nnx.Param:
+  """A parameter of `stack + shape`; a stacked one gets the logical axis "layers" first."""
+  shape, axes = tuple(stack) + tuple(shape), ("layers",) * len(stack) + tuple(axes)
   if init == "ones":
     value = jnp.ones(shape, dtype)
   elif init == "zeros":
@@ -41,8 +58,8 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None):
-    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones")
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None, stack=()):
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones", stack)
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:  # [..., D]
@@ -71,24 +88,26 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pd = _dtype(cfg.param_dtype)
+    p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init, stack)
     self.cfg = cfg
-    self.q_proj = nnx.Dict(kernel=_param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd),
-                           bias=_param(rngs, (n, h), ("heads", "head_dim"), pd, "zeros"))
-    self.k_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
-                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
-    self.v_proj = nnx.Dict(kernel=_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd),
-                           bias=_param(rngs, (k, h), ("kv_heads", "head_dim"), pd, "zeros"))
-    self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd))
+    self.q_proj = nnx.Dict(kernel=p((d, n, h), ("embed", "heads", "head_dim")),
+                           bias=p((n, h), ("heads", "head_dim"), "zeros"))
+    self.k_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
+                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
+    self.v_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
+                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
+    self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
-  def __call__(self, x: Array, cos: Array, sin: Array, bias: Array,
+  def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                cache: LayerCache | None, cache_index: Array | None, prefill: bool = False):
-    """x [B,T,D]; bias [B,1,1,T,S] additive mask; returns ([B,T,D], new cache).
-
-    With a cache the T new keys/values are written at cache_index; they attend to all S cache
-    slots, or with `prefill` (an empty cache) to the T new keys only (bias [B,1,1,T,T])."""
+    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, `mask` is the attention mask [B,T]
+    and `cfg.attention` names the implementation (`models/attention.py`); with one, `mask` is
+    the additive bias [B,1,1,T,S] of the einsum over the S cache slots. `prefill` (an empty
+    cache): the T new keys/values are written at cache_index, and the T tokens attend to each
+    other only, as without a cache (`mask` [B,T]): no [T, S] scores over empty slots."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -98,30 +117,31 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv = "BSKH"  # keys/values of the T tokens themselves
-    if cache is not None:  # write the T new keys/values at cache_index, attend to all S
+    if cache is None or prefill:  # the T tokens attend to themselves
+      out = attend(q, k, v, mask, cfg.attention)
+    if cache is not None:  # write the T new keys/values at cache_index
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
       cache = LayerCache(
           jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
           jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2))
-      if not prefill:  # prefill keeps the T fresh keys: nothing before them is visible
-        k, v, kv = cache.k.astype(dt), cache.v.astype(dt), "BKSH"  # heads-major: no transpose
-    b, t = q.shape[:2]
-    q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
-    scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
-    probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
-    out = jnp.einsum(f"BKGTS,{kv}->BKGTH", probs, v)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    if cache is not None and not prefill:  # attend to all S slots
+      k, v = cache.k.astype(dt), cache.v.astype(dt)  # heads-major: the dots need no transpose
+      b, t = q.shape[:2]
+      q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
+      scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+      probs = jax.nn.softmax(scores + mask, axis=-1).astype(dt)
+      out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
+      out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
     return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), cache
 
 
 class MLP(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, f, pd = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype)
-    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
-    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd))
-    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd))
+    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd, stack=stack))
 
   def __call__(self, x: Array) -> Array:  # [B,T,D]
     dt = x.dtype
@@ -132,22 +152,34 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
-    pd = _dtype(cfg.param_dtype)
-    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-    self.mlp = MLP(cfg, rngs=rngs)
+  """One decoder layer; built with `stack=(L,)` it holds all L layers' parameters stacked, and
+  is called on one layer's slice of them (see `Qwen2.hidden_states`)."""
 
-  def __call__(self, x, cos, sin, bias, cache, cache_index, prefill: bool = False):
-    h, cache = self.attn(self.input_norm(x), cos, sin, bias, cache, cache_index, prefill)
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
+    pd = _dtype(cfg.param_dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
+    self.attn = Attention(cfg, rngs=rngs, stack=stack)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
+    self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+
+  def __call__(self, x, cos, sin, mask, cache, cache_index, prefill: bool = False):
+    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, prefill)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
 
 
-def _remat_layer(layer: DecoderLayer, x, cos, sin, bias):
-  return layer(x, cos, sin, bias, None, None)[0]
+def _stacked_layers(cfg: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
+  """The L decoder layers as one `DecoderLayer` of stacked [L, ...] parameters. They are drawn
+  layer by layer from `rngs` and then stacked, so a seed gives the same weights as L separate
+  layers would (the layout changed, the initialisation did not)."""
+  per_layer = [nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=rngs), nnx.Param))
+               for _ in range(cfg.num_hidden_layers)]
+  stacked = nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0), stack=(cfg.num_hidden_layers,)))
+  state = nnx.state(stacked, nnx.Param)
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+  nnx.update(stacked, state)
+  return stacked
 
 
 class Qwen2(nnx.Module):
@@ -157,7 +189,7 @@ class Qwen2(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     self.cfg = cfg
     self.embed = nnx.Dict(embedding=_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd))
-    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    self.layers = _stacked_layers(cfg, rngs)  # one DecoderLayer of [L, ...] parameters
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Dict(kernel=_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd))
@@ -194,49 +226,62 @@ class Qwen2(nnx.Module):
                           preferred_element_type=jnp.float32)
     return constrain(logits, ("act_vocab", "act_batch"))
 
-  def init_cache(self, batch: int, length: int, dtype=None) -> list[LayerCache]:
+  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
+    """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype)."""
     cfg = self.cfg
-    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)  # [B, K, S, H]
+    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim)
     dt = dtype or _dtype(cfg.dtype)
-    names = ("act_batch", "act_kv_heads", "act_cache_length", None)
+    names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
-    return [LayerCache(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
+    return LayerCache(zeros(), zeros())
+
+  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index,
+                     prefill: bool = False):
+    """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
+    stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
+    cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
+    graphdef, state = nnx.split(self.layers)
+
+    def layer(x, xs):
+      layer_state, layer_cache = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index, prefill)
+
+    policy = self.cfg.remat_policy
+    if cache is None and policy != "none":
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return jax.lax.scan(layer, x, (state, cache))
 
   def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
-                    positions: Array | None = None, cache: list[LayerCache] | None = None,
+                    positions: Array | None = None, cache: LayerCache | None = None,
                     cache_index: Array | None = None, kv_mask: Array | None = None,
                     prefill: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).
     positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
-    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1. `prefill`
-    (static): the cache holds nothing visible yet, so the T tokens attend to each other only
-    (scores [.., T, T], not [.., T, S]: a prompt does not pay for the max_new_tokens slots)."""
+    written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1; the cache is
+    a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`). `prefill` (static): the cache holds
+    nothing visible yet, so the T tokens attend to each other only (as without a cache: no
+    [T, S] scores, a prompt does not pay for the max_new_tokens slots) and are written at
+    `cache_index`."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    if cache is None or prefill:  # keys are the T tokens themselves
-      q_pos, k_pos, k_valid = jnp.arange(t), jnp.arange(t), attention_mask
+    if cache is None or prefill:  # keys are the T tokens themselves: the attention masks
+      mask = attention_mask
     else:
-      s = cache[0].k.shape[2]
+      s = cache.k.shape[3]
       q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
       k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
-    bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
+      allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
+      mask = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    new_cache = []
-    for i, layer in enumerate(self.layers):
-      if cache is None and cfg.remat:
-        x = nnx.remat(_remat_layer)(layer, x, cos, sin, bias)
-      else:
-        x, c = layer(x, cos, sin, bias, None if cache is None else cache[i], cache_index, prefill)
-        new_cache.append(c)
+    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index, prefill)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
 

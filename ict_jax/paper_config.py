@@ -1,4 +1,6 @@
-"""Shared settings of the paper-scale runs (Qwen2.5 + GSM8K/MATH, ICT top-10% JS tokens).
+"""Shared settings of the paper-scale runs (Qwen2.5 + GSM8K/MATH, ICT top-10% JS tokens), used by
+`configs/qwen2_5_*_math.py` (and importable from any project: `from ict_jax.paper_config import
+paper_config`).
 
 Values the paper ("Beyond Entropy: Learning from Token-Level Distributional Deviations for LLM
 Reasoning") states are marked PAPER; the rest are ASSUMPTIONS, chosen as common verl / TRL
@@ -7,13 +9,15 @@ GRPO practice for Qwen2.5 math RL, and kept configurable.
 from ict_jax.config import default_config
 
 
-def paper_config(model_dir: str, *, prompts_per_step: int, steps: int, mesh_fsdp: int = -1,
-                 mesh_tensor: int = 1, micro_batch_size: int = 0):
+def paper_config(model_dir: str, preset: str, *, prompts_per_step: int, steps: int,
+                 mesh_fsdp: int = -1, mesh_tensor: int = 1, micro_batch_size: int = 0):
   c = default_config()
   c.model.path = model_dir                  # local HF folder, e.g. /ckpt/Qwen2.5-1.5B
+  c.model.preset = preset                   # its architecture (python -m ict_jax.aot uses it
+                                            # where the folder is absent)
   c.model.dtype = "bfloat16"                # ASSUMPTION: bf16 compute
   c.model.param_dtype = "float32"           # ASSUMPTION: fp32 master weights + Adam state
-  c.model.remat = True
+  c.model.remat_policy = "full"
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, mesh_fsdp, mesh_tensor
   c.data.name = "gsm8k+math"                # PAPER: trained on GSM8K + MATH
   c.data.config = ""

@@ -1,0 +1,164 @@
+"""Attention implementations against the einsum reference: values and gradients on real tokens,
+GQA, left- and right-padded rows; "auto" resolved once in set-up; the splash kernel in the Pallas
+interpreter (CPU) and compiled for a TPU v5e topology this machine does not have (libtpu)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ict_jax import config as config_lib
+from ict_jax import setup, sharding
+from ict_jax.models import attention as attn
+from ict_jax.models.config import Qwen2Config
+from ict_jax.models.qwen2 import init_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBS_DIR = os.path.expanduser(os.environ.get("ICT_JAX_AOT_LIBS", "~/.cache/ict_jax/aot-libs"))
+
+
+def _qkv(b, t, n, k, h, seed=0):
+  """q [B,T,N,H], k/v [B,T,K,H] and segment ids: row 0 left-padded (a prompt), row 1
+  right-padded (a short completion), the rest full."""
+  rng = np.random.RandomState(seed)
+  q, kk, v = (jnp.asarray(rng.randn(b, t, heads, h), jnp.float32) for heads in (n, k, k))
+  seg = np.ones((b, t), np.int32)
+  seg[0, : t // 3] = 0
+  seg[1, t - t // 4:] = 0
+  return q, kk, v, jnp.asarray(seg)
+
+
+def _loss(fn, seg):
+  """A scalar of the real tokens' outputs only (padding rows are never read by a loss)."""
+  w = jnp.asarray(np.random.RandomState(1).randn(*seg.shape, 1, 1), jnp.float32)
+  return lambda q, k, v: jnp.sum(jnp.where(seg[..., None, None] > 0, fn(q, k, v, seg) * w, 0.0) ** 2)
+
+
+def _check_parity(fn, q, k, v, seg, *, atol):
+  ref, got = attn.einsum_attention(q, k, v, seg), fn(q, k, v, seg)
+  real = np.asarray(seg) > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(ref)[real], atol=atol, rtol=atol)
+  g_ref = jax.grad(_loss(attn.einsum_attention, seg), argnums=(0, 1, 2))(q, k, v)
+  g_got = jax.grad(_loss(fn, seg), argnums=(0, 1, 2))(q, k, v)
+  chex.assert_trees_all_close(g_got, g_ref, atol=atol * 10, rtol=atol * 10)
+
+
+@pytest.mark.parametrize("n,k", [(4, 2), (4, 1), (4, 4)])
+def test_dot_product_matches_einsum(n, k):
+  q, kk, v, seg = _qkv(3, 24, n, k, 16)
+  _check_parity(attn.dot_product_attention, q, kk, v, seg, atol=1e-5)
+
+
+def test_splash_kernel_in_interpreter_matches_einsum():
+  q, k, v, seg = _qkv(2, 128, 4, 2, 16)  # 128: the kernel's smallest tile (TPU lane width)
+  fn = lambda q, k, v, s: attn.splash_attention(q, k, v, s, interpret=True)
+  _check_parity(fn, q, k, v, seg, atol=2e-5)
+
+
+def test_splash_under_a_mesh_runs_per_shard():
+  q, k, v, seg = _qkv(4, 128, 4, 2, 16)
+  mesh = sharding.make_mesh((2, 2, 2))  # rows over data x fsdp, KV heads over tensor
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda *a: attn.splash_attention(*a, interpret=True))(q, k, v, seg)
+  real = np.asarray(seg) > 0
+  ref = attn.einsum_attention(q, k, v, seg)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(ref)[real], atol=2e-5)
+
+
+def test_splash_pads_lengths_off_the_lane_width():
+  q, k, v, seg = _qkv(2, 100, 4, 2, 16)  # padded to 128 inside, sliced back
+  got = attn.splash_attention(q, k, v, seg, interpret=True)
+  assert got.shape == q.shape
+  real = np.asarray(seg) > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, k, v, seg))[real],
+                             atol=2e-5)
+
+
+def _small(**kw):
+  return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, **kw)
+
+
+def test_model_with_dot_product_attention_matches_einsum():
+  ids = np.random.RandomState(0).randint(0, 128, (3, 12))
+  mask = np.ones_like(ids)
+  mask[0, :5] = 0  # left padding
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+
+  def run(cfg):
+    graphdef, params = nnx.split(init_model(cfg, seed=2), nnx.Param)
+    f = lambda p: nnx.merge(graphdef, p)(ids, mask)
+    loss = lambda p: jnp.sum(jnp.where(mask[..., None] > 0, jax.nn.log_softmax(f(p)), 0.0)[..., 7])
+    return f(params), jax.grad(loss)(params)
+
+  (l0, g0), (l1, g1) = run(_small()), run(_small(attention="dot_product"))
+  real = np.asarray(mask) > 0
+  np.testing.assert_allclose(np.asarray(l1)[real], np.asarray(l0)[real], atol=1e-5)
+  chex.assert_trees_all_close(g1, g0, atol=1e-6, rtol=1e-5)
+
+
+def test_auto_is_resolved_in_setup_from_the_mesh_devices():
+  c = config_lib.tiny_config()
+  assert c.model.attention == "auto"
+  cfg = config_lib.validate(c)
+  assert setup.model_config(cfg, "", sharding.make_mesh((1, -1, 1))).attention == "einsum"  # CPU
+  assert setup.resolve_attention("dot_product") == "dot_product"
+  c.model.attention = "flash"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.attention: expected one of"):
+    config_lib.validate(c)
+  with pytest.raises(ValueError, match=r"Qwen2Config\.attention: expected one of"):
+    _small(attention="auto")  # the model takes a concrete choice only
+
+
+_TPU_COMPILE = textwrap.dedent("""
+  import os, sys
+  sys.path.insert(0, sys.argv[1])
+  import libtpu
+  os.environ.update(TPU_LIBRARY_PATH=libtpu.get_library_path(), TPU_SKIP_MDS_QUERY="1",
+                    TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
+                    TPU_ACCELERATOR_TYPE="v5litepod-4", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  import jax, jax.numpy as jnp
+  from jax.experimental import topologies
+  from flax import nnx
+  from ict_jax import config as config_lib, setup, sharding
+  from ict_jax.models.config import Qwen2Config
+  topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2",
+                                      chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
+                                      num_slices=1)
+  mesh = sharding.make_mesh((1, 2, 2), devices=list(topo.devices))
+  c = config_lib.tiny_config()
+  mcfg = setup.model_config(config_lib.validate(c), "", mesh)
+  assert mcfg.attention == "splash", mcfg.attention  # auto on TPU devices
+  mcfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, dtype="bfloat16",
+                     attention=mcfg.attention, remat_policy="full")
+  graphdef, params, _ = setup.abstract_params(mcfg, mesh)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  ids = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=rows)
+  def loss(p, ids):
+    h = nnx.merge(graphdef, p).hidden_states(ids, (ids > 0).astype(jnp.int32))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+  with jax.set_mesh(mesh):
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, ids)
+  text = lowered.as_text()
+  assert "tpu_custom_call" in text or "splash" in text, "no Pallas kernel in the lowered step"
+  compiled = lowered.compile()
+  print("compiled", compiled.memory_analysis().temp_size_in_bytes)
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")),
+                    reason=f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)")
+def test_splash_model_compiles_for_a_tpu_topology(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  proc = subprocess.run([sys.executable, "-c", _TPU_COMPILE, LIBS_DIR], env=env, cwd=str(tmp_path),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "compiled" in proc.stdout

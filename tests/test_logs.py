@@ -1,0 +1,86 @@
+"""Run logs on an object store: a fake gs:// (fsspec's in-memory filesystem behind `epath`, with
+append refused, as Cloud Storage refuses it) and on local disk."""
+import json
+
+from fsspec.registry import _registry as fsspec_implementations
+import pytest
+from etils import epath
+from etils.epath import backend
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ict_jax import logs
+
+
+class NoAppendFS(MemoryFileSystem):
+  """An object store: objects are written whole, never appended to."""
+  protocol = ("gs", "gcs")
+  store: dict = {}  # its own objects, not the shared memory:// ones
+  pseudo_dirs = [""]
+  opened_modes: list = []
+
+  def __init__(self, *args, finalize_on_close=None, **kwargs):
+    super().__init__(*args, **kwargs)
+
+  def _open(self, path, mode="rb", **kwargs):
+    NoAppendFS.opened_modes.append(mode)
+    if "a" in mode or "+" in mode:
+      raise OSError(f"{path}: objects cannot be appended to (mode {mode!r})")
+    return super()._open(path, mode, **kwargs)
+
+
+@pytest.fixture
+def gs(monkeypatch):
+  """epath's gs:// paths on the append-refusing in-memory store, emptied for each test."""
+  NoAppendFS.store, NoAppendFS.pseudo_dirs, NoAppendFS.opened_modes = {}, [""], []
+  NoAppendFS.clear_instance_cache()
+  for name in ("gs", "gcs"):  # fsspec's own table of loaded implementations, restored afterwards
+    monkeypatch.setitem(fsspec_implementations, name, NoAppendFS)
+  backend.fsspec_backend._get_filesystem.cache_clear()
+  yield "gs://bucket/run"
+  backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+def _run(workdir, steps, initial=0, **kw):
+  logger = logs.MetricsLogger(workdir, progress=False, tensorboard=False, initial=initial,
+                              config={"x": 1})
+  for step in steps:
+    logger.write({"step": step, "loss": float(step)},
+                 samples=[{"completion": f"c{step}.{i}"} for i in range(2)])
+  logger.close()
+
+
+def test_the_fake_store_refuses_appends(gs):
+  path = epath.Path(gs) / "probe.txt"
+  path.write_text("a")
+  with pytest.raises(OSError, match="appended"):
+    path.open("a")
+
+
+def test_logs_on_an_object_store_resume_drops_lines_past_the_restored_step(gs):
+  _run(gs, range(1, 6))
+  assert [r["step"] for r in logs.read_log(gs, "metrics")] == [1, 2, 3, 4, 5]
+  assert [r["completion"] for r in logs.read_log(gs, "samples")][:3] == ["c1.0", "c1.1", "c2.0"]
+  # resumed from the checkpoint of step 3: steps 4 and 5 are run (and logged) again
+  _run(gs, range(4, 8), initial=3)
+  assert [r["step"] for r in logs.read_log(gs, "metrics")] == [1, 2, 3, 4, 5, 6, 7]
+  assert [r["step"] for r in logs.read_log(gs, "samples")] == [s for s in range(1, 8) for _ in range(2)]
+  assert not any("a" in m or "+" in m for m in NoAppendFS.opened_modes)
+  assert json.loads((epath.Path(gs) / "config.json").read_text()) == {"x": 1}
+
+
+def test_parts_are_bounded_and_a_resume_inside_a_part_truncates_it(gs):
+  log = logs.JsonlLog(epath.Path(gs) / "metrics", 0, part_steps=3)
+  for step in range(1, 9):
+    log.write(step, [{"step": step}])
+  names = sorted(p.name for p in (epath.Path(gs) / "metrics").iterdir())
+  assert names == ["00000001.jsonl", "00000004.jsonl", "00000007.jsonl"]
+  logs.JsonlLog(epath.Path(gs) / "metrics", 2, part_steps=3)  # resume at step 2
+  assert [r["step"] for r in logs.read_log(gs, "metrics")] == [1, 2]
+  assert sorted(p.name for p in (epath.Path(gs) / "metrics").iterdir()) == ["00000001.jsonl"]
+
+
+def test_local_parts_concatenate_in_step_order(tmp_path):
+  _run(str(tmp_path), range(1, 4))
+  text = "".join(p.read_text() for p in sorted((tmp_path / "metrics").glob("*.jsonl")))
+  assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3]
+  assert not [p for p in (tmp_path / "metrics").iterdir() if p.name.startswith(".")]  # no temp files
