@@ -12,6 +12,16 @@ first call's compile time is reported separately.
 
 Prints one JSON object: tokens/s of each (best of --repeats interleaved runs: ours, theirs, ours,
 ...), the ratio, every run's seconds, our compile time, settings.
+
+The decode step against its physical floor: our step time is (best time for --new tokens - best
+time for --new / 2 + 1 tokens) / the difference (the same compiled program: the number of new
+tokens is a runtime input), so prefill and compile drop out. The floor is the step's
+multiply-adds at this machine's float32 FMA rate, measured in the same run by
+`benchmarks/fma_rate.py` (a C loop of independent FMAs, one process per pinned core; measured
+between the runs, best of the run, so it sees the same background load):
+`head_floor_ms` counts the tied LM head alone (batch x hidden x vocab MACs, the goal's
+definition), `matmul_floor_ms` adds the decoder layers' weight MACs. `head_floor_fraction` =
+head_floor_ms / step_ms (goal >= 0.85).
 """
 from __future__ import annotations
 
@@ -53,6 +63,8 @@ def main() -> None:
 
   import ict_jax
   from ict_jax.models.config import Qwen2Config
+  from ict_jax.sampling import bucket_length
+  from benchmarks.fma_rate import fma_gflops
 
   torch.set_num_threads(args.threads)
   cfg = Qwen2Config.preset("bench")
@@ -82,12 +94,20 @@ def main() -> None:
     assert out.shape == (b, p + new), out.shape
     return out
 
-  def run_ours(sample: bool, seed: int):
-    out = ict_jax.generate(model, ids, mask, max_new_tokens=n, temperature=1.0 if sample else 0.0,
+  def run_ours(sample: bool, seed: int, new: int = n):
+    out = ict_jax.generate(model, ids, mask, max_new_tokens=new, temperature=1.0 if sample else 0.0,
                            rng=jax.random.key(seed), eos_token_ids=(), pad_id=0)
     jax.block_until_ready(out)
-    assert out[0].shape == (b, n) and int(out[1].sum()) == b * n
+    assert out[0].shape == (b, new) and int(out[1].sum()) == b * new
     return out
+
+  half = n // 2 + 1  # same length bucket as n: the same compiled program
+  assert bucket_length(half) == bucket_length(n), (half, n)
+  d, v, f, layers = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_hidden_layers
+  qkvo = d * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+  head_macs = b * d * v
+  matmul_macs = head_macs + b * layers * (qkvo + 3 * d * f)
+  fma_all = [fma_gflops(args.threads)]  # measured again in every repeat: best of the run
 
   results = {}
   for mode in args.modes.split(","):
@@ -96,11 +116,15 @@ def main() -> None:
     first = run_ours(sample, 100)
     first_s = time.perf_counter() - t
     run_hf(sample, 4)  # warm-up
-    ours_all, hf_all = [], []
+    ours_all, hf_all, half_all = [], [], []
     for i in range(args.repeats):  # interleaved, so both see the same background load
       t = time.perf_counter()
       run_ours(sample, i)
       ours_all.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      run_ours(sample, i, half)
+      half_all.append(time.perf_counter() - t)
+      fma_all.append(fma_gflops(args.threads, repeats=1))
       t = time.perf_counter()
       run_hf(sample, n)
       hf_all.append(time.perf_counter() - t)
@@ -113,6 +137,13 @@ def main() -> None:
         "transformers_s": [round(x, 3) for x in hf_all],
         "ours_compile_s": round(first_s - ours_s, 2),
     }
+    step_s = (ours_s - min(half_all)) / (n - half)
+    fma = None if fma_all[0] is None else max(fma_all)
+    entry["decode_step_ms"] = round(1e3 * step_s, 2)
+    if fma:
+      entry["head_floor_ms"] = round(2e3 * head_macs / (fma * 1e9), 2)
+      entry["matmul_floor_ms"] = round(2e3 * matmul_macs / (fma * 1e9), 2)
+      entry["head_floor_fraction"] = round(2 * head_macs / (fma * 1e9) / step_s, 3)
     if not sample:  # same greedy tokens (float32 round-off can flip a near-tie, so reported only)
       ref = run_hf(False, n)[:, p:].numpy()
       entry["greedy_tokens_equal_fraction"] = float((np.asarray(first[0]) == ref).mean())
@@ -123,7 +154,9 @@ def main() -> None:
       "model": {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                 "mlp": cfg.intermediate_size, "tied": cfg.tie_word_embeddings},
-      "threads": args.threads, "cpus": cpus, "repeats": args.repeats, "results": results,
+      "threads": args.threads, "cpus": cpus, "repeats": args.repeats,
+      "fma_gflops": None if fma_all[0] is None else round(max(fma_all), 1),
+      "load_average": [round(x, 2) for x in os.getloadavg()], "results": results,
       "versions": {"jax": jax.__version__, "torch": torch.__version__,
                    "transformers": transformers.__version__, "python": platform.python_version()},
   }, indent=2))

@@ -301,7 +301,8 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
   report.shapes = dict(rows=rows, micro_batch_size=mb, group_size=cfg.rollout.group_size, prompt_len=prompt_len,
                        completion_len=completion_len, mesh=dict(mesh.shape),
                        model=cfg.model.path or cfg.model.preset, num_params=mcfg.num_params(),
-                       dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, remat=mcfg.remat,
+                       dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, remat_policy=mcfg.remat_policy,
+                       attention=mcfg.attention,
                        method=cfg.ict.method, rows_per_shard=mb // shards, note=note)
   return report
 

@@ -56,6 +56,10 @@ class RolloutConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  dtype: str = "auto"             # rollout copy of the policy: auto (bfloat16 on TPU/GPU, else
+                                  # model.dtype) | float32 | bfloat16 | float16
+  decode_batch_size: str = "auto"  # rows decoded at once: "auto" (sized from free device memory;
+                                   # all rows on CPU) | "all" | a number dividing the step's rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +159,7 @@ _CHOICES = {
     "loss.advantage_scale": ("group", "batch", "none"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "reward.kind": ("math", "choice", "answer"),
+    "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
              "train.steps", "train.num_iterations", "train.checkpoint_every",
@@ -274,6 +279,8 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
   if mb and total % mb:
     raise ConfigError(f"config.train.micro_batch_size: {mb} does not divide the "
                       f"{total} sequences of a step (prompts_per_step x group_size)")
+  if cfg.train.profile_steps:
+    profile_range(cfg.train.profile_steps)
   if cfg.model.param_dtype != "float32":
     # Adam moments, gradient sums and the weights the updates land on follow the parameters'
     # dtype. In bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at
@@ -286,8 +293,14 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
         f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
         f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
         f"model.dtype=bfloat16 and keep model.param_dtype=float32")
-  if cfg.train.profile_steps:
-    profile_range(cfg.train.profile_steps)
+  dbs = cfg.rollout.decode_batch_size
+  if dbs not in ("auto", "all"):
+    if not dbs.isdigit() or int(dbs) == 0:
+      raise ConfigError(f"config.rollout.decode_batch_size: expected 'auto', 'all' or a positive "
+                        f"int (as a string), got {dbs!r}")
+    if total % int(dbs):
+      raise ConfigError(f"config.rollout.decode_batch_size: {dbs} does not divide the {total} "
+                        "rows of a step (prompts_per_step x group_size)")
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   return cfg

@@ -1,11 +1,18 @@
 """One rollout: prompts -> tokens -> G sampled completions -> rewards -> group advantages.
 
-Everything here runs on the host except generation (jitted, sharded). The returned `Rollout`
-holds the arrays the train step consumes, and the text for logs.
+Generation runs on the devices with the rollout copy of the policy (`sampling.make_rollout_policy`:
+the weights cast to the rollout dtype and laid out for decoding by one jitted call a step; no
+parameter goes through the host). The completion ids stay global device arrays for the train
+step; only this host's rows come to the host, are detokenized in one batched call and scored by
+this host's reward pool. The rewards (and per-row lengths and verifier counts) are then gathered
+from every host, so the advantages are computed once from the same numbers everywhere: a
+verifier timeout on one host scores 0 on every host alike. The sampler's log-probs are not
+computed (the train step's first pass gives the old log-probs).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Sequence
 
@@ -16,7 +23,7 @@ from flax import nnx
 
 from ict_jax import grpo
 from ict_jax.data.prompts import encode_prompts
-from ict_jax.sampling import bucket_length, generate
+from ict_jax.sampling import RolloutPolicy, bucket_length, generate, make_rollout_policy
 from ict_jax.tokenizer import left_pad
 
 
@@ -24,16 +31,16 @@ from ict_jax.tokenizer import left_pad
 class Rollout:
   prompt_ids: np.ndarray       # [N, P] int32, left-padded, each prompt repeated G times
   prompt_mask: np.ndarray      # [N, P]
-  completion_ids: np.ndarray   # [N, C]
-  completion_mask: np.ndarray  # [N, C]
-  logprobs: np.ndarray         # [N, C] sampling log-probs
-  rewards: np.ndarray          # [N]
-  advantages: np.ndarray       # [N]
-  completions: list[str]
-  golds: list[Any]
+  completion_ids: jax.Array    # [N, C] int32, rows over the devices of every host
+  completion_mask: jax.Array   # [N, C] int32
+  rewards: np.ndarray          # [N], the same on every host
+  advantages: np.ndarray       # [N], the same on every host
+  rows: np.ndarray             # [n] int: the rows this host scored (all of them on one host)
+  completions: list[str]       # [n] texts of `rows`
+  golds: list[Any]             # [n] gold answers of `rows`
   stats: dict[str, float]
 
-  def batch(self) -> dict[str, np.ndarray]:
+  def batch(self) -> dict[str, Any]:
     """The train step's inputs."""
     return dict(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask,
                 completion_ids=self.completion_ids, completion_mask=self.completion_mask,
@@ -48,50 +55,117 @@ def host_array(x) -> np.ndarray:
   return np.asarray(x)
 
 
-def decode_completions(tokenizer, ids: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> list[str]:
-  out = []
-  for row, m in zip(ids, mask):
-    toks = [int(t) for t, v in zip(row, m) if v and int(t) not in eos_ids]
-    out.append(tokenizer.decode(toks, skip_special_tokens=True))
+def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+  """(row indices [n], rows [n, ...]) of the rows of `x` held by this host's devices (rows
+  replicated over several local devices once), sorted; all rows when `x` is fully addressable."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    x = np.asarray(x)
+    return np.arange(x.shape[0]), x
+  blocks = {}
+  for shard in x.addressable_shards:
+    start, stop, _ = shard.index[0].indices(x.shape[0])
+    blocks.setdefault(start, (np.arange(start, stop), np.asarray(shard.data)))
+  idx, data = zip(*(blocks[k] for k in sorted(blocks)))
+  return np.concatenate(idx), np.concatenate(data)
+
+
+def gather_rows(rows: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+  """Every host's `values` [n_host, ...] at its `rows` [n_host] -> the whole [n, ...], the same
+  on every host. Raises when the hosts' rows do not cover 0..n-1 exactly once."""
+  values = np.asarray(values)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    counts = multihost_utils.process_allgather(np.int32(len(rows)))  # [processes]
+    width = int(np.max(counts))
+    pad = lambda a, fill: np.concatenate([a, np.full((width - len(a),) + a.shape[1:], fill, a.dtype)])
+    rows = multihost_utils.process_allgather(pad(np.asarray(rows, np.int64), -1)).reshape(-1)
+    values = multihost_utils.process_allgather(pad(values, 0)).reshape(-1, *values.shape[1:])
+    values, rows = values[rows >= 0], rows[rows >= 0]
+  if sorted(rows.tolist()) != list(range(n)):
+    raise ValueError(f"gather_rows: the hosts' rows do not cover the {n} rows exactly once")
+  out = np.zeros((n,) + values.shape[1:], values.dtype)
+  out[rows] = values
   return out
+
+
+def decode_completions(tokenizer, ids: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> list[str]:
+  """Texts of completion rows ids/mask [n, C]: the masked tokens less EOS, special tokens
+  skipped, detokenized in one batched call."""
+  ids, mask = np.asarray(ids), np.asarray(mask)
+  keep = (mask != 0) & ~np.isin(ids, np.asarray(list(eos_ids), ids.dtype))
+  return tokenizer.decode_batch([row[k] for row, k in zip(ids, keep)], skip_special_tokens=True)
+
+
+def rollout_policy(model_or_parts, *, dtype: str | None = None, mesh=None) -> RolloutPolicy:
+  """A RolloutPolicy from a model, (graphdef, params) or a RolloutPolicy (returned as is)."""
+  if isinstance(model_or_parts, RolloutPolicy):
+    return model_or_parts
+  graphdef, params = (model_or_parts if isinstance(model_or_parts, tuple)
+                      else nnx.split(model_or_parts))
+  return make_rollout_policy(graphdef, params, dtype=dtype, mesh=mesh)
 
 
 def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *, rng,
             group_size: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
             prompt_style: str, max_prompt_len: int, reward_kind: str, format_weight: float = 0.0,
-            advantage_scale: str = "group", mesh=None) -> Rollout:
-  """Sample `group_size` completions per example with the current policy and score them."""
-  model = model_or_parts if not isinstance(model_or_parts, tuple) else nnx.merge(*model_or_parts)
-  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
+            advantage_scale: str = "group", mesh=None, rollout_dtype: str | None = None,
+            decode_batch_size: int | str | None = None) -> Rollout:
+  """Sample `group_size` completions per example with the current policy and score them.
+
+  model_or_parts: a Qwen2, (graphdef, params) (e.g. the train state's) or a RolloutPolicy;
+  the first two are copied into `rollout_dtype` (default: the model's compute dtype) and the
+  decoding layout first. decode_batch_size as in `sampling.generate` (an int that no longer
+  divides the rows because over-long prompts were dropped shrinks to their gcd). stats["sample_s"]
+  covers the rollout copy, generation and fetching this host's rows."""
+  t0 = time.perf_counter()
+  policy = rollout_policy(model_or_parts, dtype=rollout_dtype, mesh=mesh)
+  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style,
+                                          max_len=max_prompt_len)
   skipped = len(examples) - len(kept)  # over-long prompts
   if not kept:
     raise ValueError(f"every prompt of this batch is longer than data.max_prompt_len={max_prompt_len}")
   width = bucket_length(max(len(t) for t in prompt_tokens))  # few compiled shapes
   p_ids, p_mask = left_pad(prompt_tokens, tokenizer.pad_id, bucket=(width,))
-  t0 = time.perf_counter()
-  c_ids, c_mask, logp = generate(model, p_ids, p_mask, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, top_k=top_k, rng=rng,
-                                 eos_token_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
-                                 num_samples=group_size, mesh=mesh)
-  c_ids, c_mask, logp = host_array(c_ids), host_array(c_mask), host_array(logp)
+  n = len(kept) * group_size
+  if isinstance(decode_batch_size, int) and n % decode_batch_size:  # prompts were skipped
+    decode_batch_size = math.gcd(decode_batch_size, n)  # smaller sub-batches: still fits
+  c_ids, c_mask = generate(policy, p_ids, p_mask, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, top_k=top_k, rng=rng,
+                           eos_token_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+                           num_samples=group_size, mesh=mesh, return_logprobs=False,
+                           decode_batch_size=decode_batch_size)
+  rows, ids = local_rows(c_ids)  # this host's rows (ids and mask share one sharding)
+  _, mask = local_rows(c_mask)
   sample_s = time.perf_counter() - t0
-  texts = decode_completions(tokenizer, c_ids, c_mask, tokenizer.eos_ids)
-  golds = [ex["answer"] for ex in kept for _ in range(group_size)]
+  texts = decode_completions(tokenizer, ids, mask, tokenizer.eos_ids)
+  all_golds = [ex["answer"] for ex in kept for _ in range(group_size)]
+  golds = [all_golds[i] for i in rows]
   t0 = time.perf_counter()
-  rewards, rstats = reward_pool.score_batch(reward_kind, texts, golds)
+  local, rstats = reward_pool.score_batch(reward_kind, texts, golds)
+  counts = [rstats.get("timeouts", 0), rstats.get("errors", 0)]
   if format_weight:
-    fmt, _ = reward_pool.score_batch("format", texts, golds)
-    rewards = rewards + format_weight * fmt
+    fmt, fstats = reward_pool.score_batch("format", texts, golds)
+    local = local + format_weight * fmt
+    counts = [counts[0] + fstats.get("timeouts", 0), counts[1] + fstats.get("errors", 0)]
   reward_s = time.perf_counter() - t0
+  # per row: reward, length; the host's timeout and error counts ride on its first row
+  per_row = np.zeros((len(rows), 4), np.float32)
+  per_row[:, 0], per_row[:, 1] = local, mask.sum(axis=1)
+  if len(rows):
+    per_row[0, 2:] = counts
+  whole = gather_rows(rows, per_row, n)
+  timeouts, errors = (int(c) for c in whole[:, 2:].sum(axis=0))
+  rewards, lengths = whole[:, 0], whole[:, 1]
   adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group_size, scale=advantage_scale))
   groups = rewards.reshape(-1, group_size)
   stats = dict(
       reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
       pass_rate=float((groups.max(axis=1) > 0).mean()),
       solve_all_rate=float((groups.min(axis=1) > 0).mean()),
-      response_len=float(c_mask.sum(axis=1).mean()),
-      completion_tokens=int(c_mask.sum()), prompts_skipped=skipped,
-      reward_timeouts=rstats.get("timeouts", 0), reward_errors=rstats.get("errors", 0),
+      response_len=float(lengths.mean()),
+      max_response_len=int(lengths.max()),
+      completion_tokens=int(lengths.sum()), prompts_skipped=skipped,
+      reward_timeouts=timeouts, reward_errors=errors,
       sample_s=sample_s, reward_s=reward_s)
   return Rollout(np.repeat(p_ids, group_size, 0), np.repeat(p_mask, group_size, 0),
-                 c_ids, c_mask, logp, rewards, adv.astype(np.float32), texts, golds, stats)
+                 c_ids, c_mask, rewards, adv.astype(np.float32), rows, texts, golds, stats)

@@ -65,3 +65,28 @@ def abstract_params(mcfg: Qwen2Config, mesh: Mesh) -> tuple[Any, Any, Any]:
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         param_state.to_pure_dict(), params_sharding)
   return graphdef, params, params_sharding
+
+
+# The floating dtypes a platform computes in; a rollout dtype outside them is a config error.
+_PLATFORM_DTYPES = {"tpu": ("float32", "bfloat16")}  # TPUs have bfloat16, not float16, arithmetic
+
+
+def rollout_dtype(cfg: Config, mesh: Mesh) -> str:
+  """`config.rollout.dtype` for the mesh's platform: "auto" is bfloat16 on accelerators and
+  `model.dtype` on CPU; a dtype the platform lacks is a ConfigError (before anything compiles)."""
+  platform = mesh.devices.flat[0].platform
+  name = cfg.rollout.dtype
+  if name == "auto":
+    return cfg.model.dtype if platform == "cpu" else "bfloat16"
+  allowed = _PLATFORM_DTYPES.get(platform)
+  if allowed is not None and name not in allowed:
+    raise ConfigError(f"config.rollout.dtype: {platform} has no {name} arithmetic; expected one "
+                      f"of {('auto',) + allowed}")
+  return name
+
+
+def decode_batch_size(cfg: Config) -> int | str | None:
+  """`config.rollout.decode_batch_size` as `sampling.generate` takes it: None (all rows),
+  "auto" or an int."""
+  dbs = cfg.rollout.decode_batch_size
+  return None if dbs == "all" else dbs if dbs == "auto" else int(dbs)

@@ -124,6 +124,21 @@ class Tokenizer:
         ]
         return self._enc.decode(keep, errors="replace")
 
+    def decode_batch(
+        self, rows: Iterable[Iterable[int] | np.ndarray], skip_special_tokens: bool = False
+    ) -> list[str]:
+        """``[decode(r, skip_special_tokens) for r in rows]`` in one call to tiktoken's
+        ``decode_batch`` (its thread pool); each row is filtered as a numpy array, never token by
+        token in Python."""
+        kept = []
+        for row in rows:
+            a = np.asarray(row, dtype=np.int64).reshape(-1)
+            keep = (a >= 0) & (a < self.vocab_size)
+            if skip_special_tokens:
+                keep &= (a < FIRST_ADDED_ID) | (a >= FIRST_ADDED_ID + NUM_SPECIAL)
+            kept.append(a[keep].tolist())
+        return self._enc.decode_batch(kept, errors="replace")
+
     def token_to_id(self, token: str) -> int:
         """Id of an added token such as ``"<|im_end|>"``."""
         if token not in self.special_tokens:

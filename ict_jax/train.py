@@ -24,7 +24,8 @@ from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
 from ict_jax.logs import MetricsLogger, import_wandb
 from ict_jax.models.config import Qwen2Config
-from ict_jax.setup import abstract_params as make_abstract_params, make_mesh, model_config
+from ict_jax.setup import (abstract_params as make_abstract_params, decode_batch_size, make_mesh,
+                           model_config, rollout_dtype)
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.preemption import Preemption
@@ -126,6 +127,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                          or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  roll_dtype = rollout_dtype(cfg, mesh)
   hf_dir = init_from_hf or cfg.model.path
   mcfg = model_config(cfg, hf_dir, mesh)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
@@ -219,8 +221,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                        prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
                        reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
-                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
-        batch = ts.trim_batch(roll.batch())  # the real length, bucketed: few compiled shapes
+                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh,
+                       rollout_dtype=roll_dtype, decode_batch_size=decode_batch_size(cfg))
+        # the real length, bucketed (few compiled shapes); the longest completion comes from the
+        # gathered lengths, so no host reads the other hosts' rows of the mask
+        batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
           stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
@@ -243,11 +248,13 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                             tokens=roll.stats["completion_tokens"], iteration_s=dt),
                   "sample": roll.completions[0][:200]}
         history.append(record)
-        logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
-                                       "completion": c, "gold": str(gd), "reward": float(r)}
-                                      for i, k, c, gd, r in zip(roll.prompt_ids, roll.prompt_mask,
-                                                                roll.completions, roll.golds,
-                                                                roll.rewards)][:SAMPLES_LOGGED])
+        shown = roll.rows[:SAMPLES_LOGGED]  # rows this host scored (process 0 writes the logs)
+        prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown],
+                                                                roll.prompt_mask[shown])])
+        logger.write(record, samples=[{"prompt": p, "completion": c, "gold": str(gd),
+                                       "reward": float(roll.rewards[r])}
+                                      for p, r, c, gd in zip(prompts, shown, roll.completions,
+                                                             roll.golds)])
         done = step + 1
         if tracing and done == profile[1]:
           jax.profiler.stop_trace()

@@ -137,7 +137,8 @@ COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logp")  # [N, C], r
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
 
 
-def trim_batch(batch: Batch, buckets: Sequence[int] | None = None) -> Batch:
+def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *,
+               completion_len: int | None = None) -> Batch:
   """The batch cut to its real length, on the host, before the step (few compiled shapes).
 
   Completion columns [N, C] -> [N, C'], C' = min(C, sampling.bucket_length(longest completion,
@@ -146,12 +147,16 @@ def trim_batch(batch: Batch, buckets: Sequence[int] | None = None) -> Batch:
   every loss, statistic and metric sums over the mask, so the step's results are those of the
   untrimmed batch (dr_grpo's divisor is `StepConfig.max_completion_length`, not the width). With
   the default power-of-two buckets a step compiles at most log2(C / 16) + 1 completion widths.
-  logp comes back [N, C']; feed it as old_logp with the same trimmed batch."""
-  cmask = np.asarray(batch["completion_mask"])
+  logp comes back [N, C']; feed it as old_logp with the same trimmed batch. `completion_len`:
+  the longest completion when the caller knows it (the rollout gathers every row's length), so
+  the completion mask, which may live on other hosts' devices, is not read here; completions
+  are right-padded, so it is the last used column + 1."""
   pmask = np.asarray(batch["prompt_mask"])
-  c, p = cmask.shape[1], pmask.shape[1]
-  used = np.flatnonzero(cmask.any(axis=0))
-  c_new = min(c, bucket_length(int(used[-1]) + 1 if used.size else 1, buckets))
+  c, p = batch["completion_mask"].shape[1], pmask.shape[1]
+  if completion_len is None:
+    used = np.flatnonzero(np.asarray(batch["completion_mask"]).any(axis=0))
+    completion_len = int(used[-1]) + 1 if used.size else 1
+  c_new = min(c, bucket_length(max(int(completion_len), 1), buckets))
   used = np.flatnonzero(pmask.any(axis=0))
   p_new = min(p, bucket_length(p - int(used[0]) if used.size else 1, buckets))
   out = {}

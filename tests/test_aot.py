@@ -83,9 +83,11 @@ def test_bigger_micro_batch_needs_more_temporaries(tpu_small):
 
 
 def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
-  """8192-token sequences without remat: the saved f32 attention scores alone are ~1 GiB a row."""
+  """8192-token sequences, einsum attention without remat: the saved f32 scores alone are ~1 GiB
+  a row."""
   proc, r = aot("--config", "configs/tiny.py", "--config.rollout.prompts_per_step=16",
-                "--config.model.remat=false", "--completion_len", "8176", "--target", "v5e-8",
+                "--config.model.remat_policy=none", "--config.model.attention=einsum",
+                "--completion_len", "8176", "--target", "v5e-8",
                 json_path=tmp_path / "big.json")
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert r["fits"] is False and r["compiler_accepted"] is False

@@ -3,7 +3,6 @@ widths compile, and prefill attends over the prompt only."""
 import dataclasses
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -76,6 +75,9 @@ def test_trim_keeps_old_logp_aligned_and_what_is_not_padding():
   np.testing.assert_array_equal(small["advantages"], big["advantages"])
   narrow = padded_batch(p_pad=0, c_width=12)  # never wider than given
   assert ts.trim_batch(narrow)["completion_ids"].shape == (N, 12)
+  longest = int(np.asarray(big["completion_mask"]).sum(axis=1).max())  # the rollout's gathered max
+  told = ts.trim_batch(big, completion_len=longest)  # the mask is not read
+  assert all(np.array_equal(told[k], small[k]) for k in small)
 
 
 def test_few_widths_compile():
@@ -101,18 +103,19 @@ def test_few_widths_compile():
   assert step._cache_size() == 2  # widths 16 and 32
 
 
-def dot_shapes(jaxpr, skip=()) -> set:
-  """Output shapes of the 5-D dot_generals of a jaxpr and its sub-jaxprs (scan bodies, ...),
-  not entering primitives named in `skip`."""
-  out = set()
+def _score_shapes(jaxpr, *, into_while: bool = True) -> set[tuple[int, ...]]:
+  """Shapes of the 5-D dot_general outputs (attention scores [B, K, G, T, S]) anywhere in the
+  jaxpr: inside the scanned decoder layer too, and inside while loops unless `into_while` is
+  False (the sampler's decode steps live in one)."""
+  shapes = set()
   for eq in jaxpr.eqns:
-    if eq.primitive.name in skip:
-      continue
     if eq.primitive.name == "dot_general":
-      out |= {tuple(v.aval.shape) for v in eq.outvars if len(v.aval.shape) == 5}
-    for sub in jax.extend.core.jaxprs_in_params(eq.params):
-      out |= dot_shapes(sub, skip)
-  return out
+      shapes |= {tuple(v.aval.shape) for v in eq.outvars if len(v.aval.shape) == 5}
+    if eq.primitive.name == "while" and not into_while:
+      continue
+    for sub in jax.core.jaxprs_in_params(eq.params):
+      shapes |= _score_shapes(sub, into_while=into_while)
+  return shapes
 
 
 def test_prefill_attends_over_the_prompt_only():
@@ -140,11 +143,11 @@ def test_prefill_attends_over_the_prompt_only():
   np.testing.assert_allclose(np.asarray(h_pre)[real],
                              np.asarray(model.hidden_states(ids, mask))[real], rtol=1e-5, atol=1e-6)
   for a, c in zip(jax.tree.leaves(c_pre), jax.tree.leaves(c_full)):  # [L, B, K, S, H]
-    prompt_slots = lambda x: np.asarray(x)[..., :p, :].transpose(1, 3, 0, 2, 4)  # [B, P, L, K, H]
-    np.testing.assert_allclose(prompt_slots(a)[real], prompt_slots(c)[real], rtol=1e-5, atol=1e-6)
+    a, c = (np.moveaxis(np.asarray(x)[:, :, :, :p], 3, 2) for x in (a, c))  # [L, B, P, K, H]
+    np.testing.assert_allclose(a[:, real], c[:, real], rtol=1e-5, atol=1e-6)
 
   def score_shapes(prefill):  # shapes of the attention scores [B, K, G, T, S] in the jaxpr
-    return dot_shapes(jax.make_jaxpr(lambda: run(prefill)[0])().jaxpr)
+    return _score_shapes(jax.make_jaxpr(lambda: run(prefill)[0])().jaxpr)
   assert any(p + extra in shape for shape in score_shapes(False))
   assert not any(p + extra in shape for shape in score_shapes(True))
 
@@ -155,23 +158,6 @@ def test_generate_uses_the_prompt_only_prefill():
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda s: sampling.sample_fn(graphdef, s, ids, np.ones_like(ids),
                                                       jax.random.key(0), max_new_tokens=32))(state)
-  # outside the decode loop (whose steps score [.., 1, P + N]): the prefill
-  shapes = dot_shapes(jaxpr.jaxpr, skip=("while",))
+  # outside the while loop: the prefill (the decode steps, [.., 1, P + N], are inside it)
+  shapes = _score_shapes(jaxpr.jaxpr, into_while=False)
   assert shapes and not any(5 + 32 in s for s in shapes)  # no prompt x (prompt + new) scores
-
-
-def test_length_benchmark_reports_width_following_temporaries():
-  """benchmarks/length.py on tiny shapes: the trimmed widths are the buckets of the longest
-  completions, and the compiled temporaries grow with the width."""
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                      "length.py")
-  spec = importlib.util.spec_from_file_location("length_benchmark", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  out = bench.main(["--max_new", "64", "--lengths", "10,64", "--vocab", "256", "--hidden", "32",
-                    "--layers", "1", "--prompt", "8", "--repeats", "1"])
-  small, full = out["trimmed"]
-  assert (small["width"], full["width"], out["untrimmed"]["width"]) == (16, 64, 64)
-  assert small["temp_bytes"] < full["temp_bytes"] == out["untrimmed"]["temp_bytes"]

@@ -1,6 +1,7 @@
 """The multi-host path on CPU: two processes join with `jax.distributed.initialize` on localhost
 and train the tiny model together; their losses equal a one-process run on the same number of
-devices, and a SIGTERM to one of them makes both save the same step and exit 0."""
+devices, a SIGTERM to one of them makes both save the same step and exit 0, and a rollout where
+one host's verifier is slow on one row gives both hosts the same rewards and advantages."""
 import importlib.util
 import json
 import os
@@ -39,6 +40,46 @@ SCRIPT = textwrap.dedent("""
         multihost_utils.sync_global_devices("test done")
         sys.stdout.flush()
         os._exit(0)
+""")
+
+
+ROLLOUT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import jax
+    import numpy as np
+    from ict_jax import config as C, sharding
+    sharding.maybe_initialize_distributed()
+    from ict_jax.rewards.pool import RewardPool
+    from ict_jax.rollout import collect
+    from ict_jax.setup import abstract_params, make_mesh, model_config
+    from ict_jax.tokenizer import Tokenizer
+    from ict_jax.train import init_params
+    cfg = C.validate(C.tiny_config())
+    mesh = make_mesh(cfg)
+    mcfg = model_config(cfg, "")
+    graphdef, _, params_sharding = abstract_params(mcfg, mesh)
+    params = init_params(mcfg, 0, mesh, params_sharding)
+    scored = []
+
+    def reward(completion, gold):  # 1 for every row; this host's first "slow" row overruns
+      scored.append(gold)
+      if gold == "slow" and jax.process_index() == 1 and scored.count("slow") == 1:
+        time.sleep(1.0)
+      return 1.0
+
+    examples = [{"prompt": f"{i}+1=", "answer": "slow" if i == 3 else str(i + 1)} for i in range(4)]
+    with RewardPool(num_workers=0, timeout_s=0.5, rewards={"answer": reward}) as pool:
+      roll = collect((graphdef, params), examples, Tokenizer(), pool, rng=jax.random.key(0),
+                     group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
+                     prompt_style="plain", max_prompt_len=16, reward_kind="answer", mesh=mesh)
+    print("RESULT " + json.dumps({"process": jax.process_index(), "scored": len(scored),
+                                  "rows": roll.rows.tolist(), "rewards": roll.rewards.tolist(),
+                                  "advantages": roll.advantages.tolist(),
+                                  "timeouts": roll.stats["reward_timeouts"]}), flush=True)
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("test done")
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
@@ -157,3 +198,27 @@ def test_sigterm_to_one_process_both_save_the_same_step_and_resume_exactly(tmp_p
   for ra, rb in zip(a, b):
     for key in ("reward_mean", "entropy", "loss", "grad_norm"):
       np.testing.assert_allclose(rb[key], ra[key], rtol=1e-5, atol=1e-7, err_msg=f"step {ra['step']} {key}")
+
+
+def test_each_host_scores_its_rows_and_all_see_the_same_rewards(tmp_path):
+  """8 rows over 4 devices of 2 processes: each host scores its 4 rows; host 1's verifier
+  overruns the timeout on one row, which scores 0 on both hosts; rewards, advantages and the
+  timeout count are identical on both."""
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, "-c", ROLLOUT_SCRIPT], cwd=REPO,
+                            env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  outs = []
+  for p in procs:
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    outs.append(_result(out))
+  a, b = sorted(outs, key=lambda o: o["process"])
+  assert a["scored"] == b["scored"] == 4 and a["rows"] == [0, 1, 2, 3] and b["rows"] == [4, 5, 6, 7]
+  assert a["rewards"] == b["rewards"] and a["advantages"] == b["advantages"]
+  assert a["timeouts"] == b["timeouts"] == 1
+  assert sorted(a["rewards"]) == [0.0] + [1.0] * 7 and a["rewards"].index(0.0) in (6, 7)
+  adv = np.asarray(a["advantages"])
+  assert (adv[:6] == 0).all() and adv[6] == -adv[7] != 0  # only the slow prompt's group differs

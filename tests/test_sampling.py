@@ -283,6 +283,9 @@ def test_bucketed_shapes_reuse_one_compilation(model):
     (dict(eos_token_ids=("<eos>",)), "eos_token_ids"),
     (dict(prompt_mask=np.tile([1, 1, 1, 1, 1, 0, 0, 0, 0], (2, 1))), "left-padded"),
     (dict(prompt_ids=np.full((2, 9), VOCAB)), "token ids"),
+    (dict(decode_batch_size=3), "does not divide"),  # 2 rows
+    (dict(decode_batch_size=0), "decode_batch_size"),
+    (dict(rollout_dtype="float64"), "rollout_dtype"),
 ])
 def test_bad_inputs_raise_before_compiling(model, change, match):
   ids, mask = _prompts()
@@ -367,3 +370,131 @@ def test_generate_with_a_128_wide_model_matches_full_forward():
   ref_lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(jnp.asarray(ref))), out[..., None],
                               axis=-1)[..., 0]
   np.testing.assert_allclose(np.asarray(lp), ref_lp, atol=1e-4)
+
+
+# ---- the rollout copy and the memory plan ------------------------------------------------------
+def test_decode_sub_batches_match_one_batch(model):
+  """decode_batch_size splits the rows into sub-batches decoded one after the other: greedy
+  tokens and log-probs equal the one-batch run, unsharded and on a mesh (8 rows: sub-batches of
+  4 fill the 4 row shards; of 2 they are padded to 4)."""
+  ids, mask = _prompts()
+  kw = dict(max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8), pad_id=PAD, num_samples=4)
+  ref = [np.asarray(x) for x in generate(model, ids, mask, **kw)]
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  for m, size in ((None, 2), (mesh, 4), (mesh, 2)):
+    got = generate(model, ids, mask, mesh=m, decode_batch_size=size, **kw)
+    np.testing.assert_array_equal(np.asarray(got[0]), ref[0])
+    np.testing.assert_array_equal(np.asarray(got[1]), ref[1])
+    np.testing.assert_allclose(np.asarray(got[2]), ref[2], atol=1e-5)
+
+
+def test_sampled_sub_batches_match_full_forward(model):
+  ids, mask = _prompts()
+  out, out_mask, lp, logits = generate(
+      model, ids, mask, max_new_tokens=N_NEW, temperature=0.8, rng=jax.random.key(1),
+      eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True, decode_batch_size=1)
+  _check_layout(out, out_mask, lp, (7, 8))
+  rep_ids, rep_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
+  ref = _full_logits(model, rep_ids, rep_mask, out, out_mask)
+  valid = np.asarray(out_mask) == 1
+  np.testing.assert_allclose(np.asarray(logits)[valid], ref[valid], rtol=1e-5, atol=1e-5)
+  ref_lp = np.asarray(jax.nn.log_softmax(jnp.asarray(ref) / 0.8, axis=-1))
+  ref_lp = np.take_along_axis(ref_lp, np.asarray(out)[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(np.asarray(lp)[valid], ref_lp[valid], atol=1e-4)
+
+
+def test_return_logprobs_false_leaves_them_out(model):
+  ids, mask = _prompts()
+  kw = dict(max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8), pad_id=PAD)
+  ref = generate(model, ids, mask, **kw)
+  got = generate(model, ids, mask, return_logprobs=False, **kw)
+  assert len(got) == 2
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+
+
+def test_auto_decode_batch_size():
+  auto = sampling.auto_decode_batch_size
+  assert auto(64, 4, 10**6, None) == 64  # no memory statistics (CPU): all rows
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  assert sampling.free_device_bytes(mesh.devices.flat) is None  # XLA:CPU reports none
+  from ict_jax.models.config import Qwen2Config
+  resolve = functools.partial(sampling.resolve_decode_batch_size, cfg=Qwen2Config.preset("tiny"),
+                              cache_len=64, mesh=mesh, dtype="float32")
+  assert resolve("auto", 24) == 24 and resolve(None, 24) == 24 and resolve(6, 24) == 6
+  # 64 rows over 4 row shards, 1 MB a row, 5 MB free: 0.8 x 5 MB holds 4 rows a device -> 16
+  assert auto(64, 4, 10**6, 5 * 10**6) == 16
+  assert auto(48, 4, 10**6, 2 * 10**6) == 4  # 1 row a device: the largest divisor <= 4
+  with pytest.raises(ValueError, match="not even one row"):
+    auto(64, 4, 10**6, 10**6)
+  q = Qwen2Config.preset("qwen2_5_7b")  # 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 56 KiB a token
+  row = sampling.decode_row_bytes(q, 2304, None, "bfloat16")
+  assert row == 56 * 1024 * 2304 + 8 * 152064 * 4
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})  # KV heads and vocab over 4
+  assert sampling.decode_row_bytes(q, 2304, mesh, "bfloat16") == 14 * 1024 * 2304 + 8 * 38016 * 4
+
+
+def test_rollout_policy_casts_and_lays_out_for_decoding(model):
+  """make_rollout_policy: bfloat16 weights, nothing over fsdp, heads over tensor; the bf16
+  rollout's logits match the float32 forward to bfloat16 precision."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  graphdef, state = nnx.split(model)
+  on_mesh = jax.device_put(state, sharding.state_shardings(state, mesh))
+  policy = sampling.make_rollout_policy(graphdef, on_mesh, dtype="bfloat16", mesh=mesh)
+  assert nnx.merge(*policy).cfg.dtype == "bfloat16"
+  for path, x in jax.tree_util.tree_leaves_with_path(policy.state):
+    assert x.dtype == jnp.bfloat16, path
+    assert "fsdp" not in jax.tree.leaves(tuple(x.sharding.spec)), (path, x.sharding.spec)
+  q = policy.state["layers"][0]["attn"]["q_proj"]["kernel"]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+  ids, mask = _prompts()
+  out, out_mask, logits = generate(policy, ids, mask, max_new_tokens=N_NEW, temperature=1.0,
+                                   rng=jax.random.key(0), eos_token_ids=(), pad_id=PAD,
+                                   return_logits=True, return_logprobs=False, mesh=mesh)
+  ref = _full_logits(model, ids, mask, out, out_mask)
+  np.testing.assert_allclose(np.asarray(logits), ref, atol=0.05 * np.abs(ref).max())
+
+
+def _all_gather_shapes(hlo: str) -> list[str]:
+  import re
+  return re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+
+
+def test_decode_program_gathers_no_weights(model):
+  """On the 8-device CPU mesh (fsdp 4, tensor 2) the compiled sampler, prefill and decode loop
+  body alike, all-gathers no weight when it decodes with the rollout copy; with the training
+  layout (FSDP-sharded) it gathers every matrix (the check can fail)."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  graphdef, state = nnx.split(model)
+  policy = sampling.make_rollout_policy(graphdef, state, mesh=mesh)
+  layout = sampling.decode_shardings(nnx.state(model, nnx.Param), mesh)
+  train = jax.device_put(state, sharding.state_shardings(state, mesh)).to_pure_dict()
+  weights = {f"f32[{','.join(map(str, s.shard_shape(x.shape)))}]"  # as a gather over fsdp makes them
+             for x, s in zip(jax.tree.leaves(train), jax.tree.leaves(layout))
+             if "fsdp" in jax.tree.leaves(tuple(x.sharding.spec))}
+  assert len(weights) >= 4  # q/k/v/o, MLP and embedding matrices
+  hlo = sampling.lower_generate(policy, 8, 16, 16, mesh=mesh).compile().as_text()
+  assert "while" in hlo
+  assert not weights & set(_all_gather_shapes(hlo)), _all_gather_shapes(hlo)
+  hlo = sampling.lower_generate(sampling.RolloutPolicy(graphdef, train), 8, 16, 16,
+                                mesh=mesh).compile().as_text()
+  assert weights <= set(_all_gather_shapes(hlo))
+
+
+def test_sub_batches_shrink_the_compiled_programs_memory():
+  """lower_generate on an abstract rollout policy (no weights in memory): decoding 32 rows as 4
+  sub-batches of 8 keeps one sub-batch's KV cache live, so the compiled program's temporaries
+  shrink by ~4x, and its arguments are the bfloat16 weights, whole on each device."""
+  from ict_jax.models.config import Qwen2Config
+  cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+  policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16")
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(policy.state))
+  mem = {}
+  for size in (32, 8):
+    compiled = sampling.lower_generate(policy, 32, 64, 1024, decode_batch_size=size).compile()
+    mem[size] = compiled.memory_analysis()
+  cache_bytes = 2 * 2 * 2 * (64 + 1024) * 16 * 2  # K and V x layers x KV heads x slots x H x 2 B
+  assert mem[32].temp_size_in_bytes >= 32 * cache_bytes
+  assert mem[8].temp_size_in_bytes < mem[32].temp_size_in_bytes / 2.5
+  weights = sum(x.size * 2 for x in jax.tree.leaves(policy.state))
+  assert mem[8].argument_size_in_bytes >= weights

@@ -147,6 +147,15 @@ def test_decode_skip_special_and_out_of_range(tok):
     assert tok.decode(np.array([9707, 151700, 151935])) == "Hello"
 
 
+
+def test_decode_batch_equals_decode_per_row(tok):
+  rows = [tok.encode("<|im_start|>assistant\nHi<|im_end|><tool_call>"),
+          np.array([9707, 151700, 151935, -1]), [], tok.encode("和 y? \\boxed{3}"),
+          tok.encode("𓀀")[:1]]  # part of a UTF-8 character: U+FFFD, as decode gives
+  for skip in (False, True):
+    assert tok.decode_batch(rows, skip_special_tokens=skip) == [
+        tok.decode(r, skip_special_tokens=skip) for r in rows]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 3+5?"}],
     [{"role": "system", "content": "You are a math tutor."}, {"role": "user", "content": "1+1?"}],

@@ -140,6 +140,7 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
     (["--config.train.steps=-1"], "config.train.steps: expected > 0"),
     (["--config.ict.top_fraction=1.5"], "config.ict.top_fraction"),
     (["--config.mesh.fsdp=3"], "mesh"),
+    (["--config.rollout.decode_batch_size=5"], "config.rollout.decode_batch_size: 5 does not divide"),
     (["--workdir=/proc/forbidden/run"], "/proc/forbidden/run"),
 ])
 def test_bad_input_is_one_clear_error(args, needle, tmp_path):
@@ -150,3 +151,22 @@ def test_bad_input_is_one_clear_error(args, needle, tmp_path):
   assert needle in proc.stderr, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
   assert not os.path.exists(f"{tmp_path}/w/checkpoints") or not os.listdir(f"{tmp_path}/w/checkpoints")
+
+
+def test_rollout_dtype_and_decode_batch_size_keys():
+  from types import SimpleNamespace
+  from ict_jax.config import ConfigError
+  from ict_jax.setup import decode_batch_size, rollout_dtype
+  mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
+  cfg = lambda **kw: config_lib.validate(_quick(**kw))
+  assert rollout_dtype(cfg(), mesh("cpu")) == "float32"  # auto keeps the CPU's model.dtype
+  assert rollout_dtype(cfg(), mesh("tpu")) == rollout_dtype(cfg(), mesh("gpu")) == "bfloat16"
+  assert rollout_dtype(cfg(**{"rollout.dtype": "float16"}), mesh("gpu")) == "float16"
+  with pytest.raises(ConfigError, match="config.rollout.dtype: tpu has no float16"):
+    rollout_dtype(cfg(**{"rollout.dtype": "float16"}), mesh("tpu"))
+  with pytest.raises(ConfigError, match="config.rollout.dtype: expected one of"):
+    cfg(**{"rollout.dtype": "float64"})
+  assert [decode_batch_size(cfg(**{"rollout.decode_batch_size": v})) for v in ("auto", "all", "8")] \
+      == ["auto", None, 8]
+  with pytest.raises(ConfigError, match="decode_batch_size: expected 'auto', 'all'"):
+    cfg(**{"rollout.decode_batch_size": "half"})

@@ -103,11 +103,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                cache: LayerCache | None, cache_index: Array | None, prefill: bool = False):
-    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, `mask` is the attention mask [B,T]
-    and `cfg.attention` names the implementation (`models/attention.py`); with one, `mask` is
-    the additive bias [B,1,1,T,S] of the einsum over the S cache slots. `prefill` (an empty
-    cache): the T new keys/values are written at cache_index, and the T tokens attend to each
-    other only, as without a cache (`mask` [B,T]): no [T, S] scores over empty slots."""
+    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, or with `prefill` (an empty cache:
+    the T new keys/values are written at cache_index and nothing before them is visible),
+    `mask` is the attention mask [B,T] and `cfg.attention` names the implementation
+    (`models/attention.py`); when decoding with a cache, `mask` is the additive bias
+    [B,1,1,T,S] of the einsum over the S cache slots."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -117,14 +117,14 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is None or prefill:  # the T tokens attend to themselves
-      out = attend(q, k, v, mask, cfg.attention)
     if cache is not None:  # write the T new keys/values at cache_index
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
       cache = LayerCache(
           jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
           jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2))
-    if cache is not None and not prefill:  # attend to all S slots
+    if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
+      out = attend(q, k, v, mask, cfg.attention)
+    else:  # decoding: attend to all S cache slots
       k, v = cache.k.astype(dt), cache.v.astype(dt)  # heads-major: the dots need no transpose
       b, t = q.shape[:2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
@@ -244,7 +244,8 @@ class Qwen2(nnx.Module):
 
     def layer(x, xs):
       layer_state, layer_cache = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index, prefill)
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index,
+                                              prefill)
 
     policy = self.cfg.remat_policy
     if cache is None and policy != "none":
@@ -261,16 +262,15 @@ class Qwen2(nnx.Module):
     positions default to `cumsum(mask) - 1`. With a cache of length S, the T new tokens are
     written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1; the cache is
     a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`). `prefill` (static): the cache holds
-    nothing visible yet, so the T tokens attend to each other only (as without a cache: no
-    [T, S] scores, a prompt does not pay for the max_new_tokens slots) and are written at
-    `cache_index`."""
+    nothing visible yet, so the T tokens attend to each other only (scores [.., T, T], not
+    [.., T, S]: a prompt does not pay for the max_new_tokens slots)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    if cache is None or prefill:  # keys are the T tokens themselves: the attention masks
+    if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask
     else:
       s = cache.k.shape[3]
