@@ -23,12 +23,12 @@ RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 BEGIN, END = "<!-- AOT-TABLE BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-TABLE END -->"
 CFG = {"0.5B": "configs/qwen2_5_0_5b_math.py", "1.5B": "configs/qwen2_5_1_5b_math.py",
        "7B": "configs/qwen2_5_7b_math.py"}
-V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.model.param_dtype=bfloat16"]
+V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
 
 # name -> (model, target, extra aot arguments); the order is the order they are compiled in.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
     "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
-    "7b_v5e-8_bf16_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
+    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
     "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
     "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
     "1.5b_h100-8": ("1.5B", "h100-8", []),

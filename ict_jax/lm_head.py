@@ -81,7 +81,6 @@ def _w(vocab_major: bool) -> str:
 # the rows (micro-batch / data) holds whole groups, so the JS group mean moves no [k, V] block.
 ROW_NAMES = ("act_head_batch", None)  # [N, k] statistics and ids
 LOGIT_NAMES = ("act_head_batch", None, "act_head_vocab")  # [N, k, V]
-HIDDEN_NAMES = ("act_head_batch", None, None)  # [N, k, D]
 
 
 def _weight_names(vocab_major: bool):
