@@ -276,10 +276,11 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
   mb = cfg.train.micro_batch_size or rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  if mb % shards:
-    raise AotError(f"config.train.micro_batch_size: {mb} rows do not split over data x fsdp = "
-                   f"{shards} chips of {target.name}")
-  mcfg = model_config(cfg, cfg.model.path)
+  try:  # the trainer's own check, named for the target
+    ts.check_micro_batch(mb, mesh)
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: {e}") from None
+  mcfg = model_config(cfg, cfg.model.path, mesh)  # "auto" attention: the target's kernel
   graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)

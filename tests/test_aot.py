@@ -111,7 +111,7 @@ def test_gpu_target_compiles_and_compares_peak_with_hbm(tmp_path):
     (["--target", "v5p-32", "--config.mesh.fsdp=8"], ["v5p-32 has 16 chips", "needs 8 devices"]),
     (["--target", "v5e-8", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
      ["v5e-8 has 8 chips", "needs 4 devices"]),
-    (["--target", "v5p-32"], ["micro_batch_size: 8 rows", "data x fsdp = 16"]),
+    (["--target", "v5p-32"], ["micro_batch_size: a micro-batch of 8 rows", "= 16 devices"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words):
   extra = ["--config.train.micro_batch_size=8"] if args == ["--target", "v5p-32"] else []
