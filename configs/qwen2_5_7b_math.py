@@ -4,6 +4,8 @@
         --config.model.path=/ckpt/Qwen2.5-7B [--config.ict.method=grpo|entropy|stapo|ict]
 
 Mesh: v5p-32: fsdp=16; v5e-8: --config.mesh.fsdp=4 --config.mesh.tensor=2. Batch: 128 prompts x G=8 per step (ASSUMPTION), micro-batches of 32 sequences.
+On v5e-8 (bf16 params) micro-batches of 32 and 16 do not fit: see benchmarks/RESULTS.md and check a
+smaller one with `python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5e-8 ...`.
 """
 from ict_jax.paper_config import paper_config
 

@@ -387,13 +387,13 @@ def main(argv=None) -> None:
                                 completion_len=fl.completion_len)
   except (ConfigError, AotError) as e:
     _fail(" ".join(str(e).split()))
-  print(format_report(report, target))
-  if fl.json:
+  if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
     out = {**report.to_json(), "config": fl["config"].config_filename,
            "chips": target.chips, "peak_tflops_per_chip": target.peak_tflops,
            "hbm_tb_s_per_chip": target.hbm_tb_s, "jax": jax.__version__}
     with open(fl.json, "w") as f:
       json.dump(out, f, indent=1)
+  print(format_report(report, target), flush=True)
   sys.exit(0 if report.fits else 1)
 
 
