@@ -444,8 +444,8 @@ def test_rollout_policy_casts_and_lays_out_for_decoding(model):
   for path, x in jax.tree_util.tree_leaves_with_path(policy.state):
     assert x.dtype == jnp.bfloat16, path
     assert "fsdp" not in jax.tree.leaves(tuple(x.sharding.spec)), (path, x.sharding.spec)
-  q = policy.state["layers"][0]["attn"]["q_proj"]["kernel"]
-  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+  q = policy.state["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]: stacked layers
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
   ids, mask = _prompts()
   out, out_mask, logits = generate(policy, ids, mask, max_new_tokens=N_NEW, temperature=1.0,
                                    rng=jax.random.key(0), eos_token_ids=(), pad_id=PAD,
