@@ -3,9 +3,11 @@
     python -m ict_jax.train --config configs/qwen2_5_7b_math.py --workdir gs://BUCKET/run \
         --config.model.path=/ckpt/Qwen2.5-7B [--config.ict.method=grpo|entropy|stapo|ict]
 
-Mesh: v5p-32: fsdp=16; v5e-8: --config.mesh.fsdp=4 --config.mesh.tensor=2. Batch: 128 prompts x G=8 per step (ASSUMPTION), micro-batches of 32 sequences.
-On v5e-8 (bf16 params) micro-batches of 32 and 16 do not fit: see benchmarks/RESULTS.md and check a
-smaller one with `python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5e-8 ...`.
+Mesh: v5p-32: fsdp=16; 8 x H100/H200: fsdp=8. Batch: 128 prompts x G=8 per step (ASSUMPTION),
+micro-batches of 32 sequences. Not v5e-8: its float32 parameters and Adam state alone (16 B a
+parameter, 14.2 GiB/chip over 8 chips) leave no room for activations in 15.75 GiB, and bfloat16
+parameters are refused (they lose lr 1e-6 updates). Check a target with
+`python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5p-32`.
 """
 from ict_jax.paper_config import paper_config
 
