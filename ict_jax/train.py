@@ -32,7 +32,7 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
 from ict_jax.tokenizer import Tokenizer
 from ict_jax import train_step as ts
-from ict_jax.warm_start import build_sft_examples, supervised_warm_start
+from ict_jax.warm_start import build_sft_examples, sft_targets, supervised_warm_start
 
 log = logging.getLogger("ict_jax.train")
 SAMPLES_LOGGED = 16  # completions per step written to samples.jsonl
@@ -102,9 +102,12 @@ class _Concat:
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
   from ict_jax.data.prompts import build_prompt
-  exs = [train_src[i] for i in range(len(train_src))]
-  prompts = [tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style)) for e in exs]
-  answers = [tok.encode(str(e["answer"])) for e in exs]
+  prompts, answers = [], []
+  for e in (train_src[i] for i in range(len(train_src))):
+    prompt = tok.encode(build_prompt(e, tok, style=cfg.data.prompt_style))
+    for target in sft_targets(e):  # worked solutions when the task has them
+      prompts.append(prompt)
+      answers.append(tok.encode(target))
   arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
   return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
                                batch_size=ws.sft_batch_size, learning_rate=ws.sft_learning_rate,
