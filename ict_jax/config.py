@@ -66,6 +66,10 @@ class IctConfig:
   stapo_tau_h_quantile: float = 0.8
   chunk_size: int = 128           # sequence chunk of the fused LM-head / statistics pass
   sparse_backward: bool = True    # LM-head backward on the selected rows only (exact; faster)
+  # ICT ablations (selection.SCORES / KEEPS / REFERENCES); top_fraction is the fourth
+  score: str = "js"               # js | kl | entropy | random: what ranks a response's tokens
+  keep: str = "unique"            # unique (the top top_fraction) | frequent (the bottom)
+  reference: str = "active_mean"  # P of the JS / KL score: active_mean | others_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +145,9 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
+    "ict.score": ("js", "kl", "entropy", "random"),
+    "ict.keep": ("unique", "frequent"),
+    "ict.reference": ("active_mean", "others_mean"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
     "loss.advantage_scale": ("group", "batch", "none"),
     "optim.schedule": ("constant", "cosine", "linear"),
