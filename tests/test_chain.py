@@ -14,12 +14,13 @@ STEP = re.compile(r"(\d+)([-+])(\d+)=(\d+)")
 
 
 def test_level_sizes_by_brute_force():
-    assert len(chain.level_problems(1)) == 10 ** 3
-    assert len(chain.level_problems(2)) == 10 ** 4
-    want3 = sum(1 for a, b, c in itertools.product(range(10), repeat=3)
+    assert len(chain.level_problems(1)) == 5 ** 3
+    assert len(chain.level_problems(2)) == 10 ** 3
+    assert len(chain.level_problems(3)) == 10 ** 4
+    want4 = sum(1 for a, b, c in itertools.product(range(10), repeat=3)
                 for o1, o2 in itertools.product("+-", repeat=2)
                 if eval(f"{a}{o1}{b}") >= 0 and eval(f"{a}{o1}{b}{o2}{c}") >= 0)
-    assert len(chain.level_problems(3)) == want3
+    assert len(chain.level_problems(4)) == want4
 
 
 def check_solution(prompt: str, solution: str, answer: str):
@@ -53,16 +54,16 @@ def test_worked_solutions_are_correct_and_verified():
 
 
 def test_split_is_seeded_and_disjoint():
-    train = chain.split_examples((1, 3), 0.2, 0, "train")
-    test = chain.split_examples((1, 3), 0.2, 0, "test")
-    assert len(train) + len(test) == 1000 + len(chain.level_problems(3))
+    train = chain.split_examples((2, 4), 0.2, 0, "train")
+    test = chain.split_examples((2, 4), 0.2, 0, "test")
+    assert len(train) + len(test) == 1000 + len(chain.level_problems(4))
     assert not {e["id"] for e in train} & {e["id"] for e in test}
     assert chain.split_examples((1,), 0.2, 1, "test") != chain.split_examples((1,), 0.2, 0, "test")
 
 
 def test_build_read_back_and_sft_targets(tmp_path):
     test = data.load_split("synthetic_chain/level1", "test", tmp_path)
-    assert len(test) == 200
+    assert len(test) == 25
     ex = test[0]
     assert set(ex) == {"id", "question", "prompt", "answer", "solution", "solutions", "level"}
     assert sft_targets(ex) == ex["solutions"].split("\n") and len(sft_targets(ex)) == 2

@@ -15,7 +15,7 @@ JS score is exactly 0. Here:
 * rollouts can diverge at the first token and still recover: all-"+" chains are worked either
   left to right ("3+5=8,8+2=10") or right to left ("5+2=7,3+7=10"); the warm-start teaches both,
   so a group's rollouts split at their first token and both branches reach the right answer;
-* the steps are single-digit facts a tiny model learns in a short warm-start, but not perfectly:
+* the steps are small-number facts a tiny model learns in a short warm-start, but not perfectly:
   accuracy compounds over the steps, so RL has clear room to raise the reward;
 * every problem of a level is enumerated and split by a seeded permutation, so the test split is
   held out and a build is identical on every machine; no download.
@@ -24,10 +24,12 @@ Each example: ``id``, ``question`` ("What is 3 + 5 + 2?", chat prompts), ``promp
 plain prompts), ``answer`` ("10"), ``solution`` (the canonical worked solution), ``solutions``
 (every accepted worked solution, one a line: the warm-start's targets) and ``level``.
 
-Levels:
-  1: a + b + c, digits 0..9, two orders                        (1,000 problems)
-  2: a + b + c + d, digits 0..9, two orders                    (10,000)
-  3: a +/- b +/- c, digits 0..9, every running result >= 0, left to right   (2,605)
+Levels (level 1 is the CPU default: few enough facts for a tiny model's short warm-start, and
+its held-out problems are new combinations of facts the training problems teach):
+  1: a + b + c, operands 0..4, two orders                      (125 problems)
+  2: a + b + c, operands 0..9, two orders                      (1,000)
+  3: a + b + c + d, operands 0..9, two orders                  (10,000)
+  4: a +/- b +/- c, operands 0..9, every running result >= 0, left to right   (2,605)
 """
 from __future__ import annotations
 
@@ -40,18 +42,19 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-# level -> (operand count, operators)
-LEVELS: dict[int, tuple[int, tuple[str, ...]]] = {1: (3, ("+",)), 2: (4, ("+",)), 3: (3, ("+", "-"))}
+# level -> (operand count, operators, largest operand)
+LEVELS: dict[int, tuple[int, tuple[str, ...], int]] = {
+    1: (3, ("+",), 4), 2: (3, ("+",), 9), 3: (4, ("+",), 9), 4: (3, ("+", "-"), 9)}
 
 
 def level_problems(level: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
   """All ``(operands, operators)`` of a level in a fixed order (no negative running result)."""
   if level not in LEVELS:
     raise ValueError(f"synthetic_chain: unknown level {level}; known {sorted(LEVELS)}")
-  count, ops = LEVELS[level]
+  count, ops, top = LEVELS[level]
   out = []
   for operators in itertools.product(ops, repeat=count - 1):
-    for operands in itertools.product(range(10), repeat=count):
+    for operands in itertools.product(range(top + 1), repeat=count):
       if all(v >= 0 for v in _running(operands, operators)):
         out.append((operands, operators))
   return out
