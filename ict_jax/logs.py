@@ -20,6 +20,7 @@ class MetricsLogger:
                initial: int = 0, config: dict | None = None):
     self.enabled = enabled
     self._bar = self._tb = None
+    self._eval: dict[str, str] = {}
     if not enabled:
       return
     root = epath.Path(workdir)
@@ -52,8 +53,11 @@ class MetricsLogger:
         if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(k, v, step)
     if self._bar is not None:
+      self._eval = {k[len("eval_"):].replace("_at_", "@"): f"{v:.3f}" for k, v in record.items()
+                    if k.startswith("eval_pass_at_")} or self._eval  # the latest evaluation
       self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
-                            entropy=f"{record.get('entropy', float('nan')):.3f}", refresh=False)
+                            entropy=f"{record.get('entropy', float('nan')):.3f}", **self._eval,
+                            refresh=False)
       self._bar.update(1)
 
   def close(self) -> None:

@@ -215,6 +215,14 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                          total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg))
   history: list[dict] = []
   rc = cfg.rollout
+  from ict_jax import token_view as tv
+  view = tv.TokenView(graphdef, ts.StepConfig.from_config(cfg), groups=max(1, SAMPLES_LOGGED // rc.group_size),
+                     mesh=mesh)
+  periodic = None  # pass@k on held-out problems every train.eval_every steps
+  if cfg.train.eval_every:
+    from ict_jax.eval.periodic import PeriodicEval
+    periodic = PeriodicEval.from_config(cfg, tok, load_examples(cfg, cfg.data.eval_split, workdir),
+                                        mesh=mesh)
 
   def save(step: int, force: bool = False):
     tree = {"state": state}
@@ -252,6 +260,10 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                        reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
                        advantage_scale=cfg.loss.advantage_scale, mesh=mesh)
         batch = roll.batch()
+        tokens = None  # per-token statistics of the logged samples, at checkpoint steps
+        if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
+          tokens = tv.records(step + 1, view(state.params, batch), batch, tok, roll.golds, roll.rewards,
+                              dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps)
         t1 = time.perf_counter()
         if preempt.requested and not preempt.fits(None if last_step_s is None else 1.5 * last_step_s):
           stop_early(step, position)
@@ -267,12 +279,16 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         record = {"step": step + 1, **roll.stats, **metrics, "step_s": time.perf_counter() - t1,
                   "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
                   "sample": roll.completions[0][:200]}
+        if periodic is not None and periodic.due(step + 1, cfg.train.steps):
+          record.update(periodic((graphdef, state.params), pool))
         history.append(record)
         logger.write(record, samples=[{"prompt": tok.decode([int(t) for t, m in zip(i, k) if m]),
                                        "completion": c, "gold": str(gd), "reward": float(r)}
                                       for i, k, c, gd, r in zip(roll.prompt_ids, roll.prompt_mask,
                                                                 roll.completions, roll.golds,
                                                                 roll.rewards)][:SAMPLES_LOGGED])
+        if tokens and sharding.is_main_process():
+          tv.append(workdir, tokens)
         done = step + 1
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or preempt.requested:
           save(done, force=True)
