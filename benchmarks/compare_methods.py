@@ -1,9 +1,10 @@
-"""GRPO vs 20-Entropy vs STAPO vs ICT, plus an ICT ablation sweep, on the default task, on CPU.
+"""GRPO vs 20-Entropy vs STAPO vs ICT, plus an ICT ablation sweep, on synthetic_chain, on CPU.
 
     python benchmarks/compare_methods.py [--seeds 0,1,2,3,4] [--steps 60] [--out benchmarks/compare]
         [--methods grpo,entropy,stapo,ict] [--ablations score=kl,score=random,top_fraction=0.3,...]
 
-One supervised warm-start (shared by every run, saved as a Hugging Face folder), then for each
+The tiny model on synthetic_chain level 1 (`config.chain_config()`, configs/tiny_chain.py). One
+supervised warm-start (shared by every run, saved as a Hugging Face folder), then for each
 variant and seed the same RL budget (`--steps` steps of the default's prompts x G samples) with
 `ict_jax.train.train`, and a final evaluation on held-out problems with the trainer's periodic
 evaluation (`train.eval_every = steps`: pass@1 and pass@4 over `--eval_prompts` problems of the
@@ -59,7 +60,7 @@ def parse_variant(variant: str) -> dict:
 
 
 def base_config(steps: int, data_dir: str, eval_prompts: int):
-  c = config_lib.tiny_config()
+  c = config_lib.chain_config()
   c.train.steps = steps
   c.train.checkpoint_every = steps
   c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = steps, max(KS), eval_prompts
@@ -68,7 +69,7 @@ def base_config(steps: int, data_dir: str, eval_prompts: int):
 
 
 def warm_started_hf(out: str, steps: int) -> str:
-  """Run the default's supervised warm-start once and save it as an HF folder."""
+  """Run chain_config()'s supervised warm-start once and save it as an HF folder."""
   from flax import nnx
   from ict_jax.models.hf import save_pretrained
   from ict_jax.setup import abstract_params, make_mesh, model_config
@@ -77,7 +78,7 @@ def warm_started_hf(out: str, steps: int) -> str:
   hf_dir = os.path.join(out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     return hf_dir
-  c = config_lib.tiny_config()
+  c = config_lib.chain_config()
   c.warm_start.sft_steps = steps
   c.data.data_dir = os.path.join(out, "data")
   cfg = config_lib.validate(c)
@@ -203,8 +204,8 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", default="0,1,2,3,4")
   p.add_argument("--ablation_seeds", default="", help="seeds of the ablations (default: --seeds)")
-  p.add_argument("--steps", type=int, default=config_lib.tiny_config().train.steps)
-  p.add_argument("--sft_steps", type=int, default=config_lib.tiny_config().warm_start.sft_steps)
+  p.add_argument("--steps", type=int, default=config_lib.chain_config().train.steps)
+  p.add_argument("--sft_steps", type=int, default=config_lib.chain_config().warm_start.sft_steps)
   p.add_argument("--eval_prompts", type=int, default=200, help="held-out problems evaluated")
   p.add_argument("--methods", default=",".join(METHODS))
   p.add_argument("--ablations", default=",".join(ABLATIONS), help="'' for none")
@@ -219,7 +220,7 @@ def main(argv=None) -> dict:
     for kv in filter(None, a.set.split(",")):
       key, value = kv.split("=")
       section, name = key.split(".")
-      old = getattr(getattr(config_lib.tiny_config(), section), name)
+      old = getattr(getattr(config_lib.chain_config(), section), name)
       overrides[key] = type(old)(value)
     hf_dir = warm_started_hf(a.out, a.sft_steps)
     seeds = [int(s) for s in a.seeds.split(",")]

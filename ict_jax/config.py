@@ -176,25 +176,38 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def tiny_config() -> ml_collections.ConfigDict:
-  """The embedded CPU run: a tiny Qwen2 (real Qwen2.5 vocabulary) on `synthetic_chain` level 1
-  ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", worked solutions checked on the boxed answer), a short
-  supervised warm-start on the worked solutions, then ICT, with pass@1 / pass@4 on the held-out
-  problems every 20 steps. Values are tuned so that the reward clearly rises within a few minutes
-  on 2 cores; see configs/tiny.py and benchmarks/RESULTS.md."""
+  """The embedded CPU run: a tiny Qwen2 (real Qwen2.5 vocabulary), synthetic single-digit
+  addition with bare prompts ("3+5="), a short supervised warm-start, then ICT for a few
+  minutes on 2 cores, with pass@1 / pass@4 on the 20 held-out problems every 20 steps. Values are
+  tuned so that the reward visibly rises; see configs/tiny.py."""
   c = default_config()
   c.model.preset = "tiny"
-  c.data.name, c.data.config, c.data.prompt_style = "synthetic_chain", "level1", "plain"
+  c.data.name, c.data.config, c.data.prompt_style = "synthetic_arith", "level1", "plain"
   c.data.max_prompt_len = 16
-  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 8, 8, 20
+  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 16, 8, 4
   c.rollout.temperature = 1.0
-  c.ict.method, c.ict.warmup_steps, c.ict.chunk_size = "ict", 10, 20
+  c.ict.method, c.ict.warmup_steps, c.ict.chunk_size = "ict", 10, 16
   c.loss.loss_type, c.loss.beta = "grpo", 0.0
   c.loss.epsilon_low, c.loss.epsilon_high = 0.2, 0.28
   c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
   c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
-  c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 300, 16, 1e-2
+  c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 32, 1e-2
   c.train.steps, c.train.checkpoint_every, c.train.log_every = 60, 20, 1
-  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = 20, 4, 25
+  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = 20, 4, 20
+  return c
+
+
+def chain_config() -> ml_collections.ConfigDict:
+  """The tiny model on `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", worked
+  solutions rewarded on the boxed answer): a warm-start on the worked solutions, then ICT, with
+  pass@1 / pass@4 on the 25 held-out problems every 20 steps (configs/tiny_chain.py). Not yet the
+  default: with these values the reward did not clearly rise (benchmarks/RESULTS.md)."""
+  c = tiny_config()
+  c.data.name, c.data.config = "synthetic_chain", "level1"
+  c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 20
+  c.ict.chunk_size = 20
+  c.warm_start.sft_steps, c.warm_start.sft_batch_size = 300, 16
+  c.train.eval_prompts = 25
   return c
 
 

@@ -78,6 +78,15 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 48
   samples = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
   assert {s["step"] for s in samples} == set(range(1, 49))
+  # held-out pass@1 / pass@4 every 20 steps and after the last
+  assert [r["step"] for r in rows if "eval_pass_at_4" in r] == [20, 40, 48]
+  # the token-level view of the checkpoint steps' logged samples
+  proc = subprocess.run([sys.executable, "-m", "ict_jax.analyze", "--workdir", workdir, "--no-png"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  stats = json.load(open(os.path.join(workdir, "analysis", "step_48.json")))
+  assert stats["tokens"] >= 2 * 16 and 16 <= stats["selected"] < stats["tokens"]
+  assert stats["mean_js_first_token"] < 1e-5  # every rollout of a group shares the first context
 
 
 def test_resume_equals_uninterrupted_run(tmp_path):
