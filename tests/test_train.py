@@ -21,6 +21,7 @@ def _quick(**overrides):
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every = 4, 2
   c.train.async_checkpointing = False
+  c.train.eval_every = 0  # test_periodic_eval_logs_pass_at_k turns it on
   # the mesh is the default (1, -1, 1): all 8 simulated devices of the test setup
   for key, value in overrides.items():
     section, name = key.split(".")
