@@ -99,7 +99,8 @@ def _logits(h, w, temperature: float, names, vocab_major: bool):
   return constrain(logits, names)
 
 
-def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major):
+def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major,
+             reference="active_mean", kl=False):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
 
@@ -109,7 +110,7 @@ def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major):
     logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
-    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse)
+    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse, reference=reference, kl=kl)
 
   xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
   logp, lse, stats = jax.lax.map(chunk, xs)
@@ -138,21 +139,22 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major,
+                    reference, kl):
   logp, _, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
-                            group_size, chunk_size, vocab_major)
+                            group_size, chunk_size, vocab_major, reference, kl)
   return logp, stats
 
 
-def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major):
+def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
   logp, lse, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
-                              group_size, chunk_size, vocab_major)
+                              group_size, chunk_size, vocab_major, reference, kl)
   return (logp, stats), (h, w, ids, lse)
 
 
-def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, res, cotangents):
-  del group_size
+def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, res, cotangents):
+  del group_size, reference, kl
   h, w_stored, ids, lse = res
   w = _head_weight(w_stored, h.dtype, vocab_major)  # dW is summed in float32, returned as stored
   g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
@@ -193,13 +195,15 @@ _logp_and_stats.defvjp(_fwd, _bwd)
 
 
 def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | None,
-                   chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False):
+                   chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False,
+                   reference: str = "active_mean", kl: bool = False):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
   h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head as
   stored (float32 master weights), [D, V], or [V, D] with `vocab_major` (a tied embedding as
   stored: no transposed copy per step). The matmuls run in h's dtype (the compute dtype); dW is
   accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
-  mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc)."""
+  mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc).
+  `reference`, `kl`: as for `selection.chunk_stats` (ICT's ablations)."""
   return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
-                         int(chunk_size), int(grad_rows), bool(vocab_major))
+                         int(chunk_size), int(grad_rows), bool(vocab_major), str(reference), bool(kl))

@@ -119,6 +119,7 @@ class MetricsLogger:
                wandb_project: str = ""):
     self.enabled = enabled
     self._bar = self._tb = self._wandb = None
+    self._eval: dict[str, str] = {}
     if not enabled:
       return
     if wandb_project:
@@ -154,11 +155,13 @@ class MetricsLogger:
       self._wandb.log(numbers, step=step)
     if self._bar is not None:
       nan = float("nan")
+      self._eval = {k[len("eval_"):].replace("_at_", "@"): f"{v:.3f}" for k, v in record.items()
+                    if k.startswith("eval_pass_at_")} or self._eval  # the latest evaluation
       self._bar.set_postfix(reward=f"{record.get('reward_mean', nan):.3f}",
                             entropy=f"{record.get('entropy', nan):.3f}",
                             lr=f"{record.get('learning_rate', nan):.2e}",
                             tok_s_chip=f"{record.get('tokens_per_s_per_chip', nan):.0f}",
-                            mfu=f"{100 * record.get('mfu', nan):.1f}%", refresh=False)
+                            mfu=f"{100 * record.get('mfu', nan):.1f}%", **self._eval, refresh=False)
       self._bar.update(1)
 
   def close(self) -> None:

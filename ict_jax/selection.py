@@ -29,7 +29,11 @@ from ict_jax.grpo import LOSS_TYPES
 from ict_jax.models.axes import cpu_single_device
 
 __all__ = [
+    "KEEPS",
+    "REFERENCES",
+    "SCORES",
     "SELECTORS",
+    "Score",
     "Selector",
     "chunk_stats",
     "entropy_mask",
@@ -46,6 +50,19 @@ __all__ = [
 
 _MAX_DENOMINATOR = 10_000
 LOG2 = math.log(2.0)
+
+# The ICT ablations (config ict.reference / ict.keep / ict.score). What the paper compares the
+# JS score against is not stated in what we have of it; "active_mean" is our reading.
+REFERENCES: dict[str, str] = {
+    "active_mean": "P_t = mean of p_{j,t} over the group's rollouts j still active at t, the "
+                   "scored rollout included (our reading; the default)",
+    "others_mean": "P_{i,t} = mean over the group's other rollouts j != i active at t "
+                   "(leave-one-out; score 0 where no other rollout is active)",
+}
+KEEPS: dict[str, str] = {
+    "unique": "keep the highest-scoring tokens of each response (ICT)",
+    "frequent": "keep the lowest-scoring tokens of each response (the paper's 90%-frequent)",
+}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,27 +111,58 @@ def _entropies(
     return p, logp, entropy, renyi2
 
 
+def _group_reference(
+    pg: jax.Array, w: jax.Array, group_size: int, reference: str
+) -> tuple[jax.Array, jax.Array]:
+    """pg [P, G, C, V], w [P, G, C, 1] -> (reference P [P, 1 or G, C, V], has-reference [P, *, C, 1]).
+
+    See ``REFERENCES``: "active_mean" is the mean of the active rollouts' p (the same for all
+    members); "others_mean" leaves the scored rollout out (none -> no reference, score 0)."""
+    if reference == "active_mean":
+        # One reduction over the group axis: local when a device holds whole groups, else one
+        # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a
+        # sharded group axis would each move a [C, V] block). XLA:CPU without a mesh takes the
+        # row-blocked path (ROW_BLOCK), where this strided reduction's speed does not matter.
+        active = w.sum(axis=1, keepdims=True)  # [P, 1, C, 1]
+        total = (pg * w).sum(axis=1, keepdims=True)  # [P, 1, C, V]
+        return total / jnp.maximum(active, 1.0), (active > 0).astype(pg.dtype)
+    # others_mean (an ablation): per-member sums, so G slices of the group axis
+    members = [(pg[:, g : g + 1] * w[:, g : g + 1], w[:, g : g + 1]) for g in range(group_size)]
+    others = [_sum_of_others(members, g) for g in range(group_size)]
+    total = jnp.concatenate([o[0] for o in others], axis=1)  # [P, G, C, V]
+    count = jnp.concatenate([o[1] for o in others], axis=1)  # [P, G, C, 1]
+    return total / jnp.maximum(count, 1.0), (count > 0).astype(pg.dtype)
+
+
+def _sum_of_others(members, i):
+    """Sum of the tuples members[j], j != i, added directly: (total - member i) would cancel
+    catastrophically where member i holds most of the mass."""
+    rest = [m for j, m in enumerate(members) if j != i]
+    return tuple(sum(parts[1:], parts[0]) for parts in zip(*rest))
+
+
 def _js_to_group_mean(
-    p: jax.Array, logp: jax.Array, mask: jax.Array, group_size: int
-) -> jax.Array:
-    """p, logp [N, C, V], mask [N, C] -> JS(p_i || P) [N, C], P = mean of active rollouts."""
+    p: jax.Array, logp: jax.Array, mask: jax.Array, group_size: int,
+    reference: str = "active_mean", kl: bool = False,
+) -> dict[str, jax.Array]:
+    """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P))."""
     n, c, v = p.shape  # chunk_stats has checked that G divides N
     pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
     lpg = logp.reshape(pg.shape)
     w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
-    active = jnp.maximum(w.sum(axis=1, keepdims=True), 1.0)  # [P, 1, C, 1]
-    # One reduction over the group axis: local when a device holds whole groups, else one
-    # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a sharded
-    # group axis would each move a [C, V] block). XLA:CPU without a mesh takes the row-blocked
-    # path (ROW_BLOCK), where this strided reduction's speed does not matter.
-    big_p = (pg * w).sum(axis=1, keepdims=True) / active  # [P, 1, C, V]
+    big_p, has_ref = _group_reference(pg, w, group_size, reference)
     log_big_p = _safe_log(big_p)
     mid = 0.5 * (pg + big_p)  # [P, G, C, V]
     log_mid = _safe_log(mid)
     kl_p = _xlogy_ratio(pg, lpg, log_mid).sum(axis=-1)  # [P, G, C]
     kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, pg.shape), log_big_p, log_mid).sum(axis=-1)
-    js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2).reshape(n, c)
-    return js * mask.astype(js.dtype)
+    valid = (w * has_ref)[..., 0]  # [P, G, C]
+    js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2) * valid
+    out = {"js": js.reshape(n, c)}
+    if kl:
+        log_ref = jnp.log(jnp.maximum(big_p, _TINY))
+        out["kl"] = (jnp.maximum(_xlogy_ratio(pg, lpg, log_ref).sum(axis=-1), 0.0) * valid).reshape(n, c)
+    return out
 
 
 # Row-blocked path (XLA:CPU). One [N, C, V] pass makes XLA:CPU run large 3-D reductions and
@@ -141,14 +189,15 @@ def _row_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(x.reshape(*x.shape[:-1], -1, k) @ jnp.ones((k,), x.dtype), axis=-1)
 
 
-def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK):
+def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean",
+                   kl=False):
     """chunk_stats on 2-D [B, V] slices (B <= block positions of one response).
 
     p = valid * softmax is computed once per slice (one exp per logit) and feeds all four
     statistics; rows with valid == 0 get p = 0 and are zeroed at the end."""
     n, c, _ = logits.shape
     s_w = lse - jnp.log(valid)  # exp(l - s_w) = valid * p
-    ent, ren, js = [], [], []
+    ent, ren, js, kls = [], [], [], []
     for a in range(0, c, block):
         b = min(a + block, c)
         lp = [jnp.maximum(logits[i, a:b] - lse[i, a:b, None], _LOG_FLOOR) for i in range(n)]
@@ -157,29 +206,43 @@ def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK):
         ren.append(jnp.stack([_row_sum(p[i] * p[i]) for i in range(n)]))
         if group_size is None:
             continue
-        kl = []
+        jsb, klb = [], []
         for q in range(0, n, group_size):
             rows = range(q, q + group_size)
-            active = jnp.maximum(sum(valid[i, a:b] for i in rows), 1.0)[:, None]
-            big = sum(p[i] for i in rows) / active  # P, the mean of the active rows' p
-            log_big = jnp.log(jnp.maximum(big, _TINY))
-            # materialized once: XLA would otherwise recompute P from all G rows in every KL term
-            big, log_big = jax.lax.optimization_barrier((big, log_big))
+            if reference == "active_mean":
+                active = sum(valid[i, a:b] for i in rows)
+                big = sum(p[i] for i in rows) / jnp.maximum(active, 1.0)[:, None]  # P: active rows' mean
+                log_big = jnp.log(jnp.maximum(big, _TINY))
+                # materialized once: XLA would otherwise recompute P from all G rows in every term
+                big, log_big = jax.lax.optimization_barrier((big, log_big))
             for i in rows:
+                has_ref = jnp.ones_like(valid[i, a:b])
+                if reference == "others_mean":  # leave row i out
+                    rest, others = _sum_of_others([(p[j], valid[j, a:b]) for j in rows], i - q)
+                    big = rest / jnp.maximum(others, 1.0)[:, None]
+                    log_big = jnp.log(jnp.maximum(big, _TINY))
+                    has_ref = (others > 0).astype(big.dtype)
                 log_mid = jnp.log(jnp.maximum(0.5 * (p[i] + big), _TINY))
-                kl.append(_row_sum(p[i] * (lp[i] - log_mid) + big * (log_big - log_mid)))
-        js.append(0.5 * jnp.stack(kl))
+                jsb.append(0.5 * _row_sum(p[i] * (lp[i] - log_mid) + big * (log_big - log_mid))
+                           * has_ref)
+                if kl:
+                    klb.append(jnp.maximum(_row_sum(p[i] * (lp[i] - log_big)), 0.0) * has_ref)
+        js.append(jnp.stack(jsb))
+        kls.append(jnp.stack(klb) if kl else None)
     ren = jnp.concatenate(ren, 1)
     out = {"entropy": jnp.concatenate(ent, 1) * valid,
            "renyi2": -jnp.log(jnp.where(valid > 0, ren, 1.0)) * valid}  # ren = 0 if invalid
     if group_size is not None:
         out["js"] = jnp.clip(jnp.concatenate(js, 1), 0.0, LOG2) * valid
+        if kl:
+            out["kl"] = jnp.concatenate(kls, 1) * valid
     return out
 
 
 def chunk_stats(
     logits_chunk: jax.Array, mask_chunk: jax.Array, group_size: int | None,
-    lse: jax.Array | None = None, row_blocks: bool | None = None,
+    lse: jax.Array | None = None, row_blocks: bool | None = None, *,
+    reference: str = "active_mean", kl: bool = False,
 ) -> dict[str, jax.Array]:
     """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
@@ -189,6 +252,8 @@ def chunk_stats(
       group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
       lse: optional [N, C] logsumexp of the logits (the LM head has it already).
       row_blocks: take the row-blocked path (same values); None = ``use_row_blocks()``.
+      reference: the distribution P the scores compare with, a key of ``REFERENCES``.
+      kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
 
     Returns dict with
       entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
@@ -199,17 +264,20 @@ def chunk_stats(
     if group_size is not None and (group_size < 1 or logits_chunk.shape[0] % group_size):
         raise ValueError(f"selection: N={logits_chunk.shape[0]} rows is not a positive multiple "
                          f"of group_size={group_size}")
+    if reference not in REFERENCES:
+        raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
     if use_row_blocks() if row_blocks is None else row_blocks:
         logits = jax.lax.stop_gradient(
             logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
         lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
         return _blocked_stats(logits, jax.lax.stop_gradient(lse).astype(logits.dtype),
-                              mask_chunk.astype(logits.dtype), group_size)
+                              mask_chunk.astype(logits.dtype), group_size, reference=reference,
+                              kl=kl)
     p, logp, entropy, renyi2 = _entropies(logits_chunk, lse)
     valid = mask_chunk.astype(entropy.dtype)
     out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
     if group_size is not None:
-        out["js"] = _js_to_group_mean(p, logp, mask_chunk, group_size)
+        out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl))
     return out
 
 
@@ -218,6 +286,9 @@ def sequence_stats(
     mask: jax.Array | None = None,
     group_size: int | None = None,
     chunk_size: int = 128,
+    *,
+    reference: str = "active_mean",
+    kl: bool = False,
 ) -> dict[str, jax.Array]:
     """``chunk_stats`` over logits [N, T, V] in T-chunks of ``chunk_size`` -> dict of [N, T]."""
     n, t, _ = logits.shape
@@ -229,7 +300,7 @@ def sequence_stats(
         raise ValueError(f"selection: chunk_size={chunk_size}; expected >= 1")
     c = min(int(chunk_size), t)
     n_chunks = -(-t // c)
-    names = ("entropy", "renyi2") + (("js",) if group_size is not None else ())
+    names = ("entropy", "renyi2") + (("js",) + (("kl",) if kl else ()) if group_size is not None else ())
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
 
     def body(k, out):
@@ -238,6 +309,8 @@ def sequence_stats(
             jax.lax.dynamic_slice_in_dim(logits, start, c, axis=1),  # [N, C, V]
             jax.lax.dynamic_slice_in_dim(mask, start, c, axis=1),  # [N, C]
             group_size,
+            reference=reference,
+            kl=kl,
         )
         return {
             name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1)
@@ -273,16 +346,20 @@ def _top_k_rows(score: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
     return valid & (rank < k[:, None])
 
 
-def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1) -> jax.Array:
-    """ICT: per response keep the top k_i = max(1, ceil(top_fraction * len_i)) positions by u.
+def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1,
+             keep: str = "unique") -> jax.Array:
+    """ICT: per response keep k_i = max(1, ceil(top_fraction * len_i)) positions by u: the
+    highest ("unique", ICT) or the lowest ("frequent", the paper's 90%-frequent ablation).
 
     u, mask: [N, T]; len_i = sum_t mask[i, t]. Rows with len_i = 0 get no token; ties go to
     the lower position. Returns bool [N, T].
     """
+    if keep not in KEEPS:
+        raise ValueError(f"selection: unknown keep={keep!r}; expected one of {sorted(KEEPS)}")
     valid = mask.astype(bool)
     length = valid.sum(axis=1)
     k = jnp.maximum(1, _ceil_times(length, top_fraction, "ict top_fraction"))
-    return _top_k_rows(u, valid, k)
+    return _top_k_rows(u if keep == "unique" else -u.astype(jnp.float32), valid, k)
 
 
 def entropy_mask(entropy: jax.Array, mask: jax.Array, top_fraction: float = 0.2) -> jax.Array:
@@ -377,11 +454,28 @@ SELECTORS: dict[str, Selector] = {
         "the kept tokens (bnpo over M)",
     ),
     "ict": Selector(
-        ("u",), "grpo",
-        lambda mask, u, cfg, **_: ict_mask(u, mask, cfg["ict_top_fraction"]),
+        ("u",), "grpo",  # ("u",) for the default score; select_tokens asks for the chosen one
+        lambda mask, cfg, **inputs: ict_mask(inputs[SCORES[cfg["ict_score"]].input], mask,
+                                             cfg["ict_top_fraction"], cfg["ict_keep"]),
         "ICT: top 10% JS tokens of each response; Sparse-GRPO, i.e. per-sequence mean over "
         "the selected tokens then mean over sequences (grpo over M)",
     ),
+}
+
+
+class Score(NamedTuple):
+    """An ICT score: the ``select_tokens`` input that holds it [N, T] and what it is."""
+
+    input: str
+    description: str
+
+
+SCORES: dict[str, Score] = {
+    "js": Score("u", "JS(p_i || P) to the group reference (ICT's score)"),
+    "kl": Score("kl", "KL(p_i || P) to the group reference"),
+    "entropy": Score("entropy", "the token's Shannon entropy (per response, unlike 20-Entropy's "
+                                "batch-wide top-k)"),
+    "random": Score("noise", "uniform noise: a random top_fraction of each response"),
 }
 
 
@@ -412,6 +506,10 @@ def select_tokens(
     stapo_tau_p: float = 0.002,
     stapo_tau_h_quantile: float = 0.8,
     dense_loss_type: str = "dapo",
+    kl: jax.Array | None = None,
+    noise: jax.Array | None = None,
+    ict_score: str = "js",
+    ict_keep: str = "unique",
 ) -> tuple[jax.Array, str]:
     """Selection mask bool [B, T] and the loss_type to train it with.
 
@@ -420,11 +518,20 @@ def select_tokens(
     so "bnpo" here normalises over the selected tokens of the whole step when accumulated.
     Call it inside the jitted step (the string is a trace-time value); ``loss_type_for``
     gives the same string outside jit.
+
+    ICT's ablations: ``ict_score`` (a key of ``SCORES``: js -> ``u``, kl -> ``kl``, entropy ->
+    ``entropy``, random -> ``noise``, uniform [B, T]) and ``ict_keep`` (a key of ``KEEPS``).
     """
     loss_type = loss_type_for(method, dense_loss_type)
+    if ict_score not in SCORES:
+        raise ValueError(f"selection: unknown ict_score={ict_score!r}; expected one of {sorted(SCORES)}")
+    if ict_keep not in KEEPS:
+        raise ValueError(f"selection: unknown ict_keep={ict_keep!r}; expected one of {sorted(KEEPS)}")
     selector = SELECTORS[method]
-    inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages}
-    missing = [name for name in selector.needs if inputs[name] is None]
+    needs = (SCORES[ict_score].input,) if method == "ict" else selector.needs
+    inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages,
+              "kl": kl, "noise": noise}
+    missing = [name for name in needs if inputs[name] is None]
     if missing:
         raise ValueError(f"selection: method {method!r} needs {missing} (got None)")
     cfg = {
@@ -432,6 +539,8 @@ def select_tokens(
         "entropy_top_fraction": entropy_top_fraction,
         "stapo_tau_p": stapo_tau_p,
         "stapo_tau_h_quantile": stapo_tau_h_quantile,
+        "ict_score": ict_score,
+        "ict_keep": ict_keep,
     }
     token_mask = selector.fn(mask=mask, cfg=cfg, **inputs)
     return token_mask, loss_type

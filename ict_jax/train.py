@@ -34,7 +34,7 @@ from ict_jax.rollout import collect
 from ict_jax.throughput import Throughput
 from ict_jax.tokenizer import Tokenizer
 from ict_jax import train_step as ts
-from ict_jax.warm_start import build_sft_examples, supervised_warm_start
+from ict_jax.warm_start import build_sft_examples, sft_targets, supervised_warm_start
 
 log = logging.getLogger("ict_jax.train")
 SAMPLES_LOGGED = 16  # completions per step written to the samples log
@@ -104,9 +104,13 @@ class _Concat:
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
   from ict_jax.data.prompts import encode_prompts
-  exs, _, prompts = encode_prompts([train_src[i] for i in range(len(train_src))], tok,
+  exs, _, encoded = encode_prompts([train_src[i] for i in range(len(train_src))], tok,
                                    style=cfg.data.prompt_style)
-  answers = [tok.encode(str(e["answer"])) for e in exs]
+  prompts, answers = [], []
+  for e, prompt in zip(exs, encoded):
+    for target in sft_targets(e):  # worked solutions when the task has them
+      prompts.append(prompt)
+      answers.append(tok.encode(target))
   arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
   return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
                                batch_size=ws.sft_batch_size, learning_rate=ws.sft_learning_rate,
@@ -183,6 +187,14 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                          wandb_project=cfg.log.wandb_project)
   history: list[dict] = []
   rc = cfg.rollout
+  from ict_jax import token_view as tv
+  view = tv.TokenView(graphdef, ts.StepConfig.from_config(cfg), groups=max(1, SAMPLES_LOGGED // rc.group_size),
+                     mesh=mesh)
+  periodic = None  # pass@k on held-out problems every train.eval_every steps
+  if cfg.train.eval_every:
+    from ict_jax.eval.periodic import PeriodicEval
+    periodic = PeriodicEval.from_config(cfg, tok, load_examples(cfg, cfg.data.eval_split, workdir),
+                                        mesh=mesh)
 
   def save(step: int, force: bool = False):
     tree = {"state": state}
@@ -226,6 +238,10 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         # the real length, bucketed (few compiled shapes); the longest completion comes from the
         # gathered lengths, so no host reads the other hosts' rows of the mask
         batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
+        tokens = None  # per-token statistics of the logged samples, at checkpoint steps
+        if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
+          tokens = tv.records(step + 1, view(state.params, batch), batch, tok, roll.golds, roll.rewards,
+                              dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps)
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
           stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
@@ -247,6 +263,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                             passes=cfg.train.num_iterations, step_s=step_s,
                                             tokens=roll.stats["completion_tokens"], iteration_s=dt),
                   "sample": roll.completions[0][:200]}
+        if periodic is not None and periodic.due(step + 1, cfg.train.steps):
+          record.update(periodic((graphdef, state.params), pool))
         history.append(record)
         shown = roll.rows[:SAMPLES_LOGGED]  # rows this host scored (process 0 writes the logs)
         prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown],
@@ -255,6 +273,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
                                        "reward": float(roll.rewards[r])}
                                       for p, r, c, gd in zip(prompts, shown, roll.completions,
                                                              roll.golds)])
+        if tokens and sharding.is_main_process():
+          tv.write(workdir, step + 1, tokens)
         done = step + 1
         if tracing and done == profile[1]:
           jax.profiler.stop_trace()

@@ -68,6 +68,9 @@ class StepConfig:
   micro_batch_size: int = 0
   sparse_backward: bool = True
   max_completion_length: int = 0  # dr_grpo's T (rollout.max_new_tokens); 0: the batch's width
+  score: str = "js"               # ICT ablations: selection.SCORES / KEEPS / REFERENCES
+  keep: str = "unique"
+  reference: str = "active_mean"
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
@@ -78,7 +81,8 @@ class StepConfig:
         stapo_tau_p=cfg.ict.stapo_tau_p, stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
         loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
         epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
-        sparse_backward=cfg.ict.sparse_backward,
+        sparse_backward=cfg.ict.sparse_backward, score=cfg.ict.score, keep=cfg.ict.keep,
+        reference=cfg.ict.reference,
         micro_batch_size=cfg.train.micro_batch_size,
         max_completion_length=cfg.rollout.max_new_tokens)
 
@@ -112,7 +116,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 # ---- per-token log-probs and statistics ------------------------------------------------------
 def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_size: int | None,
-                              chunk_size: int = 128, grad_rows: int = 0):
+                              chunk_size: int = 128, grad_rows: int = 0,
+                              reference: str = "active_mean", kl: bool = False):
   """log pi(y_t) [N, C] (differentiable) and no-grad stats [N, C]: entropy, renyi2, js.
 
   The logits of completion token j come from position P-1+j of prompt+completion; they are
@@ -129,7 +134,8 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
   return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature,
                                 group_size=group_size, chunk_size=chunk_size,
-                                grad_rows=grad_rows, vocab_major=vocab_major)
+                                grad_rows=grad_rows, vocab_major=vocab_major,
+                                reference=reference, kl=kl)
 
 
 # ---- the batch at its real length -----------------------------------------------------------
@@ -178,7 +184,8 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
                                        n, c) if cfg.sparse_backward else 0
   logp, stats = completion_logp_and_stats(model, batch, temperature=cfg.temperature,
                                           group_size=cfg.group_size, chunk_size=cfg.chunk_size,
-                                          grad_rows=grad_rows)
+                                          grad_rows=grad_rows, reference=cfg.reference,
+                                          kl=cfg.method == "ict" and cfg.score == "kl")
   mask = batch["completion_mask"]
   adv = batch["advantages"]
   sg_logp = jax.lax.stop_gradient(logp)
@@ -193,7 +200,8 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       cfg.method, mask=mask, u=stats["js"], entropy=stats["entropy"], token_prob=jnp.exp(sg_logp),
       advantages=adv, ict_top_fraction=cfg.top_fraction,
       entropy_top_fraction=cfg.entropy_top_fraction, stapo_tau_p=cfg.stapo_tau_p,
-      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile, dense_loss_type=cfg.loss_type)
+      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile, dense_loss_type=cfg.loss_type,
+      kl=stats.get("kl"), noise=batch.get("score_noise"), ict_score=cfg.score, ict_keep=cfg.keep)
   if cfg.method == "ict" and cfg.warmup_steps > 0:  # dense GRPO for the first steps
     token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
   terms = grpo.policy_loss_terms(
@@ -239,6 +247,9 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
       raise ValueError(f"micro_batch_size {mb} must divide the batch ({n} rows) and be a "
                        f"multiple of group_size {cfg.group_size}")
     check_micro_batch(mb, jax.sharding.get_abstract_mesh())
+    if cfg.method == "ict" and cfg.score == "random":  # the "random" ablation's scores
+      key = jax.random.fold_in(jax.random.key(0), state.step)
+      batch = {**batch, "score_noise": jax.random.uniform(key, batch["completion_mask"].shape)}
     batch = {k: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
     grad_fn = jax.value_and_grad(_microbatch_terms, has_aux=True)
     # [N] -> [N / mb, mb]: micro-batch i is rows i*mb .. i*mb + mb - 1 (whole groups), and each

@@ -37,6 +37,13 @@ def _sft_loss(params, graphdef, ids, mask, pos, pos_mask):
   return jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
 
 
+def sft_targets(example) -> list[str]:
+  """The supervised targets of a dataset example: its worked solutions (one a line in
+  ``solutions``, e.g. ``synthetic_chain``) when it has them, else its bare ``answer``."""
+  solutions = str(example.get("solutions", "") or "")
+  return [s for s in solutions.split("\n") if s] or [str(example["answer"])]
+
+
 def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                        eos_id: int, pad_id: int):
   """Right-padded [B, T] ids and attention mask, and the answer+EOS positions [B, K] + mask."""

@@ -338,3 +338,92 @@ def test_sharded_jit_matches_unsharded():
     chex.assert_trees_all_close(got, want, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
     np.testing.assert_array_equal(np.asarray(got["ict"]), np_ict(np.asarray(want["js"]), mask, 0.1))
+
+
+# ----------------------------------------------------------------------------- ICT ablations
+def np_reference_scores(logits, mask, g, reference):
+    """(JS, KL)(p_i || P) per token with P from scipy/numpy loops: "active_mean" averages the
+    group's active rollouts, "others_mean" the other active rollouts (none -> score 0)."""
+    p = np_softmax(logits)
+    n, t, _ = p.shape
+    js, kl = np.zeros((n, t)), np.zeros((n, t))
+    for grp in range(n // g):
+        rows = range(grp * g, grp * g + g)
+        for pos in range(t):
+            for i in rows:
+                if not mask[i, pos]:
+                    continue
+                pool = [j for j in rows if mask[j, pos] and (reference == "active_mean" or j != i)]
+                if not pool:
+                    continue
+                big = np.mean([p[j, pos] for j in pool], axis=0)
+                js[i, pos] = jensenshannon(p[i, pos], big, base=np.e) ** 2
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    kl[i, pos] = np.sum(np.where(p[i, pos] > 0, p[i, pos] * np.log(p[i, pos] / big), 0.0))
+    return js, kl
+
+
+@pytest.mark.parametrize("row_blocks", [False, True], ids=["fused", "row_blocked"])
+@pytest.mark.parametrize("reference", sorted(selection.REFERENCES))
+def test_reference_and_kl_scores_match_scipy(reference, row_blocks):
+    logits, mask = grouped_batch(13, t=19)
+    logits[1, :, -3:] = -30.0  # KL to a leave-one-out mean is unbounded where the others give p = 0
+    want_js, want_kl = np_reference_scores(logits, mask, 4, reference)
+    fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, row_blocks=row_blocks,
+                                                    reference=reference, kl=True))
+    got = fn(jnp.asarray(logits), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got["js"]), want_js, atol=2e-6, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got["kl"]), want_kl, atol=2e-5, rtol=1e-4)
+    seq = jax.jit(lambda x, m: selection.sequence_stats(x, m, 4, 5, reference=reference, kl=True))(
+        jnp.asarray(logits), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(seq["kl"]), want_kl, atol=2e-5, rtol=1e-4)
+    if reference == "active_mean":  # the default reproduces js_scores
+        np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="reference"):
+        selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 4, reference="median")
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.3, 0.9])
+def test_ict_mask_frequent_keeps_the_bottom(fraction):
+    rng = np.random.default_rng(14)
+    n, t = 9, 40
+    u = (rng.integers(0, 5, size=(n, t)) / 8).astype(np.float32)
+    lengths = np.array([0, 1, 9, 10, 11, 30, 40, 20, 5])
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+    got = np.asarray(jax.jit(selection.ict_mask, static_argnames=("top_fraction", "keep"))(
+        jnp.asarray(u), jnp.asarray(mask), fraction, "frequent"))
+    np.testing.assert_array_equal(got, np_ict(-u, mask, fraction))  # lowest u first, ties by position
+    with pytest.raises(ValueError, match="keep"):
+        selection.ict_mask(jnp.asarray(u), jnp.asarray(mask), fraction, "rare")
+
+
+@pytest.mark.parametrize("score", sorted(selection.SCORES))
+@pytest.mark.parametrize("keep", sorted(selection.KEEPS))
+def test_select_tokens_ict_ablations(score, keep):
+    rng = np.random.default_rng(15)
+    b, t = 8, 12
+    mask = (np.arange(t)[None] < rng.integers(1, t + 1, size=b)[:, None]).astype(np.float32)
+    arrays = {name: rng.random((b, t)).astype(np.float32) for name in ("u", "kl", "entropy", "noise")}
+    got, loss_type = jax.jit(lambda m, a: selection.select_tokens(
+        "ict", mask=m, ict_top_fraction=0.2, ict_score=score, ict_keep=keep, **a)[0])(
+            jnp.asarray(mask), {k: jnp.asarray(v) for k, v in arrays.items()}), "grpo"
+    chosen = arrays[{"js": "u", "kl": "kl", "entropy": "entropy", "random": "noise"}[score]]
+    want = np_ict(chosen if keep == "unique" else -chosen, mask, 0.2)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="needs"):
+        selection.select_tokens("ict", mask=jnp.asarray(mask), ict_score=score,
+                                **{k: None for k in arrays})
+    with pytest.raises(ValueError, match="ict_score"):
+        selection.select_tokens("ict", mask=jnp.asarray(mask), ict_score="wasserstein")
+
+
+def test_config_choices_match_the_registries():
+    from ict_jax import config as config_lib
+
+    assert set(config_lib._CHOICES["ict.score"]) == set(selection.SCORES)
+    assert set(config_lib._CHOICES["ict.keep"]) == set(selection.KEEPS)
+    assert set(config_lib._CHOICES["ict.reference"]) == set(selection.REFERENCES)
+    c = config_lib.default_config()
+    c.ict.score = "wasserstein"
+    with pytest.raises(config_lib.ConfigError, match="config.ict.score"):
+        config_lib.validate(c)

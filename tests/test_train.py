@@ -22,6 +22,7 @@ def _quick(**overrides):
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every = 4, 2
   c.train.async_checkpointing = False
+  c.train.eval_every = 0  # test_periodic_eval_logs_pass_at_k turns it on
   # the mesh is the default (1, -1, 1): all 8 simulated devices of the test setup
   for key, value in overrides.items():
     section, name = key.split(".")
@@ -78,6 +79,15 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   assert cfg["ict"]["method"] == "ict" and config_lib.from_dict(cfg).train.steps == 48
   samples = read_log(workdir, "samples")
   assert {s["step"] for s in samples} == set(range(1, 49))
+  # held-out pass@1 / pass@4 every 20 steps and after the last
+  assert [r["step"] for r in rows if "eval_pass_at_4" in r] == [20, 40, 48]
+  # the token-level view of the checkpoint steps' logged samples
+  proc = subprocess.run([sys.executable, "-m", "ict_jax.analyze", "--workdir", workdir, "--no-png"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  stats = json.load(open(os.path.join(workdir, "analysis", "step_48.json")))
+  assert stats["tokens"] >= 2 * 16 and 16 <= stats["selected"] < stats["tokens"]
+  assert stats["mean_js_first_token"] < 1e-5  # every rollout of a group shares the first context
 
 
 def test_resume_equals_uninterrupted_run(tmp_path):
@@ -92,6 +102,49 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   for ra, rb in zip(a, b):
     for key in ("reward_mean", "entropy", "loss", "grad_norm", "js_selected", "response_len"):
       np.testing.assert_allclose(rb[key], ra[key], rtol=1e-4, atol=1e-6, err_msg=f"step {ra['step']} {key}")
+
+
+def test_periodic_eval_logs_pass_at_k(tmp_path):
+  """train.eval_every / eval_samples / eval_prompts: pass@1 and pass@k on held-out problems after
+  every eval_every steps and the last, in metrics.jsonl and TensorBoard."""
+  workdir = str(tmp_path / "eval")
+  out = train(_quick(**{"train.steps": 3, "train.eval_every": 2, "train.eval_samples": 3,
+                        "train.eval_prompts": 5}), workdir, progress=False)
+  rows = _metrics(workdir)
+  assert [("eval_pass_at_1" in r, "eval_pass_at_3" in r) for r in rows] == [(False, False), (True, True),
+                                                                       (True, True)]
+  for r in rows[1:]:
+    assert 0.0 <= r["eval_pass_at_1"] <= r["eval_pass_at_3"] <= 1.0 and r["eval_s"] > 0
+    # pass@1 over 5 problems x 3 samples is a multiple of 1/15
+    assert abs(r["eval_pass_at_1"] * 15 - round(r["eval_pass_at_1"] * 15)) < 1e-9
+  assert out[-1]["eval_pass_at_1"] == rows[-1]["eval_pass_at_1"]
+  assert _tb_steps(os.path.join(workdir, "tb"), "eval_pass_at_1") == [2, 3]
+  # per-token statistics of the logged samples at the checkpoint steps (2 and the last, 3)
+  from ict_jax import token_view
+  tokens = [t for s in (2, 3) for t in token_view.load(workdir, s)[1]]
+  assert sorted({t["step"] for t in tokens}) == [2, 3] and len(tokens) == 2 * 16
+  for t in tokens:
+    n = len(t["tokens"])
+    assert n >= 1 and len(t["js"]) == len(t["entropy"]) == len(t["prob"]) == len(t["selected"]) == n
+    assert sum(t["selected"]) == max(1, -(-n // 10))  # ICT's top 10% of the response
+    assert t["js"][0] < 1e-5  # the first token: every rollout of the group has the same context
+    assert all(0.0 <= p <= 1.0 for p in t["prob"]) and t["dense_warmup"]
+
+
+def _tb_steps(tb_dir, tag):
+  """Steps of scalar `tag` in a TensorBoard events directory (TFRecord framing, read by hand)."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  steps = []
+  for name in sorted(os.listdir(tb_dir)):
+    data = open(os.path.join(tb_dir, name), "rb").read()
+    at = 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 16 + length
+      steps += [event.step for v in event.summary.value if v.tag == tag]
+  return steps
 
 
 def test_restore_onto_another_mesh(tmp_path):

@@ -523,3 +523,21 @@ def test_sharded_step_equals_single_device(shape, steps, batch):
             assert _get(grads_of(state), path).sharding.spec == spec, path
         assert logp.sharding.spec == P(("data", "fsdp"))
     assert float(metrics["selected_frac"]) < 1.0
+
+
+@pytest.mark.parametrize("score,keep,fraction,reference_", [
+    ("js", "frequent", 0.9, "active_mean"), ("kl", "unique", 0.2, "others_mean"),
+    ("entropy", "unique", 0.3, "active_mean"), ("random", "unique", 0.1, "active_mean")])
+def test_ict_ablations_in_the_compiled_step(score, keep, fraction, reference_, batch):
+    """ICT's ablations run inside the compiled step: each response keeps ceil(f * len) tokens,
+    "frequent" keeps the lowest JS scores, and the update is finite."""
+    step = compile_step(step_config("ict", score=score, keep=keep, top_fraction=fraction,
+                                    reference=reference_))
+    state, metrics, _ = step(state_at(2), batch)
+    k = np.array([max(1, math.ceil(Fraction(str(fraction)) * n)) for n in LENGTHS])
+    assert float(metrics["selected_frac"]) == pytest.approx(k.sum() / LENGTHS.sum(), abs=1e-7)
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0
+    if keep == "frequent":
+        assert float(metrics["js_selected"]) < float(metrics["js_unselected"])
+    if score == "js" and reference_ == "active_mean" and keep == "unique":
+        assert float(metrics["js_selected"]) > float(metrics["js_unselected"])

@@ -17,6 +17,7 @@ from typing import Any
 # name -> (module, builder class); a name may carry a config, e.g. "synthetic_arith/level2".
 BUILDERS: dict[str, tuple[str, str]] = {
     "synthetic_arith": ("ict_jax.data.synthetic", "SyntheticArith"),
+    "synthetic_chain": ("ict_jax.data.chain", "SyntheticChain"),
     "gsm8k": ("ict_jax.data.gsm8k", "Gsm8k"),
     "math": ("ict_jax.data.math", "Math"),
     "math500": ("ict_jax.data.eval_sets", "Math500"),

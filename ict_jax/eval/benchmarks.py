@@ -4,7 +4,8 @@
 
 Math500, GSM8K and AIME are checked on the last ``\\boxed{}`` (answer type ``math_boxed``);
 MMLU-STEM and GPQA list their options as ``(A) ...`` lines and are checked on the committed letter
-(``choice``); ``synthetic`` (the embedded arithmetic task, no files) on the bare answer.
+(``choice``); ``synthetic`` (one-step arithmetic) and ``chain`` (the default task, worked
+solutions; no files) on the bare or boxed answer.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("aime25", "AIME25", "aime/2025", "test", "math_boxed", MATH_INSTRUCTION),
     Benchmark("synthetic", "Synthetic", "synthetic_arith/level1", "test", "answer", "",
               needs_files=False),
+    Benchmark("chain", "Chain", "synthetic_chain/level1", "test", "answer", "", needs_files=False),
 )}
 
 

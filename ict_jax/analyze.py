@@ -1,0 +1,191 @@
+"""`python -m ict_jax.analyze --workdir W [--step S]`: the token-level view of a run.
+
+Writes `W/analysis/step_<S>.html` (open it in a browser) and `W/analysis/step_<S>.png`: the
+completions the trainer logged with per-token statistics at step S (`tokens/<step>.jsonl`, written at
+checkpoint steps; default the latest), token by token, coloured by ICT's JS score (switchable to
+entropy and to the sampled token's probability), ICT's selected tokens boxed, and the paper-style
+statistics of the selected tokens: their mean probability, their share of high- and low-entropy
+tokens (above / below the median entropy of the step's logged tokens) and where in the response
+they sit (fifths of the response length).
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from ict_jax import token_view
+
+LOG2 = float(np.log(2.0))
+
+
+def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Statistics of the selected tokens against all tokens of `rows` (token_view rows)."""
+  prob = np.concatenate([r["prob"] for r in rows]) if rows else np.zeros(0)
+  ent = np.concatenate([r["entropy"] for r in rows]) if rows else np.zeros(0)
+  js = np.concatenate([r["js"] for r in rows]) if rows else np.zeros(0)
+  sel = np.concatenate([np.asarray(r["selected"], bool) for r in rows]) if rows else np.zeros(0, bool)
+  rel = np.concatenate([(np.arange(len(r["prob"])) + 0.5) / max(len(r["prob"]), 1) for r in rows]) \
+      if rows else np.zeros(0)
+  first = np.concatenate([np.arange(len(r["prob"])) == 0 for r in rows]) if rows else np.zeros(0, bool)
+  median = float(np.median(ent)) if ent.size else 0.0
+  fifths = np.minimum((rel * 5).astype(int), 4)
+
+  def mean(x):
+    return float(np.mean(x)) if np.size(x) else float("nan")
+
+  n_sel = int(sel.sum())
+  return {
+      "tokens": int(sel.size), "selected": n_sel,
+      "mean_prob_selected": mean(prob[sel]), "mean_prob_all": mean(prob),
+      "mean_js_selected": mean(js[sel]), "mean_js_unselected": mean(js[~sel]),
+      "entropy_median": median,
+      "high_entropy_share": mean(ent[sel] > median), "low_entropy_share": mean(ent[sel] <= median),
+      "position_fifths_selected": [int(np.sum(sel & (fifths == k))) for k in range(5)],
+      "position_fifths_all": [int(np.sum(fifths == k)) for k in range(5)],
+      "mean_relative_position_selected": mean(rel[sel]),
+      "first_token_selected_share": mean(sel[first]),
+      "mean_js_first_token": mean(js[first]), "mean_js_later_tokens": mean(js[~first]),
+  }
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
+h1{font-size:20px;margin:0 0 4px} .sub{color:#666;font-size:13px;margin-bottom:14px}
+.controls{margin:10px 0 16px;font-size:14px} .controls label{margin-right:14px}
+.row{display:flex;align-items:baseline;gap:10px;margin:3px 0;font-family:ui-monospace,monospace;font-size:15px}
+.meta{width:150px;flex:none;color:#555;font-size:12px;text-align:right}
+.ok{color:#137333;font-weight:600} .bad{color:#b3261e}
+.tok{padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre}
+.tok.sel{border-color:#111;font-weight:700}
+.legend{display:flex;align-items:center;gap:8px;font-size:12px;color:#555}
+.bar{width:180px;height:12px;border-radius:3px}
+table{border-collapse:collapse;font-size:14px;margin-top:8px} td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}
+.grid{display:grid;grid-template-columns:1fr 1fr;gap:24px;margin-top:18px}
+.hist{display:flex;align-items:flex-end;gap:6px;height:90px} .hist div{width:34px;background:#444;text-align:center;color:#fff;font-size:11px}
+.group{margin-top:10px;font-size:13px;color:#444}
+"""
+
+_JS = """
+const MAX={js:%(log2)f,entropy:%(hmax)f,prob:1.0};
+function colour(v){const t=Math.max(0,Math.min(1,v));
+  const r=Math.round(255-t*(255-200)),g=Math.round(255-t*(255-40)),b=Math.round(255-t*(255-40));
+  return `rgb(${r},${g},${b})`;}
+function paint(){const key=document.querySelector('input[name=key]:checked').value;
+  document.querySelectorAll('.tok').forEach(e=>{const v=parseFloat(e.dataset[key]);
+    e.style.background=colour(v/MAX[key]);});
+  document.getElementById('lmax').textContent=MAX[key].toFixed(3);}
+document.querySelectorAll('input[name=key]').forEach(e=>e.addEventListener('change',paint));paint();
+"""
+
+
+def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any], title: str) -> str:
+  hmax = max([max(r["entropy"], default=0.0) for r in rows] + [1e-6])
+  lines = []
+  previous_prompt = None
+  for r in rows:
+    if r["prompt"] != previous_prompt:
+      lines.append(f'<div class="group">prompt <b>{html.escape(r["prompt"])}</b> &nbsp; gold '
+                   f'<b>{html.escape(r["gold"])}</b></div>')
+      previous_prompt = r["prompt"]
+    toks = "".join(
+        f'<span class="tok{" sel" if s else ""}" data-js="{j:.6f}" data-entropy="{h:.6f}" '
+        f'data-prob="{p:.6f}" title="JS {j:.4f} | entropy {h:.3f} | p {p:.3f}'
+        f'{" | selected" if s else ""}">{html.escape(t)}</span>'
+        for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"]))
+    ok = r["reward"] > 0
+    lines.append(f'<div class="row"><div class="meta"><span class="{"ok" if ok else "bad"}">'
+                 f'{"correct" if ok else "wrong"}</span> A={r["advantage"]:+.2f}</div><div>{toks}</div></div>')
+  fifth_sel, fifth_all = stats["position_fifths_selected"], stats["position_fifths_all"]
+  top = max(fifth_sel + [1])
+  hist = "".join(f'<div style="height:{6 + 80 * c / top:.0f}px" title="{c} of {a} tokens">{c}</div>'
+                 for c, a in zip(fifth_sel, fifth_all))
+  f = lambda v: "–" if v != v else f"{v:.3f}"  # noqa: E731 (nan -> dash)
+  warm = any(r.get("dense_warmup") for r in rows)
+  warm_note = " &middot; this step is in ICT's dense warm-up: every token trained" if warm else ""
+  table = f"""
+<table>
+<tr><th></th><th>selected</th><th>all tokens</th></tr>
+<tr><td>tokens</td><td>{stats['selected']}</td><td>{stats['tokens']}</td></tr>
+<tr><td>mean probability of the sampled token</td><td>{f(stats['mean_prob_selected'])}</td><td>{f(stats['mean_prob_all'])}</td></tr>
+<tr><td>mean JS score</td><td>{f(stats['mean_js_selected'])}</td><td>{f(stats['mean_js_unselected'])} (unselected)</td></tr>
+<tr><td>high-entropy share (H &gt; median {stats['entropy_median']:.3f})</td><td>{f(stats['high_entropy_share'])}</td><td>0.5 by definition</td></tr>
+<tr><td>low-entropy share</td><td>{f(stats['low_entropy_share'])}</td><td></td></tr>
+<tr><td>mean relative position in the response</td><td>{f(stats['mean_relative_position_selected'])}</td><td>0.5</td></tr>
+<tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{f(stats['mean_js_first_token'])} vs {f(stats['mean_js_later_tokens'])}</td></tr>
+</table>"""
+  return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{_CSS}</style></head><body>
+<h1>ICT token view, step {step}</h1>
+<div class="sub">{html.escape(title)} &middot; {len(rows)} logged completions in groups of one prompt &middot;
+colour = the token's score; <b style="border:2px solid #111;padding:0 3px">boxed</b> = selected by ICT
+(top share of each response by score){warm_note}. Hover a token for its values.</div>
+<div class="controls">colour by:
+<label><input type="radio" name="key" value="js" checked> JS to the group mean</label>
+<label><input type="radio" name="key" value="entropy"> entropy</label>
+<label><input type="radio" name="key" value="prob"> probability</label>
+<span class="legend" style="display:inline-flex">0 <span class="bar" style="background:linear-gradient(90deg,#fff,rgb(200,40,40))"></span> <span id="lmax"></span></span></div>
+{''.join(lines)}
+<div class="grid"><div><b>Selected tokens</b>{table}</div>
+<div><b>Where the selected tokens sit</b> (fifths of the response, first to last)<div class="hist">{hist}</div></div></div>
+<script>{_JS % {"log2": LOG2, "hmax": hmax}}</script></body></html>
+"""
+
+
+def screenshot(html_path: str, png_path: str, width: int = 1150, height: int = 900) -> str | None:
+  """A PNG of the page from headless Chromium; None (no PNG) when no Chromium is installed."""
+  import shutil
+  import subprocess
+  exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+  if exe is None:
+    return None
+  subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                  f"--window-size={width},{height}", f"--screenshot={os.path.abspath(png_path)}",
+                  "file://" + os.path.abspath(html_path)], check=True, capture_output=True, timeout=120)
+  return png_path
+
+
+def analyze(workdir: str, step: int | None = None, out_dir: str | None = None,
+            png: bool = True) -> dict[str, Any]:
+  """Write the page (and the PNG when Chromium is there) -> {"step", "html", "png", "stats"}."""
+  step, rows = token_view.load(workdir, step)
+  stats = selection_stats(rows)
+  out_dir = out_dir or os.path.join(workdir, "analysis")
+  os.makedirs(out_dir, exist_ok=True)
+  page = os.path.join(out_dir, f"step_{step}.html")
+  with open(page, "w") as f:
+    f.write(render_html(step, rows, stats, os.path.abspath(workdir)))
+  with open(os.path.join(out_dir, f"step_{step}.json"), "w") as f:
+    json.dump(stats, f, indent=2)
+  image = screenshot(page, os.path.join(out_dir, f"step_{step}.png")) if png else None
+  return {"step": step, "html": page, "png": image, "stats": stats}
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m ict_jax.analyze", description=__doc__.split("\n")[0])
+  ap.add_argument("--workdir", required=True, help="a training run's directory")
+  ap.add_argument("--step", type=int, default=None, help="a step with token statistics (default: latest)")
+  ap.add_argument("--out", default=None, help="output directory (default: WORKDIR/analysis)")
+  ap.add_argument("--no-png", action="store_true", help="skip the Chromium screenshot")
+  args = ap.parse_args(argv)
+  try:
+    res = analyze(args.workdir, args.step, args.out, png=not args.no_png)
+  except (FileNotFoundError, KeyError, ValueError) as e:
+    print(f"ict_jax.analyze: error: {e.args[0] if e.args else e}", file=sys.stderr)
+    sys.exit(2)
+  s = res["stats"]
+  print(f"step {res['step']}: {s['selected']} of {s['tokens']} tokens selected; mean p selected "
+        f"{s['mean_prob_selected']:.3f} (all {s['mean_prob_all']:.3f}); high-entropy share "
+        f"{s['high_entropy_share']:.2f}")
+  print(res["html"])
+  if res["png"]:
+    print(res["png"])
+
+
+if __name__ == "__main__":
+  main()
