@@ -249,6 +249,25 @@ def _without_missing_model_path(cfg: Config) -> tuple[Config, str]:
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="")), note
 
 
+def _cudnn_loadable() -> bool:
+  try:  # JAX checks the cuDNN version while tracing its cuDNN attention
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    check_cudnn_version()
+    return True
+  except Exception:  # noqa: BLE001 - no cuDNN library on this machine, whatever JAX raises
+    return False
+
+
+def _without_missing_cudnn(mcfg):
+  """cuDNN attention traced on a machine without the cuDNN library (a CPU box compiling for a GPU
+  node) fails before compiling; there the XLA form of the same attention (`dot_product`, also
+  memory-efficient) stands in, and the note says so."""
+  if mcfg.attention != "cudnn" or _cudnn_loadable():
+    return mcfg, ""
+  return (dataclasses.replace(mcfg, attention="dot_product"),
+          "cuDNN is not installed here: attention compiled as dot_product (XLA), not cudnn")
+
+
 def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dict[str, tuple]:
   """{name: (shape, dtype)} of one step's batch as `Rollout.batch()` builds it."""
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -281,6 +300,8 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
   except ValueError as e:
     raise AotError(f"--target {target.name}: {e}") from None
   mcfg = model_config(cfg, cfg.model.path, mesh)  # "auto" attention: the target's kernel
+  mcfg, cudnn_note = _without_missing_cudnn(mcfg)
+  note = "; ".join(n for n in (note, cudnn_note) if n)
   graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
