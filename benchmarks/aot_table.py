@@ -8,6 +8,7 @@ included; a run whose JSON exists is not compiled again (delete it to redo). The
 table of every JSON there is written between the AOT-TABLE markers of benchmarks/RESULTS.md and
 all reports into benchmarks/results/aot.json. Runs without a JSON are listed as not measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "aot")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 BEGIN, END = "<!-- AOT-TABLE BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-TABLE END -->"
-CFG = {"0.5B": "configs/qwen2_5_0_5b_math.py", "1.5B": "configs/qwen2_5_1_5b_math.py",
-       "7B": "configs/qwen2_5_7b_math.py"}
+CFG = {
+    "0.5B": "configs/qwen2_5_0_5b_math.py",
+    "1.5B": "configs/qwen2_5_1_5b_math.py",
+    "7B": "configs/qwen2_5_7b_math.py",
+}
 V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
 
 # name -> (model, target, extra aot arguments); the order is the order they are compiled in.
@@ -45,8 +49,18 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 
 def command(name: str) -> list[str]:
   model, target, extra = RUNS[name]
-  return ["python", "-m", "ict_jax.aot", "--config", CFG[model], "--target", target, *extra,
-          "--json", f"benchmarks/results/aot/{name}.json"]
+  return [
+      "python",
+      "-m",
+      "ict_jax.aot",
+      "--config",
+      CFG[model],
+      "--target",
+      target,
+      *extra,
+      "--json",
+      f"benchmarks/results/aot/{name}.json",
+  ]
 
 
 def run(name: str) -> None:
@@ -57,8 +71,7 @@ def run(name: str) -> None:
   cmd = command(name)
   print(f"{name}: {' '.join(cmd)}", flush=True)
   t0 = time.perf_counter()
-  proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd[1:]], cwd=ROOT,
-                        capture_output=True, text=True)
+  proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True)
   print(proc.stdout + proc.stderr[-2000:], flush=True)
   if proc.returncode in (0, 1) and os.path.exists(path):
     with open(path) as f:
@@ -75,32 +88,43 @@ def _gib(n) -> str:
 
 
 def table(reports: dict[str, dict]) -> str:
-  rows = ["| model | target | mesh (data, fsdp, tensor) | params | micro-batch | tokens / row "
-          "| args | temps | code | peak | usable HBM | fits (margin) | compile s | collectives "
-          "(all-gather / all-reduce / reduce-scatter / permute / all-to-all) | model TFLOP / step |",
-          "|" + "---|" * 15]
+  rows = [
+      "| model | target | mesh (data, fsdp, tensor) | params | micro-batch | tokens / row "
+      "| args | temps | code | peak | usable HBM | fits (margin) | compile s | collectives "
+      "(all-gather / all-reduce / reduce-scatter / permute / all-to-all) | model TFLOP / step |",
+      "|" + "---|" * 15,
+  ]
   for name in RUNS:
     model, target, _ = RUNS[name]
     r = reports.get(name)
     if r is None:
-      rows.append(f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name))}`) "
-                  "| | | |")
+      rows.append(f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name))}`) " "| | | |")
       continue
     s, c = r["shapes"], r["collectives"]
     mesh = s["mesh"]
     accepted = r.get("compiler_accepted", bool(c))  # reports before the key: compiled = counted
-    fit = (f"yes ({_gib(r['margin_bytes'])})" if r["fits"] else
-           "**no** (compiled, but peak > usable)" if accepted else "**no** (compiler: out of memory)")
-    coll = (" / ".join(str(c.get(k, 0)) for k in ("all-gather", "all-reduce", "reduce-scatter",
-                                                   "collective-permute", "all-to-all"))
-            if c else "—")
+    fit = (
+        f"yes ({_gib(r['margin_bytes'])})"
+        if r["fits"]
+        else "**no** (compiled, but peak > usable)"
+        if accepted
+        else "**no** (compiler: out of memory)"
+    )
+    coll = (
+        " / ".join(
+            str(c.get(k, 0)) for k in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+        )
+        if c
+        else "—"
+    )
     rows.append(
         f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | "
         f"{s['param_dtype']} | {s['micro_batch_size']} | {s['prompt_len']} + {s['completion_len']} | "
         f"{_gib(r.get('argument_bytes'))} | {_gib(r.get('temp_bytes'))} | "
         f"{_gib(r.get('generated_code_bytes'))} | {_gib(r['peak_bytes_per_device'])} | "
         f"{_gib(r['hbm_bytes_per_device'])} | {fit} | {r['compile_s']:.0f} | {coll} | "
-        f"{r['model_flops_per_step'] / 1e12:.0f} |")
+        f"{r['model_flops_per_step'] / 1e12:.0f} |"
+    )
   return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ interrupted sweep resumes; `--report` only rebuilds the report from the finished
 on the same seeds), `<out>/curves.png` (reward, Shannon entropy, Renyi-2 entropy and selected
 fraction over steps: mean and min-max band across seeds, methods only), `<out>/results.json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,24 +39,35 @@ from ict_jax.logs import read_log  # noqa: E402
 
 METHODS = ("grpo", "entropy", "stapo", "ict")
 NAMES = {"grpo": "GRPO", "entropy": "20-Entropy", "stapo": "STAPO", "ict": "ICT"}
-ABLATIONS = ("score=kl", "score=entropy", "score=random", "top_fraction=0.2", "top_fraction=0.3",
-             "top_fraction=0.9+keep=frequent")
+ABLATIONS = (
+    "score=kl",
+    "score=entropy",
+    "score=random",
+    "top_fraction=0.2",
+    "top_fraction=0.3",
+    "top_fraction=0.9+keep=frequent",
+)
 ABLATION_KEYS = {"score": str, "keep": str, "top_fraction": float, "reference": str}
-CURVES = (("reward_mean", "reward"), ("entropy", "Shannon entropy (nats)"),
-          ("renyi2", "Renyi-2 entropy H2 (nats)"), ("selected_frac", "selected fraction"))
+CURVES = (
+    ("reward_mean", "reward"),
+    ("entropy", "Shannon entropy (nats)"),
+    ("renyi2", "Renyi-2 entropy H2 (nats)"),
+    ("selected_frac", "selected fraction"),
+)
 KS = (1, 4)
 
 
 def parse_variant(variant: str) -> dict:
-  """"ict" / "grpo" / ... -> {"method": ...}; "score=kl+top_fraction=0.2" -> ICT with those keys."""
+  """ "ict" / "grpo" / ... -> {"method": ...}; "score=kl+top_fraction=0.2" -> ICT with those keys."""
   if variant in METHODS:
     return {"method": variant}
   out = {"method": "ict"}
   for part in variant.split("+"):
     key, sep, value = part.partition("=")
     if not sep or key not in ABLATION_KEYS:
-      raise ValueError(f"bad variant {variant!r}: expected a method {METHODS} or key=value with key in "
-                       f"{sorted(ABLATION_KEYS)}")
+      raise ValueError(
+          f"bad variant {variant!r}: expected a method {METHODS} or key=value with key in " f"{sorted(ABLATION_KEYS)}"
+      )
     out[key] = ABLATION_KEYS[key](value)
   return out
 
@@ -76,6 +88,7 @@ def warm_started_hf(out: str, steps: int) -> str:
   from ict_jax.setup import abstract_params, make_mesh, model_config
   from ict_jax.tokenizer import Tokenizer
   from ict_jax.train import init_params, load_examples, warm_start
+
   hf_dir = os.path.join(out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     return hf_dir
@@ -92,9 +105,11 @@ def warm_started_hf(out: str, steps: int) -> str:
   return hf_dir
 
 
-def run_one(variant: str, seed: int, hf_dir: str, out: str, steps: int, eval_prompts: int,
-            overrides: dict | None = None) -> dict:
+def run_one(
+    variant: str, seed: int, hf_dir: str, out: str, steps: int, eval_prompts: int, overrides: dict | None = None
+) -> dict:
   from ict_jax.train import train
+
   workdir = os.path.join(out, "runs", f"{variant}_seed{seed}")
   done = os.path.join(workdir, "result.json")
   if os.path.exists(done):
@@ -111,9 +126,14 @@ def run_one(variant: str, seed: int, hf_dir: str, out: str, steps: int, eval_pro
   train(c, workdir, init_from_hf=hf_dir, progress=False)
   history = read_log(workdir, "metrics")
   last = history[-1]
-  result = {"variant": variant, "seed": seed, "steps": len(history), "train_s": time.perf_counter() - t0,
-            "curves": {k: [h[k] for h in history] for k, _ in CURVES},
-            **{f"pass@{k}": last[f"eval_pass_at_{k}"] for k in KS}}
+  result = {
+      "variant": variant,
+      "seed": seed,
+      "steps": len(history),
+      "train_s": time.perf_counter() - t0,
+      "curves": {k: [h[k] for h in history] for k, _ in CURVES},
+      **{f"pass@{k}": last[f"eval_pass_at_{k}"] for k in KS},
+  }
   with open(done, "w") as f:
     json.dump(result, f)
   return result
@@ -131,21 +151,29 @@ def summarize(results: list[dict]) -> dict[str, dict]:
     row = {"seeds": sorted(runs)}
     for k in KS:
       v = np.array([runs[s][f"pass@{k}"] for s in sorted(runs)])
-      row[f"pass@{k}"] = {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-                          "min": float(v.min()), "max": float(v.max())}
+      row[f"pass@{k}"] = {
+          "mean": float(v.mean()),
+          "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+          "min": float(v.min()),
+          "max": float(v.max()),
+      }
       common = sorted(set(runs) & set(ict))
       if variant != "ict" and common:
         d = np.array([runs[s][f"pass@{k}"] - ict[s][f"pass@{k}"] for s in common])
-        row[f"diff@{k}"] = {"mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
-                            "n": len(common)}
+        row[f"diff@{k}"] = {
+            "mean": float(d.mean()),
+            "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
+            "n": len(common),
+        }
     out[variant] = row
   return out
 
 
 def table(summary: dict[str, dict]) -> str:
   """Markdown: methods first, then ablations; values in percent."""
-  head = ["variant", "seeds"] + [f"pass@{k} mean ± std [min, max]" for k in KS] + \
-      [f"pass@{k} − ICT (paired)" for k in KS]
+  head = (
+      ["variant", "seeds"] + [f"pass@{k} mean ± std [min, max]" for k in KS] + [f"pass@{k} − ICT (paired)" for k in KS]
+  )
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   order = [m for m in METHODS if m in summary] + sorted(v for v in summary if v not in METHODS)
   for v in order:
@@ -163,8 +191,10 @@ def table(summary: dict[str, dict]) -> str:
 
 def plot(results: list[dict], path: str, title: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 4))
   colors = {"grpo": "tab:blue", "entropy": "tab:orange", "stapo": "tab:green", "ict": "tab:red"}
   for ax, (key, label) in zip(axes, CURVES):
@@ -233,8 +263,18 @@ def main(argv=None) -> dict:
     for v, s in variants:
       t0 = time.perf_counter()
       r = run_one(v, s, hf_dir, a.out, a.steps, a.eval_prompts, overrides)
-      print(json.dumps({"variant": v, "seed": s, "pass@1": r["pass@1"], "pass@4": r["pass@4"],
-                        "s": round(time.perf_counter() - t0, 1)}), flush=True)
+      print(
+          json.dumps(
+              {
+                  "variant": v,
+                  "seed": s,
+                  "pass@1": r["pass@1"],
+                  "pass@4": r["pass@4"],
+                  "s": round(time.perf_counter() - t0, 1),
+              }
+          ),
+          flush=True,
+      )
   return report(a.out, title)
 
 

@@ -12,6 +12,7 @@ compile-only devices (libtpu from $ICT_JAX_AOT_LIBS, default ~/.cache/ict_jax/ao
 StableHLO), compile_s (XLA, wall) and compile_cpu_s (XLA, CPU time of all threads: steadier on a
 shared machine), the 1-minute load average, and memory_analysis() bytes per device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,19 +30,26 @@ TPU_TARGETS = {  # name: (topology, chip config, host bounds, accelerator type, 
 
 def _devices(target: str):
   import jax
+
   if target == "cpu":
     return jax.devices()
   topology, chip_config, bounds, accel, chips = TPU_TARGETS[target]
   import libtpu
+
   os.environ.setdefault("TPU_LIBRARY_PATH", libtpu.get_library_path())
-  for k, v in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-               ("TPU_WORKER_ID", "0"), ("TPU_ACCELERATOR_TYPE", accel),
-               ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):  # compile-only: another process may hold libtpu
+  for k, v in (
+      ("TPU_SKIP_MDS_QUERY", "1"),
+      ("TPU_WORKER_HOSTNAMES", "localhost"),
+      ("TPU_WORKER_ID", "0"),
+      ("TPU_ACCELERATOR_TYPE", accel),
+      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+  ):  # compile-only: another process may hold libtpu
     os.environ.setdefault(k, v)
   from jax.experimental import topologies
-  topo = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                      chip_config_name=chip_config, chips_per_host_bounds=bounds,
-                                      num_slices=1)
+
+  topo = topologies.get_topology_desc(
+      platform="tpu", topology_name=topology, chip_config_name=chip_config, chips_per_host_bounds=bounds, num_slices=1
+  )
   devices = list(topo.devices)
   assert len(devices) == chips, (target, len(devices))
   return devices
@@ -62,8 +70,11 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.target not in ("cpu",):
     if not os.path.isdir(LIBS_DIR):
-      print(f"compile_step: error: no libtpu in {LIBS_DIR} (pip install --no-deps --target "
-            f"{LIBS_DIR} libtpu==0.0.42.1)", file=sys.stderr)
+      print(
+          f"compile_step: error: no libtpu in {LIBS_DIR} (pip install --no-deps --target "
+          f"{LIBS_DIR} libtpu==0.0.42.1)",
+          file=sys.stderr,
+      )
       return 2
     sys.path.insert(0, LIBS_DIR)
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -76,6 +87,7 @@ def main(argv=None) -> int:
 
   from ict_jax import config as config_lib, sharding, train_step as ts
   from ict_jax.setup import abstract_params, model_config
+
   jax.config.update("jax_enable_compilation_cache", False)
 
   spec = importlib.util.spec_from_file_location("cfg_module", args.config)
@@ -96,8 +108,7 @@ def main(argv=None) -> int:
     node[last] = ast.literal_eval(value) if value[:1] in "0123456789-[({'\"TF" else value
   cfg = config_lib.validate(c)
   devices = _devices(args.target)
-  mesh = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
-                            devices=devices)
+  mesh = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}, devices=devices)
   mcfg = model_config(cfg, "", mesh)
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)
@@ -105,17 +116,21 @@ def main(argv=None) -> int:
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
   state_abs = jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, optimizer.init(p)), params)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs,
-                       state_sharding)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, state_sharding)
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
   rs = NamedSharding(mesh, P(("data", "fsdp")))
-  shapes = dict(prompt_ids=(rows, args.prompt), prompt_mask=(rows, args.prompt),
-                completion_ids=(rows, args.completion), completion_mask=(rows, args.completion))
+  shapes = dict(
+      prompt_ids=(rows, args.prompt),
+      prompt_mask=(rows, args.prompt),
+      completion_ids=(rows, args.completion),
+      completion_mask=(rows, args.completion),
+  )
   batch = {k: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rs) for k, s in shapes.items()}
   batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rs)
   ref = params if cfg.loss.beta > 0 else None
-  step = ts.make_train_step(graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh,
-                            state_sharding=state_sharding)
+  step = ts.make_train_step(
+      graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
+  )
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     lowered = step.jitted.lower(state, batch, ref)
@@ -123,15 +138,24 @@ def main(argv=None) -> int:
   compiled = lowered.compile()
   t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
-  out = dict(target=args.target, preset=args.preset, layers=mcfg.num_hidden_layers, rows=rows,
-             micro_batch=cfg.train.micro_batch_size, prompt=args.prompt, completion=args.completion,
-             mesh=dict(mesh.shape), model={k: getattr(mcfg, k) for k in ("dtype", "param_dtype")
-                                           if hasattr(mcfg, k)},
-             lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
-             compile_cpu_s=round(c2 - c1, 1), load_avg_1m=round(os.getloadavg()[0], 1),
-             temp_gib=round(mem.temp_size_in_bytes / 2**30, 3),
-             argument_gib=round(mem.argument_size_in_bytes / 2**30, 3),
-             output_gib=round(mem.output_size_in_bytes / 2**30, 3))
+  out = dict(
+      target=args.target,
+      preset=args.preset,
+      layers=mcfg.num_hidden_layers,
+      rows=rows,
+      micro_batch=cfg.train.micro_batch_size,
+      prompt=args.prompt,
+      completion=args.completion,
+      mesh=dict(mesh.shape),
+      model={k: getattr(mcfg, k) for k in ("dtype", "param_dtype") if hasattr(mcfg, k)},
+      lower_s=round(t1 - t0, 1),
+      compile_s=round(t2 - t1, 1),
+      compile_cpu_s=round(c2 - c1, 1),
+      load_avg_1m=round(os.getloadavg()[0], 1),
+      temp_gib=round(mem.temp_size_in_bytes / 2**30, 3),
+      argument_gib=round(mem.argument_size_in_bytes / 2**30, 3),
+      output_gib=round(mem.output_size_in_bytes / 2**30, 3),
+  )
   for k in ("remat_policy", "remat", "attention"):
     if hasattr(mcfg, k):
       out["model"][k] = getattr(mcfg, k)

@@ -31,6 +31,7 @@ command line is unchanged): it wraps `rollout.collect`, the compiled train step 
 $ICT_FAULTS_SLEEP="sample=2,step=8"); the product has no fault hooks.
 `tests/test_faults.py` runs the same functions with small settings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,22 +122,41 @@ SHIM = textwrap.dedent('''
 # ---- running the CLI ---------------------------------------------------------------------------
 def env(devices: int = 1, **extra) -> dict:
   e = dict(os.environ)
-  e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-           TF_CPP_MIN_LOG_LEVEL="3", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-           PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [e.get("PYTHONPATH")] if p]))
+  e.update(
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+      TF_CPP_MIN_LOG_LEVEL="3",
+      HF_HUB_OFFLINE="1",
+      TRANSFORMERS_OFFLINE="1",
+      PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [e.get("PYTHONPATH")] if p]),
+  )
   e.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "ict_jax_faults_jax_cache"))
   e.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   e.update({k: str(v) for k, v in extra.items()})
   return e
 
 
-def quick_flags(steps: int, every: int, *, sft: int = 20, prompts: int = 4, group: int = 4,
-                keep: int = 3, data_dir: str = "", extra=()) -> list[str]:
+def quick_flags(
+    steps: int,
+    every: int,
+    *,
+    sft: int = 20,
+    prompts: int = 4,
+    group: int = 4,
+    keep: int = 3,
+    data_dir: str = "",
+    extra=(),
+) -> list[str]:
   """The tiny default, shortened (as tests/test_train.py's `_quick`), as CLI overrides."""
-  flags = [f"--config.train.steps={steps}", f"--config.train.checkpoint_every={every}",
-           f"--config.warm_start.sft_steps={sft}", f"--config.rollout.prompts_per_step={prompts}",
-           f"--config.rollout.group_size={group}", f"--config.train.keep_checkpoints={keep}",
-           "--config.mesh.fsdp=1"]
+  flags = [
+      f"--config.train.steps={steps}",
+      f"--config.train.checkpoint_every={every}",
+      f"--config.warm_start.sft_steps={sft}",
+      f"--config.rollout.prompts_per_step={prompts}",
+      f"--config.rollout.group_size={group}",
+      f"--config.train.keep_checkpoints={keep}",
+      "--config.mesh.fsdp=1",
+  ]
   if data_dir:
     flags.append(f"--config.data.data_dir={data_dir}")
   return flags + list(extra)
@@ -145,8 +165,19 @@ def quick_flags(steps: int, every: int, *, sft: int = 20, prompts: int = 4, grou
 class Run:
   """One `python -m ict_jax.train` process; stdout/stderr go to files in `logdir`."""
 
-  def __init__(self, workdir, flags, logdir, *, name="run", markers=False, sleep="", devices=1,
-               module="ict_jax.train", extra_env=None):
+  def __init__(
+      self,
+      workdir,
+      flags,
+      logdir,
+      *,
+      name="run",
+      markers=False,
+      sleep="",
+      devices=1,
+      module="ict_jax.train",
+      extra_env=None,
+  ):
     self.workdir, self.logdir = Path(workdir), Path(logdir)
     self.logdir.mkdir(parents=True, exist_ok=True)
     self.err_path, self.out_path = self.logdir / f"{name}.err", self.logdir / f"{name}.out"
@@ -164,8 +195,7 @@ class Run:
     self.cmd = [sys.executable, "-m", module, f"--workdir={self.workdir}", *flags]
     self.t0 = time.monotonic()
     with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-      self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=e, stdout=out, stderr=err,
-                                   stdin=subprocess.DEVNULL)
+      self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=e, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
     self.pid = self.proc.pid
 
   def events(self) -> list[dict]:
@@ -208,6 +238,7 @@ def run_to_end(workdir, flags, logdir, name, timeout=1800.0, **kw) -> Run:
 
 def metrics(workdir) -> list[dict]:
   from ict_jax.logs import read_log
+
   return read_log(workdir, "metrics")
 
 
@@ -235,7 +266,7 @@ def compare(a: list[dict], b: list[dict], keys=METRIC_KEYS) -> dict:
   """Largest |a - b| / (atol + rtol |a|) over steps and keys (<= 1: equal to tolerance)."""
   by_step = {r["step"]: r for r in a}
   worst, where = 0.0, None
-  if [r["step"] for r in b] != sorted(by_step)[:len(b)] or not b:
+  if [r["step"] for r in b] != sorted(by_step)[: len(b)] or not b:
     return {"ok": False, "why": f"steps {[r['step'] for r in b]} vs {sorted(by_step)}"}
   for rb in b:
     ra = by_step[rb["step"]]
@@ -252,8 +283,7 @@ def du(path) -> int:
 
 
 def row(fault, done, expected, observed, passed, **details) -> dict:
-  return {"fault": fault, "done": done, "expected": expected, "observed": observed,
-          "passed": bool(passed), **details}
+  return {"fault": fault, "done": done, "expected": expected, "observed": observed, "passed": bool(passed), **details}
 
 
 # ---- kill -9 -----------------------------------------------------------------------------------
@@ -302,14 +332,19 @@ def _kill_once(workdir, flags, logdir, name, phase, rng, ref_rows) -> dict:
     info["hit"] = save_step not in steps and any(o.startswith(f"{save_step}.") for o in other)
     info["left_behind"] = other
   rows = metrics(workdir)
-  info.update(rc=r.proc.returncode, last_logged=rows[-1]["step"] if rows else 0,
-              complete=[s for s in checkpoint_dirs(workdir)[0]], seconds=round(r.seconds, 1),
-              before=before)
+  info.update(
+      rc=r.proc.returncode,
+      last_logged=rows[-1]["step"] if rows else 0,
+      complete=[s for s in checkpoint_dirs(workdir)[0]],
+      seconds=round(r.seconds, 1),
+      before=before,
+  )
   return info
 
 
-def kill_resume(root, *, kills=10, steps=None, every=2, seed=0, data_dir="", ref=None,
-                phases=("sample", "step", "save")) -> dict:
+def kill_resume(
+    root, *, kills=10, steps=None, every=2, seed=0, data_dir="", ref=None, phases=("sample", "step", "save")
+) -> dict:
   """SIGKILL `kills` times (cycling through `phases`), re-running the same command each time."""
   root = Path(root)
   data_dir = data_dir or str(root / "data")
@@ -334,8 +369,13 @@ def kill_resume(root, *, kills=10, steps=None, every=2, seed=0, data_dir="", ref
     info["lost"] = info.get("last_logged", 0) - start
   cmp = compare(ref_rows, metrics(workdir))
   leftovers = checkpoint_dirs(workdir)[1]
-  ok = (all(c["hit"] for c in cycles) and all(c["resumed_from"] == c["expected_resume"] for c in cycles)
-        and all(0 <= c["lost"] <= every for c in cycles) and cmp["ok"] and not leftovers)
+  ok = (
+      all(c["hit"] for c in cycles)
+      and all(c["resumed_from"] == c["expected_resume"] for c in cycles)
+      and all(0 <= c["lost"] <= every for c in cycles)
+      and cmp["ok"]
+      and not leftovers
+  )
   hits = {p: sum(c["hit"] and c["phase"] == p for c in cycles) for p in ("sample", "step", "save")}
   return row(
       "kill -9 (sampling / step / async save)",
@@ -345,13 +385,15 @@ def kill_resume(root, *, kills=10, steps=None, every=2, seed=0, data_dir="", ref
       f"{[c['expected_resume'] for c in cycles]}); lost {[c['lost'] for c in cycles]} steps; "
       f"{', '.join(l for c in cycles for l in c.get('left_behind', []))[:80] or 'no'} temp dirs left by killed saves, "
       f"{len(leftovers)} after resume; metrics max err {cmp.get('worst', float('nan')):.2g} x tol over {cmp.get('steps')} steps",
-      ok, cycles=cycles, compare=cmp)
+      ok,
+      cycles=cycles,
+      compare=cmp,
+  )
 
 
 # ---- SIGTERM -----------------------------------------------------------------------------------
 def _sigterm_once(workdir, flags, logdir, name, phase, grace, sleep) -> dict:
-  r = Run(workdir, flags + [f"--config.train.sigterm_grace_s={grace}"], logdir, name=name,
-          markers=True, sleep=sleep)
+  r = Run(workdir, flags + [f"--config.train.sigterm_grace_s={grace}"], logdir, name=name, markers=True, sleep=sleep)
   # the first step (compile) measured, then SIGTERM inside the second step's `phase`
   assert r.wait_event("step_end", 1), r.stderr()[-2000:]
   assert r.wait_event(f"{phase}_start", 2), r.stderr()[-2000:]
@@ -362,9 +404,16 @@ def _sigterm_once(workdir, flags, logdir, name, phase, grace, sleep) -> dict:
   rows = metrics(workdir)
   steps, other = checkpoint_dirs(workdir)
   last = rows[-1]["step"] if rows else 0
-  return {"phase": phase, "grace_s": grace, "rc": rc, "exit_s": round(elapsed, 2),
-          "last_logged": last, "saved": steps, "temp_dirs": other,
-          "ok": rc == 0 and elapsed <= grace and steps and steps[-1] == last and not other}
+  return {
+      "phase": phase,
+      "grace_s": grace,
+      "rc": rc,
+      "exit_s": round(elapsed, 2),
+      "last_logged": last,
+      "saved": steps,
+      "temp_dirs": other,
+      "ok": rc == 0 and elapsed <= grace and steps and steps[-1] == last and not other,
+  }
 
 
 SIGTERM_CASES = (("step", 30.0, ""), ("sample", 8.0, "sample=1,step=12"))  # phase, grace s, sleeps
@@ -390,10 +439,15 @@ def sigterm(root, *, data_dir="", ref=None, steps=8, every=4, cases=SIGTERM_CASE
       "SIGTERM",
       "SIGTERM during a train step (grace 30 s); during sampling, the step (slowed to 12 s) not fitting the grace (8 s)",
       "final save of the last completed step, exit 0 within train.sigterm_grace_s; resume == uninterrupted",
-      "; ".join(f"{c['phase']}: rc {c['rc']} after {c['exit_s']} s (grace {c['grace_s']:.0f}), saved {c['saved']}, "
-                f"last logged {c['last_logged']}, resumed {c['resumed_from']}, metrics "
-                f"{'equal' if c['compare']['ok'] else 'DIFFER'}" for c in cases),
-      all(c["ok"] for c in cases), cases=cases)
+      "; ".join(
+          f"{c['phase']}: rc {c['rc']} after {c['exit_s']} s (grace {c['grace_s']:.0f}), saved {c['saved']}, "
+          f"last logged {c['last_logged']}, resumed {c['resumed_from']}, metrics "
+          f"{'equal' if c['compare']['ok'] else 'DIFFER'}"
+          for c in cases
+      ),
+      all(c["ok"] for c in cases),
+      cases=cases,
+  )
 
 
 # ---- non-finite values ---------------------------------------------------------------------------
@@ -421,10 +475,12 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
       if step == nan_step:
         b["advantages"] = np.full_like(b["advantages"], np.nan)
       return b
+
     roll.batch = with_faults
     return roll
 
   class FaultyModel:  # hidden states + fault[:, None, None] -> non-finite logits on that step
+
     def __init__(self, model, fault):
       self.model, self.fault = model, fault
 
@@ -447,39 +503,53 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
       out = fn(state, batch, ref_params)
       after = jax.device_get(out[0].params)
       pairs = list(zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-      record.append({"delta": float(max(np.abs(b - a).max() for a, b in pairs)),
-                     "finite": bool(all(np.isfinite(b).all() for _, b in pairs))})
+      record.append(
+          {
+              "delta": float(max(np.abs(b - a).max() for a, b in pairs)),
+              "finite": bool(all(np.isfinite(b).all() for _, b in pairs)),
+          }
+      )
       return out
+
     return step
 
-  tr.collect, ts.completion_logp_and_stats, ts.make_train_step = (
-      faulty_collect, faulty_logp_and_stats, watched_step)
+  tr.collect, ts.completion_logp_and_stats, ts.make_train_step = (faulty_collect, faulty_logp_and_stats, watched_step)
   c = config_lib.tiny_config()
   c.warm_start.sft_steps, c.rollout.prompts_per_step, c.rollout.group_size = 20, 4, 4
   c.train.steps, c.train.checkpoint_every, c.mesh.fsdp = steps, steps, 1
   history = tr.train(c, workdir, progress=False)
-  out = [{k: h[k] for k in ("step", "loss", "grad_norm", "skipped", "total_skipped")} | p
-         for h, p in zip(history, record)]
+  out = [
+      {k: h[k] for k in ("step", "loss", "grad_norm", "skipped", "total_skipped")} | p for h, p in zip(history, record)
+  ]
   Path(workdir, "nonfinite.json").write_text(json.dumps(out))
 
 
 def nonfinite(root, *, steps=7, nan_step=3, inf_step=5) -> dict:
   root = Path(root)
   workdir = root / "nonfinite"
-  r = Run(workdir, [], root / "logs", name="nonfinite", module="benchmarks.faults",
-          extra_env={"ICT_FAULTS_CHILD": json.dumps(["nonfinite", str(workdir), steps, nan_step, inf_step])})
+  r = Run(
+      workdir,
+      [],
+      root / "logs",
+      name="nonfinite",
+      module="benchmarks.faults",
+      extra_env={"ICT_FAULTS_CHILD": json.dumps(["nonfinite", str(workdir), steps, nan_step, inf_step])},
+  )
   rc = r.wait()
   if rc != 0:
     return row("non-finite logits / gradients", "", "", f"child failed (exit {rc}): {r.stderr()[-300:]}", False)
   rec = json.loads((workdir / "nonfinite.json").read_text())
   faults = {nan_step, inf_step}
   skipped = [int(x["skipped"]) for x in rec]
-  ok = (len(rec) == steps and skipped == [int(x["step"] in faults) for x in rec]
-        and int(rec[-1]["total_skipped"]) == len(faults)
-        and all(x["delta"] == 0.0 for x in rec if x["step"] in faults)
-        and all(x["finite"] for x in rec)
-        and all(x["loss"] == x["loss"] and abs(x["loss"]) != float("inf") for x in rec if x["step"] not in faults)
-        and any(x["delta"] > 0 for x in rec if x["step"] > max(faults)))
+  ok = (
+      len(rec) == steps
+      and skipped == [int(x["step"] in faults) for x in rec]
+      and int(rec[-1]["total_skipped"]) == len(faults)
+      and all(x["delta"] == 0.0 for x in rec if x["step"] in faults)
+      and all(x["finite"] for x in rec)
+      and all(x["loss"] == x["loss"] and abs(x["loss"]) != float("inf") for x in rec if x["step"] not in faults)
+      and any(x["delta"] > 0 for x in rec if x["step"] > max(faults))
+  )
   return row(
       "non-finite logits / gradients",
       f"NaN advantages at step {nan_step} (NaN grads), +inf activations into the LM head at step {inf_step} "
@@ -489,7 +559,9 @@ def nonfinite(root, *, steps=7, nan_step=3, inf_step=5) -> dict:
       f"{[rec[s - 1]['loss'] for s in sorted(faults)]}; param change at faults "
       f"{[rec[s - 1]['delta'] for s in sorted(faults)]}, after {max(rec[s]['delta'] for s in range(max(faults), steps)):.2g}; "
       f"params finite at every step: {all(x['finite'] for x in rec)}",
-      ok, steps=rec)
+      ok,
+      steps=rec,
+  )
 
 
 # ---- truncated checkpoint ------------------------------------------------------------------------
@@ -514,8 +586,11 @@ def truncated_checkpoint(root, *, data_dir="", ref=None, steps=6, every=2) -> di
   cmp = compare(ref_rows, metrics(workdir))
   second = run_to_end(workdir, flags, logdir, "truncated_rerun2")
   start2 = resumed_from(second.stderr())
-  aside = sorted(p.name for p in (workdir / "checkpoints_unreadable").glob("*")) \
-      if (workdir / "checkpoints_unreadable").exists() else []
+  aside = (
+      sorted(p.name for p in (workdir / "checkpoints_unreadable").glob("*"))
+      if (workdir / "checkpoints_unreadable").exists()
+      else []
+  )
   ok = bool(warned) and start == newest - every and cmp["ok"] and start2 == newest
   return row(
       "checkpoint truncated on disk",
@@ -525,7 +600,11 @@ def truncated_checkpoint(root, *, data_dir="", ref=None, steps=6, every=2) -> di
       f"warning: {(warned[0].split('ict_jax.checkpoint: ')[-1][:110] + '...') if warned else 'NONE'}; resumed from "
       f"{start}; metrics {'equal' if cmp['ok'] else 'DIFFER'} ({cmp.get('steps')} steps); next re-run resumed from {start2}; "
       f"checkpoints_unreadable/ holds {aside}",
-      ok, compare=cmp, resumed=[start, start2], set_aside=aside)
+      ok,
+      compare=cmp,
+      resumed=[start, start2],
+      set_aside=aside,
+  )
 
 
 # ---- bad model folders ---------------------------------------------------------------------------
@@ -536,13 +615,21 @@ def _hf_folder(path: Path) -> None:
   from ict_jax import save_pretrained
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import Qwen2
-  cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, max_position_embeddings=256)
+
+  cfg = Qwen2Config(
+      hidden_size=16,
+      intermediate_size=32,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      max_position_embeddings=256,
+  )
   save_pretrained(Qwen2(cfg, rngs=nnx.Rngs(params=0)), str(path))
 
 
 def _rewrite(path: Path, mutate) -> None:
   from safetensors.numpy import load_file, save_file
+
   f = path / "model.safetensors"
   tensors = load_file(str(f))
   mutate(tensors)
@@ -562,11 +649,19 @@ def _truncate(path: Path) -> None:
 
 
 HF_FAULTS = {  # name -> (mutation, words the error line must contain)
-    "wrong-shaped tensor": (lambda p: _rewrite(p, lambda t: t.update(
-        {"model.layers.0.self_attn.k_proj.weight": __import__("numpy").zeros((8, 15), "float32")})),
-        ("model.safetensors", "model.layers.0.self_attn.k_proj.weight", "(8, 15)")),
-    "missing tensor": (lambda p: _rewrite(p, lambda t: t.pop("model.layers.0.mlp.up_proj.weight")),
-                       ("model.layers.0.mlp.up_proj.weight", "missing")),
+    "wrong-shaped tensor": (
+        lambda p: _rewrite(
+            p,
+            lambda t: t.update(
+                {"model.layers.0.self_attn.k_proj.weight": __import__("numpy").zeros((8, 15), "float32")}
+            ),
+        ),
+        ("model.safetensors", "model.layers.0.self_attn.k_proj.weight", "(8, 15)"),
+    ),
+    "missing tensor": (
+        lambda p: _rewrite(p, lambda t: t.pop("model.layers.0.mlp.up_proj.weight")),
+        ("model.layers.0.mlp.up_proj.weight", "missing"),
+    ),
     "bad config.json": (lambda p: (p / "config.json").write_text("{not json"), ("config.json", "JSON")),
     "truncated safetensors": (_truncate, ("model.safetensors", "truncated")),
     "model_type llama": (_set_model_type, ("config.json", "llama")),
@@ -582,6 +677,7 @@ def bad_model_folders(root, *, names=None, data_dir="") -> dict:
   import contextlib
 
   from ict_jax.data import prepare
+
   with contextlib.redirect_stdout(sys.stderr):  # tfds prints; stdout is the table's
     prepare("synthetic_arith", data_dir, config="level1")  # built already, as on any re-run
   cases = []
@@ -596,17 +692,36 @@ def bad_model_folders(root, *, names=None, data_dir="") -> dict:
     rc = r.wait()
     lines = r.error_lines()
     errors = [l for l in lines if "error:" in l]
-    ok = (rc != 0 and len(lines) == 1 and len(errors) == 1 and all(n in errors[0] for n in needles)
-          and "Traceback" not in r.stderr() and not metrics(r.workdir))
-    cases.append({"name": name, "rc": rc, "stderr_lines": len(lines), "error": errors[0] if errors else None,
-                  "seconds": round(r.seconds, 1), "ok": ok})
+    ok = (
+        rc != 0
+        and len(lines) == 1
+        and len(errors) == 1
+        and all(n in errors[0] for n in needles)
+        and "Traceback" not in r.stderr()
+        and not metrics(r.workdir)
+    )
+    cases.append(
+        {
+            "name": name,
+            "rc": rc,
+            "stderr_lines": len(lines),
+            "error": errors[0] if errors else None,
+            "seconds": round(r.seconds, 1),
+            "ok": ok,
+        }
+    )
   return row(
       "bad --init_from_hf folders",
       ", ".join(c["name"] for c in cases) + " (CLI)",
       "exit != 0, stderr is one `error:` line naming the file (and tensor), no traceback",
-      "; ".join(f"{c['name']}: rc {c['rc']}, {c['stderr_lines']} stderr line(s), "
-                f"`{(c['error'] or 'NO ERROR LINE').split('error: ')[-1][:90]}`" for c in cases),
-      all(c["ok"] for c in cases), cases=cases)
+      "; ".join(
+          f"{c['name']}: rc {c['rc']}, {c['stderr_lines']} stderr line(s), "
+          f"`{(c['error'] or 'NO ERROR LINE').split('error: ')[-1][:90]}`"
+          for c in cases
+      ),
+      all(c["ok"] for c in cases),
+      cases=cases,
+  )
 
 
 # ---- hostile rewards -----------------------------------------------------------------------------
@@ -622,6 +737,7 @@ HOSTILE = {
 
 def _rss_mb(pids) -> dict:
   import psutil
+
   out = {}
   for pid in pids:
     try:
@@ -635,12 +751,12 @@ def hostile_rewards(*, rounds=3, workers=2, timeout_s=5.0) -> dict:
   import psutil
 
   from ict_jax.rewards import RewardPool
+
   me = psutil.Process()
   texts, golds = list(HOSTILE.values()), ["7"] * len(HOSTILE)
   with RewardPool(num_workers=workers, timeout_s=timeout_s, max_memory_mb=2048) as pool:
     pool.score_batch("math", [r"\boxed{7}"], ["7"])  # warm: the workers imported sympy
-    base = {"parent": me.memory_info().rss / 2**20,
-            "workers": sum(_rss_mb(c.pid for c in me.children()).values())}
+    base = {"parent": me.memory_info().rss / 2**20, "workers": sum(_rss_mb(c.pid for c in me.children()).values())}
     times, all_rewards, stats = [], [], []
     for _ in range(rounds):
       t0 = time.monotonic()
@@ -649,12 +765,19 @@ def hostile_rewards(*, rounds=3, workers=2, timeout_s=5.0) -> dict:
       all_rewards.append(rewards.tolist())
       stats.append({k: st[k] for k in ("timeouts", "errors", "respawns")})
     sane, _ = pool.score_batch("math", [r"\boxed{7}"], ["7"])  # still answers correctly
-    after = {"parent": me.memory_info().rss / 2**20,
-             "workers": sum(_rss_mb(c.pid for c in me.children()).values()),
-             "max_worker": max(_rss_mb(c.pid for c in me.children()).values())}
+    after = {
+        "parent": me.memory_info().rss / 2**20,
+        "workers": sum(_rss_mb(c.pid for c in me.children()).values()),
+        "max_worker": max(_rss_mb(c.pid for c in me.children()).values()),
+    }
   bound = timeout_s * -(-len(texts) // workers) + 5.0
-  ok = (all(v == 0.0 for r in all_rewards for v in r) and max(times) <= bound and sane[0] == 1.0
-        and after["parent"] - base["parent"] < 100 and after["max_worker"] < 2048)
+  ok = (
+      all(v == 0.0 for r in all_rewards for v in r)
+      and max(times) <= bound
+      and sane[0] == 1.0
+      and after["parent"] - base["parent"] < 100
+      and after["max_worker"] < 2048
+  )
   return row(
       "hostile model outputs -> RewardPool",
       f"{', '.join(HOSTILE)}; {rounds} rounds through {workers} workers (timeout {timeout_s} s)",
@@ -663,19 +786,33 @@ def hostile_rewards(*, rounds=3, workers=2, timeout_s=5.0) -> dict:
       f"timeouts/errors {[(s['timeouts'], s['errors']) for s in stats]}; parent RSS {base['parent']:.0f} -> "
       f"{after['parent']:.0f} MB; workers {base['workers']:.0f} -> {after['workers']:.0f} MB "
       f"(largest {after['max_worker']:.0f}); then \\boxed{{7}} -> {sane[0]:.0f}",
-      ok, times=times, stats=stats)
+      ok,
+      times=times,
+      stats=stats,
+  )
 
 
 # ---- bad data files ------------------------------------------------------------------------------
 def _write_gsm8k(manual: Path, huge_mb: int) -> dict:
   """train.jsonl with good rows and bad ones; returns {row: reason word} of the bad rows."""
   manual.mkdir(parents=True, exist_ok=True)
-  good = [json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}).encode()
-          for i in range(1, 9)]
-  lines = [good[0], json.dumps({"question": "no answer field"}).encode(), good[1],
-           json.dumps({"answer": "#### 3"}).encode(), good[2], b'{"question": "caf\xe9 \xff", "answer": "#### 1"}',
-           good[3], b'{"question": "' + b"x" * (huge_mb << 20) + b'", "answer": "#### 1"', good[4],
-           b'{"question": "' + b"y" * (huge_mb << 20) + b'", "answer": "#### 1"}', good[5]]
+  good = [
+      json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}).encode()
+      for i in range(1, 9)
+  ]
+  lines = [
+      good[0],
+      json.dumps({"question": "no answer field"}).encode(),
+      good[1],
+      json.dumps({"answer": "#### 3"}).encode(),
+      good[2],
+      b'{"question": "caf\xe9 \xff", "answer": "#### 1"}',
+      good[3],
+      b'{"question": "' + b"x" * (huge_mb << 20) + b'", "answer": "#### 1"',
+      good[4],
+      b'{"question": "' + b"y" * (huge_mb << 20) + b'", "answer": "#### 1"}',
+      good[5],
+  ]
   with open(manual / "train.jsonl", "wb") as f:
     f.write(b"\n".join(lines) + b"\n")
   (manual / "test.jsonl").write_bytes(b"\n".join(good[6:]) + b"\n")
@@ -686,10 +823,18 @@ def bad_data(root, *, huge_mb=100) -> dict:
   root = Path(root)
   manual = root / "gsm8k_manual"
   bad_rows = _write_gsm8k(manual, huge_mb)
-  flags = ["--config.data.name=gsm8k", "--config.data.config=", f"--config.data.manual_dir={manual}",
-           "--config.data.prompt_style=chat", "--config.reward.kind=math", "--config.data.max_prompt_len=128",
-           "--config.rollout.max_new_tokens=4", *quick_flags(1, 1, sft=0, prompts=2, group=2)]
+  flags = [
+      "--config.data.name=gsm8k",
+      "--config.data.config=",
+      f"--config.data.manual_dir={manual}",
+      "--config.data.prompt_style=chat",
+      "--config.reward.kind=math",
+      "--config.data.max_prompt_len=128",
+      "--config.rollout.max_new_tokens=4",
+      *quick_flags(1, 1, sft=0, prompts=2, group=2),
+  ]
   import psutil
+
   r = Run(root / "w_gsm8k", flags, root / "logs", name="gsm8k_bad_rows")
   peak = 0.0
   while r.proc.poll() is None:
@@ -700,8 +845,7 @@ def bad_data(root, *, huge_mb=100) -> dict:
     time.sleep(0.2)
   rc = r.wait()
   text = r.stderr()
-  logged = {n: any(f"train.jsonl:{n}" in l and word in l for l in text.splitlines())
-            for n, word in bad_rows.items()}
+  logged = {n: any(f"train.jsonl:{n}" in l and word in l for l in text.splitlines()) for n, word in bad_rows.items()}
   built = list((root / "w_gsm8k" / "data" / "gsm8k").rglob("metadata.json"))  # builder.info.metadata
   skipped = json.loads(built[0].read_text()).get("skipped_rows", {}).get("train", []) if built else []
   saved = {n: any(e["file"] == "train.jsonl" and e["row"] == n for e in skipped) for n in bad_rows}
@@ -715,7 +859,9 @@ def bad_data(root, *, huge_mb=100) -> dict:
   e = Run(root / "w_gsm8k_empty", flags_e, root / "logs", name="gsm8k_empty")
   rc_e = e.wait()
   err_lines = [l for l in e.error_lines() if "error:" in l]
-  ok_e = rc_e != 0 and len(err_lines) == 1 and str(empty / "train.jsonl") in err_lines[0] and "Traceback" not in e.stderr()
+  ok_e = (
+      rc_e != 0 and len(err_lines) == 1 and str(empty / "train.jsonl") in err_lines[0] and "Traceback" not in e.stderr()
+  )
   ok = rc == 0 and kept and all(logged.values()) and all(saved.values()) and ok_e
   return row(
       "bad GSM8K files (trainer CLI)",
@@ -726,7 +872,9 @@ def bad_data(root, *, huge_mb=100) -> dict:
       f"rc {rc}, steps run {len(metrics(root / 'w_gsm8k'))}; logged {sorted(n for n, v in logged.items() if v)} of "
       f"{sorted(bad_rows)}; in metadata.json {sorted(n for n, v in saved.items() if v)}; peak RSS {peak:.0f} MB, "
       f"{r.seconds:.0f} s; empty: rc {rc_e}, `{(err_lines[0].split('error: ')[-1][:100]) if err_lines else 'NO ERROR LINE'}`",
-      ok, peak_rss_mb=peak)
+      ok,
+      peak_rss_mb=peak,
+  )
 
 
 # ---- config abuse --------------------------------------------------------------------------------
@@ -746,27 +894,40 @@ def config_abuse(root, *, names=None) -> dict:
   for name in names or CONFIG_FAULTS:
     flags, devices, needle = CONFIG_FAULTS[name]
     workdir = root / ("cfg_" + re.sub(r"\W+", "_", name))
-    r = Run(workdir, flags, root / "logs", name=workdir.name, devices=devices,
-            extra_env={"JAX_LOG_COMPILES": "1"})
+    r = Run(workdir, flags, root / "logs", name=workdir.name, devices=devices, extra_env={"JAX_LOG_COMPILES": "1"})
     rc = r.wait()
     lines = r.error_lines()
     compiled = any("Compiling" in l or "Finished XLA compilation" in l for l in lines)
-    ok = (rc != 0 and len(lines) == 1 and needle in lines[0] and not compiled
-          and not (workdir / "checkpoints").exists())
-    cases.append({"name": name, "rc": rc, "lines": lines[:3], "seconds": round(r.seconds, 1),
-                  "compiled": compiled, "checkpoints": (workdir / "checkpoints").exists(), "ok": ok})
+    ok = rc != 0 and len(lines) == 1 and needle in lines[0] and not compiled and not (workdir / "checkpoints").exists()
+    cases.append(
+        {
+            "name": name,
+            "rc": rc,
+            "lines": lines[:3],
+            "seconds": round(r.seconds, 1),
+            "compiled": compiled,
+            "checkpoints": (workdir / "checkpoints").exists(),
+            "ok": ok,
+        }
+    )
   return row(
       "config abuse (CLI)",
       ", ".join(c["name"] for c in cases),
       "one stderr line naming the key, exit != 0, no compilation (JAX_LOG_COMPILES=1), no checkpoints/",
-      "; ".join(f"{c['name']}: rc {c['rc']}, {len(c['lines'])} line(s) in {c['seconds']} s, compiled "
-                f"{c['compiled']}, checkpoints/ {c['checkpoints']}" for c in cases),
-      all(c["ok"] for c in cases), cases=cases)
+      "; ".join(
+          f"{c['name']}: rc {c['rc']}, {len(c['lines'])} line(s) in {c['seconds']} s, compiled "
+          f"{c['compiled']}, checkpoints/ {c['checkpoints']}"
+          for c in cases
+      ),
+      all(c["ok"] for c in cases),
+      cases=cases,
+  )
 
 
 # ---- soak ----------------------------------------------------------------------------------------
 def soak(root, *, steps=200, every=10, keep=3, data_dir="", interval=0.5) -> dict:
   import psutil
+
   root = Path(root)
   data_dir = data_dir or str(root / "data")
   workdir = root / "soak"
@@ -782,8 +943,16 @@ def soak(root, *, steps=200, every=10, keep=3, data_dir="", interval=0.5) -> dic
     rows = metrics(workdir)
     ck = workdir / "checkpoints"
     disk = du(ck) / 2**20 if ck.exists() else 0.0
-    samples.append({"t": time.monotonic() - r.t0, "step": rows[-1]["step"] if rows else 0, "rss_mb": rss,
-                    "fds": fds, "ckpt_mb": disk, "ckpt_dirs": sum(1 for _ in ck.iterdir()) if ck.exists() else 0})
+    samples.append(
+        {
+            "t": time.monotonic() - r.t0,
+            "step": rows[-1]["step"] if rows else 0,
+            "rss_mb": rss,
+            "fds": fds,
+            "ckpt_mb": disk,
+            "ckpt_dirs": sum(1 for _ in ck.iterdir()) if ck.exists() else 0,
+        }
+    )
     time.sleep(interval)
   rc = r.wait()
   after = [s for s in samples if s["step"] >= 20]
@@ -802,10 +971,14 @@ def soak(root, *, steps=200, every=10, keep=3, data_dir="", interval=0.5) -> dic
   fd_floor = min(s["fds"] for s in base)
   fd_floors = [min(s["fds"] for s in w) for _, w in sorted(windows.items())]
   one_ckpt = du(workdir / "checkpoints" / str(steps)) / 2**20
-  ok = (bool(late) and growth <= 0.10 and max(fd_floors, default=fd_floor) <= fd_floor + 2
-        and max(s["ckpt_dirs"] for s in samples) <= keep + 1
-        and max(s["ckpt_mb"] for s in samples) <= (keep + 1) * one_ckpt * 1.05
-        and checkpoint_dirs(workdir)[0] == list(range(steps - (keep - 1) * every, steps + 1, every)))
+  ok = (
+      bool(late)
+      and growth <= 0.10
+      and max(fd_floors, default=fd_floor) <= fd_floor + 2
+      and max(s["ckpt_dirs"] for s in samples) <= keep + 1
+      and max(s["ckpt_mb"] for s in samples) <= (keep + 1) * one_ckpt * 1.05
+      and checkpoint_dirs(workdir)[0] == list(range(steps - (keep - 1) * every, steps + 1, every))
+  )
   return row(
       "soak",
       f"{steps} steps, checkpoint every {every}, keep {keep}; RSS, open fds and checkpoint bytes of the trainer "
@@ -816,7 +989,9 @@ def soak(root, *, steps=200, every=10, keep=3, data_dir="", interval=0.5) -> dic
       f"fds floor {fd_floor} then per cycle {sorted(set(fd_floors))}, peaks {max(s['fds'] for s in after)} during "
       f"saves; checkpoints/ at most {max(s['ckpt_dirs'] for s in samples)} dirs, {max(s['ckpt_mb'] for s in samples):.0f} MB "
       f"(one = {one_ckpt:.0f} MB); final {checkpoint_dirs(workdir)[0]}",
-      ok, samples=samples[:: max(1, len(samples) // 100)])
+      ok,
+      samples=samples[:: max(1, len(samples) // 100)],
+  )
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -824,8 +999,10 @@ def markdown(rows: list[dict]) -> str:
   esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
   out = ["| fault | what was done | expected | observed | result |", "|---|---|---|---|---|"]
   for r in rows:
-    out.append(f"| {esc(r['fault'])} | {esc(r['done'])} | {esc(r['expected'])} | {esc(r['observed'])} | "
-               f"{'PASS' if r['passed'] else 'FAIL'} |")
+    out.append(
+        f"| {esc(r['fault'])} | {esc(r['done'])} | {esc(r['expected'])} | {esc(r['observed'])} | "
+        f"{'PASS' if r['passed'] else 'FAIL'} |"
+    )
   return "\n".join(out)
 
 
@@ -883,8 +1060,12 @@ def main(argv=None) -> int:
     rows.append(r)
     print(f"[{name}] {'PASS' if r['passed'] else 'FAIL'} in {r['seconds']} s", file=sys.stderr, flush=True)
   print(markdown(rows))
-  summary = {"root": str(root), "passed": sum(r["passed"] for r in rows), "total": len(rows),
-             "rows": [{k: r[k] for k in ("fault", "passed", "observed", "seconds")} for r in rows]}
+  summary = {
+      "root": str(root),
+      "passed": sum(r["passed"] for r in rows),
+      "total": len(rows),
+      "rows": [{k: r[k] for k in ("fault", "passed", "observed", "seconds")} for r in rows],
+  }
   print(json.dumps(summary, indent=1))
   if args.json:
     Path(args.json).write_text(json.dumps(rows, indent=1, default=str))

@@ -7,6 +7,7 @@ Needs a C compiler (`cc`); returns None without one.
 
     python benchmarks/fma_rate.py [--threads 2]      # prints GFLOP/s (2 flops per FMA lane)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,7 @@ def fma_gflops(threads: int, iters: int = 50_000_000, repeats: int = 3) -> float
       return None
     best = 0.0
     for _ in range(repeats):
-      procs = [subprocess.Popen([exe, str(iters)], stdout=subprocess.PIPE, text=True)
-               for _ in range(threads)]
+      procs = [subprocess.Popen([exe, str(iters)], stdout=subprocess.PIPE, text=True) for _ in range(threads)]
       best = max(best, sum(float(p.communicate()[0].split()[0]) for p in procs))
     return best
 

@@ -38,6 +38,7 @@ iteration), the ratio ours / TRL, every iteration's seconds, our warm-up seconds
 estimate (warm-up minus the steady median: noisy on a loaded machine), our
 split into sampling / rewards / step, TRL's generation seconds, settings and the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_TAG = "ITERATION_RESULT "
-SMOKE_MODEL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+SMOKE_MODEL = dict(
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 # ---- shared pieces (run inside each worker) ------------------------------------------------------
@@ -67,6 +74,7 @@ def _pin(threads: int) -> list[int]:
 def word_tokenizer(vocab_size: int):
   """`tokenizers.Tokenizer`: "t{i}" <-> id i for i < vocab_size, "<eos>" = vocab_size."""
   from tokenizers import Tokenizer, models, pre_tokenizers
+
   vocab = {f"t{i}": i for i in range(vocab_size)}
   vocab["<eos>"] = vocab_size
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
@@ -76,6 +84,7 @@ def word_tokenizer(vocab_size: int):
 
 def prompt_texts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[str]:
   import numpy as np
+
   ids = np.random.RandomState(seed).randint(0, vocab_size, (n, length))
   return [" ".join(f"t{i}" for i in row) for row in ids]
 
@@ -90,8 +99,8 @@ class _WordTokenizerAdapter:
 
   def __init__(self, tok):
     self._tok = tok
-    self.pad_id = 0          # never used: every prompt and completion has the full length
-    self.eos_ids = ()        # EOS disabled
+    self.pad_id = 0  # never used: every prompt and completion has the full length
+    self.eos_ids = ()  # EOS disabled
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
@@ -103,9 +112,12 @@ class _WordTokenizerAdapter:
 def _summary(times: list[float], warmup: int, tokens: int) -> dict:
   steady = times[warmup:]
   median = statistics.median(steady)
-  return {"tokens_per_s": round(tokens / median, 1), "median_s": round(median, 4),
-          "warmup_s": [round(t, 3) for t in times[:warmup]],
-          "iteration_s": [round(t, 4) for t in steady]}
+  return {
+      "tokens_per_s": round(tokens / median, 1),
+      "median_s": round(median, 4),
+      "warmup_s": [round(t, 3) for t in times[:warmup]],
+      "iteration_s": [round(t, 4) for t in steady],
+  }
 
 
 # ---- ict-jax ---------------------------------------------------------------------------------------
@@ -129,10 +141,21 @@ def run_ours(args) -> dict:
   del model
   optimizer = ts.make_optimizer(OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), 1000)
   state = ts.init_train_state(params, optimizer)
-  step_fn = ts.make_train_step(graphdef, ts.StepConfig(
-      group_size=args.generations, temperature=1.0, method=args.method, warmup_steps=0,
-      loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2, chunk_size=args.chunk_size),
-      optimizer)
+  step_fn = ts.make_train_step(
+      graphdef,
+      ts.StepConfig(
+          group_size=args.generations,
+          temperature=1.0,
+          method=args.method,
+          warmup_steps=0,
+          loss_type="grpo",
+          beta=0.0,
+          epsilon_low=0.2,
+          epsilon_high=0.2,
+          chunk_size=args.chunk_size,
+      ),
+      optimizer,
+  )
   tok = _WordTokenizerAdapter(word_tokenizer(vocab))
   examples = [{"prompt": p, "answer": ""} for p in prompt_texts(args.prompts, args.prompt_len, vocab)]
   base_key = jax.random.key(0)
@@ -140,10 +163,21 @@ def run_ours(args) -> dict:
   with RewardPool(num_workers=0, rewards={"length": length_reward}) as pool:
     for it in range(args.warmup + args.iterations):
       t0 = time.perf_counter()
-      roll = collect((graphdef, state.params), examples, tok, pool, rng=jax.random.fold_in(base_key, it),
-                     group_size=args.generations, max_new_tokens=args.new_tokens, temperature=1.0,
-                     top_p=1.0, top_k=0, prompt_style="plain", max_prompt_len=args.prompt_len,
-                     reward_kind="length")
+      roll = collect(
+          (graphdef, state.params),
+          examples,
+          tok,
+          pool,
+          rng=jax.random.fold_in(base_key, it),
+          group_size=args.generations,
+          max_new_tokens=args.new_tokens,
+          temperature=1.0,
+          top_p=1.0,
+          top_k=0,
+          prompt_style="plain",
+          max_prompt_len=args.prompt_len,
+          reward_kind="length",
+      )
       t1 = time.perf_counter()
       state, metrics, _ = step_fn(state, roll.batch(), None)
       metrics = jax.device_get(metrics)
@@ -152,17 +186,26 @@ def run_ours(args) -> dict:
         raise RuntimeError(f"iteration {it}: non-finite loss {metrics['loss']}")
       times.append(t2 - t0)
       tokens.append(int(roll.stats["completion_tokens"]))
-      parts.append({"sample_s": roll.stats["sample_s"], "reward_s": roll.stats["reward_s"],
-                    "rollout_other_s": (t1 - t0) - roll.stats["sample_s"] - roll.stats["reward_s"],
-                    "step_s": t2 - t1})
-  steady = parts[args.warmup:]
+      parts.append(
+          {
+              "sample_s": roll.stats["sample_s"],
+              "reward_s": roll.stats["reward_s"],
+              "rollout_other_s": (t1 - t0) - roll.stats["sample_s"] - roll.stats["reward_s"],
+              "step_s": t2 - t1,
+          }
+      )
+  steady = parts[args.warmup :]
   out = _summary(times, args.warmup, args.prompts * args.generations * args.new_tokens)
   out.update(
       median_parts_s={k: round(statistics.median(p[k] for p in steady), 4) for k in steady[0]},
-      warmup_parts_s=[{k: round(v, 3) for k, v in p.items()} for p in parts[:args.warmup]],
-      compile_s=round(sum(times[:args.warmup]) - args.warmup * out["median_s"], 2),
-      completion_tokens=tokens, cpus=cpus, method=args.method, jax=jax.__version__,
-      devices=[str(d) for d in jax.devices()])
+      warmup_parts_s=[{k: round(v, 3) for k, v in p.items()} for p in parts[: args.warmup]],
+      compile_s=round(sum(times[: args.warmup]) - args.warmup * out["median_s"], 2),
+      completion_tokens=tokens,
+      cpus=cpus,
+      method=args.method,
+      jax=jax.__version__,
+      devices=[str(d) for d in jax.devices()],
+  )
   return out
 
 
@@ -181,11 +224,11 @@ def run_trl(args) -> dict:
   vocab = model.config.vocab_size
   model.generation_config.eos_token_id = None  # else TRL adds Qwen's 151643 to its EOS ids
   model.config.eos_token_id = None
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(vocab), eos_token="<eos>",
-                                      pad_token="<eos>", unk_token="<eos>")
+  tokenizer = PreTrainedTokenizerFast(
+      tokenizer_object=word_tokenizer(vocab), eos_token="<eos>", pad_token="<eos>", unk_token="<eos>"
+  )
   assert tokenizer.eos_token_id == vocab, tokenizer.eos_token_id  # one past the last logit
-  dataset = datasets.Dataset.from_dict(
-      {"prompt": prompt_texts(args.prompts, args.prompt_len, vocab)})
+  dataset = datasets.Dataset.from_dict({"prompt": prompt_texts(args.prompts, args.prompt_len, vocab)})
   seen = {"completion_tokens": [], "prompt_tokens": set()}
 
   def reward(prompts, completions, completion_ids, **kwargs):
@@ -194,6 +237,7 @@ def run_trl(args) -> dict:
     return [length_reward(c, None) for c in completions]
 
   class Timer(TrainerCallback):
+
     def __init__(self):
       self.times, self._t = [], 0.0
 
@@ -206,17 +250,43 @@ def run_trl(args) -> dict:
   steps = args.warmup + args.iterations
   with tempfile.TemporaryDirectory() as out_dir:
     config = trl.GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=args.prompts * args.generations,
-        num_generations=args.generations, max_completion_length=args.new_tokens,
-        gradient_accumulation_steps=1, num_iterations=1, beta=0.0, loss_type="grpo",
-        epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6,
-        max_grad_norm=1.0, max_steps=steps, logging_steps=steps + 1, save_strategy="no",
-        report_to=[], use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        shuffle_dataset=False, disable_tqdm=True, log_completions=False, seed=0,
-        dataloader_num_workers=0)
+        output_dir=out_dir,
+        per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations,
+        max_completion_length=args.new_tokens,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=0.2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=1e-6,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=steps + 1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        disable_tqdm=True,
+        log_completions=False,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     timer = Timer()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[timer])
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     gen_times = []
     generate = trainer._generate_single_turn
 
@@ -225,15 +295,22 @@ def run_trl(args) -> dict:
       result = generate(*a, **kw)
       gen_times.append(time.perf_counter() - t)
       return result
+
     trainer._generate_single_turn = timed_generate
     trainer.train()
   if len(timer.times) != steps:
     raise RuntimeError(f"TRL ran {len(timer.times)} steps, expected {steps}")
   out = _summary(timer.times, args.warmup, args.prompts * args.generations * args.new_tokens)
-  out.update(median_generate_s=round(statistics.median(gen_times[args.warmup:]), 4),
-             completion_tokens=seen["completion_tokens"], prompt_tokens=sorted(seen["prompt_tokens"]),
-             cpus=cpus, torch_threads=torch.get_num_threads(), trl=trl.__version__,
-             torch=torch.__version__, transformers=transformers.__version__)
+  out.update(
+      median_generate_s=round(statistics.median(gen_times[args.warmup :]), 4),
+      completion_tokens=seen["completion_tokens"],
+      prompt_tokens=sorted(seen["prompt_tokens"]),
+      cpus=cpus,
+      torch_threads=torch.get_num_threads(),
+      trl=trl.__version__,
+      torch=torch.__version__,
+      transformers=transformers.__version__,
+  )
   return out
 
 
@@ -244,39 +321,74 @@ def _save_model(out_dir: str, smoke: bool) -> dict:
   import transformers
 
   from ict_jax.models.config import Qwen2Config
+
   cfg = Qwen2Config.preset("bench", **(SMOKE_MODEL if smoke else {}))
-  hf_cfg = transformers.Qwen2Config(**{k: v for k, v in cfg.to_hf_dict().items()
-                                       if k not in ("architectures", "model_type", "torch_dtype")})
+  hf_cfg = transformers.Qwen2Config(
+      **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")}
+  )
   torch.manual_seed(0)
   transformers.Qwen2ForCausalLM(hf_cfg).float().save_pretrained(out_dir)
-  return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-          "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-          "mlp": cfg.intermediate_size, "tied": cfg.tie_word_embeddings}
+  return {
+      "vocab": cfg.vocab_size,
+      "hidden": cfg.hidden_size,
+      "layers": cfg.num_hidden_layers,
+      "heads": cfg.num_attention_heads,
+      "kv_heads": cfg.num_key_value_heads,
+      "mlp": cfg.intermediate_size,
+      "tied": cfg.tie_word_embeddings,
+  }
 
 
 def _worker_env() -> dict:
-  env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-             JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
+  env = dict(
+      os.environ,
+      HF_HUB_OFFLINE="1",
+      TRANSFORMERS_OFFLINE="1",
+      HF_DATASETS_OFFLINE="1",
+      JAX_PLATFORMS="cpu",
+      TOKENIZERS_PARALLELISM="false",
+      TRANSFORMERS_VERBOSITY="error",
+  )
   env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   # one CPU device: drop a forced host device count inherited from a test harness
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join(flags)
   return env
 
 
 def _run_worker(side: str, args, model_dir: str) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model-dir", model_dir,
-         "--iterations", str(args.iterations), "--warmup", str(args.warmup), "--method", args.method,
-         "--threads", str(args.threads), "--prompts", str(args.prompts),
-         "--generations", str(args.generations), "--prompt-len", str(args.prompt_len),
-         "--new-tokens", str(args.new_tokens), "--chunk-size", str(args.chunk_size)]
+  cmd = [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--worker",
+      side,
+      "--model-dir",
+      model_dir,
+      "--iterations",
+      str(args.iterations),
+      "--warmup",
+      str(args.warmup),
+      "--method",
+      args.method,
+      "--threads",
+      str(args.threads),
+      "--prompts",
+      str(args.prompts),
+      "--generations",
+      str(args.generations),
+      "--prompt-len",
+      str(args.prompt_len),
+      "--new-tokens",
+      str(args.new_tokens),
+      "--chunk-size",
+      str(args.chunk_size),
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env(), cwd=ROOT)
   lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
   if proc.returncode or not lines:
     tail = (proc.stderr or proc.stdout)[-4000:]
     raise RuntimeError(f"benchmarks/iteration.py: the {side} worker failed (exit {proc.returncode}):\n{tail}")
-  return json.loads(lines[-1][len(RESULT_TAG):])
+  return json.loads(lines[-1][len(RESULT_TAG) :])
 
 
 def main(argv=None) -> None:
@@ -289,11 +401,16 @@ def main(argv=None) -> None:
   ap.add_argument("--generations", type=int, default=8)
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--new-tokens", type=int, default=64)
-  ap.add_argument("--chunk-size", type=int, default=2,
-                  help="ours: completion positions per fused LM-head chunk of the step (memory "
-                       "knob); 2 = [64, 2, V] blocks of 128 rows, the fastest on 2 CPU cores")
-  ap.add_argument("--smoke", action="store_true",
-                  help="tiny model (vocab 512, hidden 32, 2 layers) and 2 prompts x 4 x 8 tokens")
+  ap.add_argument(
+      "--chunk-size",
+      type=int,
+      default=2,
+      help="ours: completion positions per fused LM-head chunk of the step (memory "
+      "knob); 2 = [64, 2, V] blocks of 128 rows, the fastest on 2 CPU cores",
+  )
+  ap.add_argument(
+      "--smoke", action="store_true", help="tiny model (vocab 512, hidden 32, 2 layers) and 2 prompts x 4 x 8 tokens"
+  )
   ap.add_argument("--skip-trl", action="store_true", help="time ict-jax only")
   ap.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
   ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -318,17 +435,26 @@ def main(argv=None) -> None:
     trl_result = None if args.skip_trl else _run_worker("trl", args, model_dir)
   tokens = args.prompts * args.generations * args.new_tokens
   report = {
-      "benchmark": "iteration", "method": args.method, "prompts": args.prompts,
-      "generations": args.generations, "prompt_len": args.prompt_len,
-      "new_tokens": args.new_tokens, "tokens_per_iteration": tokens, "dtype": "float32",
+      "benchmark": "iteration",
+      "method": args.method,
+      "prompts": args.prompts,
+      "generations": args.generations,
+      "prompt_len": args.prompt_len,
+      "new_tokens": args.new_tokens,
+      "tokens_per_iteration": tokens,
+      "dtype": "float32",
       "chunk_size": args.chunk_size,
-      "model": model, "threads": args.threads, "warmup_iterations": args.warmup,
-      "iterations": args.iterations, "ours": ours, "trl": trl_result,
-      "ratio_ours_over_trl": (round(ours["tokens_per_s"] / trl_result["tokens_per_s"], 2)
-                              if trl_result else None),
+      "model": model,
+      "threads": args.threads,
+      "warmup_iterations": args.warmup,
+      "iterations": args.iterations,
+      "ours": ours,
+      "trl": trl_result,
+      "ratio_ours_over_trl": (round(ours["tokens_per_s"] / trl_result["tokens_per_s"], 2) if trl_result else None),
       "loadavg_before": [round(x, 2) for x in load_before],
       "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-      "nproc": os.cpu_count(), "python": platform.python_version(),
+      "nproc": os.cpu_count(),
+      "python": platform.python_version(),
   }
   print(json.dumps(report, indent=2))
 

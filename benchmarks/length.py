@@ -10,6 +10,7 @@ of `--repeats` steps (compilation excluded). Model: a small Qwen2 (`--vocab`, `-
 
     python benchmarks/length.py [--max_new 512] [--lengths 16,64,256,512] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,21 +55,34 @@ def make_batch(args, longest: int, seed: int = 0) -> dict:
   lengths[0] = longest
   cmask = (np.arange(args.max_new)[None] < lengths[:, None]).astype(np.int32)
   prompt = np.repeat(rng.integers(1, args.vocab, (n // G, p)), G, 0).astype(np.int32)
-  return dict(prompt_ids=prompt, prompt_mask=np.ones((n, p), np.int32),
-              completion_ids=(rng.integers(1, args.vocab, cmask.shape) * cmask).astype(np.int32),
-              completion_mask=cmask, advantages=rng.normal(size=n).astype(np.float32))
+  return dict(
+      prompt_ids=prompt,
+      prompt_mask=np.ones((n, p), np.int32),
+      completion_ids=(rng.integers(1, args.vocab, cmask.shape) * cmask).astype(np.int32),
+      completion_mask=cmask,
+      advantages=rng.normal(size=n).astype(np.float32),
+  )
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                    num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                    max_position_embeddings=args.prompt + args.max_new)
+  cfg = Qwen2Config(
+      vocab_size=args.vocab,
+      hidden_size=args.hidden,
+      intermediate_size=4 * args.hidden,
+      num_hidden_layers=args.layers,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=args.prompt + args.max_new,
+  )
   graphdef, params = nnx.split(init_model(cfg, seed=0))
   opt = ts.make_optimizer(OptimConfig(learning_rate=1e-6), 100)
-  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method="ict", warmup_steps=0,
-                                                    max_completion_length=args.max_new),
-                            opt, donate=False)
+  step = ts.make_train_step(
+      graphdef,
+      ts.StepConfig(group_size=G, method="ict", warmup_steps=0, max_completion_length=args.max_new),
+      opt,
+      donate=False,
+  )
   state = ts.init_train_state(params.to_pure_dict(), opt)
 
   def measure(batch) -> dict:
@@ -79,20 +93,27 @@ def main(argv=None) -> dict:
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(state, batch))
       times.append(time.perf_counter() - t0)
-    return dict(width=int(batch["completion_ids"].shape[1]),
-                temp_bytes=int(mem.temp_size_in_bytes),
-                step_s=round(statistics.median(times[1:]), 4))
+    return dict(
+        width=int(batch["completion_ids"].shape[1]),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        step_s=round(statistics.median(times[1:]), 4),
+    )
 
   runs = []
   for longest in (int(x) for x in args.lengths.split(",")):
     full = make_batch(args, longest)
-    runs.append(dict(longest=longest, real_tokens=int(full["completion_mask"].sum()),
-                     **measure(ts.trim_batch(full))))
+    runs.append(dict(longest=longest, real_tokens=int(full["completion_mask"].sum()), **measure(ts.trim_batch(full))))
   untrimmed = dict(longest=runs[0]["longest"], **measure(make_batch(args, runs[0]["longest"])))
-  out = dict(max_new_tokens=args.max_new, batch=args.batch, prompt=args.prompt,
-             model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers),
-             backend=jax.default_backend(), trimmed=runs, untrimmed=untrimmed,
-             command="python benchmarks/length.py " + " ".join(sys.argv[1:] if argv is None else argv))
+  out = dict(
+      max_new_tokens=args.max_new,
+      batch=args.batch,
+      prompt=args.prompt,
+      model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers),
+      backend=jax.default_backend(),
+      trimmed=runs,
+      untrimmed=untrimmed,
+      command="python benchmarks/length.py " + " ".join(sys.argv[1:] if argv is None else argv),
+  )
   print(json.dumps(out))
   return out
 

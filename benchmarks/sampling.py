@@ -23,6 +23,7 @@ between the runs, best of the run, so it sees the same background load):
 definition), `matmul_floor_ms` adds the decoder layers' weight MACs. `head_floor_fraction` =
 head_floor_ms / step_ms (goal >= 0.85).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,9 @@ def main() -> None:
 
   torch.set_num_threads(args.threads)
   cfg = Qwen2Config.preset("bench")
-  hf_cfg = transformers.Qwen2Config(**{k: v for k, v in cfg.to_hf_dict().items()
-                                       if k not in ("architectures", "model_type", "torch_dtype")})
+  hf_cfg = transformers.Qwen2Config(
+      **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")}
+  )
   torch.manual_seed(0)
   hf = transformers.Qwen2ForCausalLM(hf_cfg).eval().float()
   with tempfile.TemporaryDirectory() as tmp:
@@ -89,14 +91,29 @@ def main() -> None:
     if sample:  # plain temperature-1 sampling, like ours (transformers defaults top_k to 50)
       kw.update(temperature=1.0, top_k=0, top_p=1.0)
     with torch.inference_mode():
-      out = hf.generate(input_ids=t_ids, attention_mask=t_mask, max_new_tokens=new,
-                        min_new_tokens=new, eos_token_id=None, pad_token_id=0, **kw)
+      out = hf.generate(
+          input_ids=t_ids,
+          attention_mask=t_mask,
+          max_new_tokens=new,
+          min_new_tokens=new,
+          eos_token_id=None,
+          pad_token_id=0,
+          **kw,
+      )
     assert out.shape == (b, p + new), out.shape
     return out
 
   def run_ours(sample: bool, seed: int, new: int = n):
-    out = ict_jax.generate(model, ids, mask, max_new_tokens=new, temperature=1.0 if sample else 0.0,
-                           rng=jax.random.key(seed), eos_token_ids=(), pad_id=0)
+    out = ict_jax.generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=new,
+        temperature=1.0 if sample else 0.0,
+        rng=jax.random.key(seed),
+        eos_token_ids=(),
+        pad_id=0,
+    )
     jax.block_until_ready(out)
     assert out[0].shape == (b, new) and int(out[1].sum()) == b * new
     return out
@@ -149,17 +166,39 @@ def main() -> None:
       entry["greedy_tokens_equal_fraction"] = float((np.asarray(first[0]) == ref).mean())
     results[mode] = entry
 
-  print(json.dumps({
-      "benchmark": "sampling", "batch": b, "prompt_len": p, "new_tokens": n, "dtype": "float32",
-      "model": {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                "mlp": cfg.intermediate_size, "tied": cfg.tie_word_embeddings},
-      "threads": args.threads, "cpus": cpus, "repeats": args.repeats,
-      "fma_gflops": None if fma_all[0] is None else round(max(fma_all), 1),
-      "load_average": [round(x, 2) for x in os.getloadavg()], "results": results,
-      "versions": {"jax": jax.__version__, "torch": torch.__version__,
-                   "transformers": transformers.__version__, "python": platform.python_version()},
-  }, indent=2))
+  print(
+      json.dumps(
+          {
+              "benchmark": "sampling",
+              "batch": b,
+              "prompt_len": p,
+              "new_tokens": n,
+              "dtype": "float32",
+              "model": {
+                  "vocab": cfg.vocab_size,
+                  "hidden": cfg.hidden_size,
+                  "layers": cfg.num_hidden_layers,
+                  "heads": cfg.num_attention_heads,
+                  "kv_heads": cfg.num_key_value_heads,
+                  "mlp": cfg.intermediate_size,
+                  "tied": cfg.tie_word_embeddings,
+              },
+              "threads": args.threads,
+              "cpus": cpus,
+              "repeats": args.repeats,
+              "fma_gflops": None if fma_all[0] is None else round(max(fma_all), 1),
+              "load_average": [round(x, 2) for x in os.getloadavg()],
+              "results": results,
+              "versions": {
+                  "jax": jax.__version__,
+                  "torch": torch.__version__,
+                  "transformers": transformers.__version__,
+                  "python": platform.python_version(),
+              },
+          },
+          indent=2,
+      )
+  )
 
 
 if __name__ == "__main__":

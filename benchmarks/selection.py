@@ -19,6 +19,7 @@ one JSON object.
 
     python benchmarks/selection.py [--threads 2] [--repeats 3] [--chunk 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,15 +59,18 @@ def main(argv=None) -> None:
   graphdef, state = nnx.split(init_model(mcfg, seed=0))
   params = state.to_pure_dict()
   base = ts.StepConfig(group_size=8, temperature=1.0, warmup_steps=0, chunk_size=args.chunk)
-  batch = step_bench.make_batch(argparse.Namespace(batch=args.batch, prompt=args.prompt,
-                                                   completion=args.completion),
-                                mcfg.vocab_size, base.group_size)
+  batch = step_bench.make_batch(
+      argparse.Namespace(batch=args.batch, prompt=args.prompt, completion=args.completion),
+      mcfg.vocab_size,
+      base.group_size,
+  )
   optimizer = ts.make_optimizer(OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_steps=100)
 
   steps = {}
   for method in ("grpo", "ict"):
-    s = step_bench.JaxStep(graphdef, jax.tree.map(jnp.copy, params),
-                           dataclasses.replace(base, method=method), optimizer, batch)
+    s = step_bench.JaxStep(
+        graphdef, jax.tree.map(jnp.copy, params), dataclasses.replace(base, method=method), optimizer, batch
+    )
     steps[method] = s.run()  # warm-up
 
   # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
@@ -74,9 +78,11 @@ def main(argv=None) -> None:
   b = {k: jnp.asarray(v) for k, v in batch.items()}
   n, p = b["prompt_ids"].shape
   c = b["completion_ids"].shape[1]
-  h = model.hidden_states(jnp.concatenate([b["prompt_ids"], b["completion_ids"]], 1),
-                          jnp.concatenate([b["prompt_mask"], b["completion_mask"]], 1))
-  h = jax.block_until_ready(h[:, p - 1: p + c - 1])  # [N, C, D]
+  h = model.hidden_states(
+      jnp.concatenate([b["prompt_ids"], b["completion_ids"]], 1),
+      jnp.concatenate([b["prompt_mask"], b["completion_mask"]], 1),
+  )
+  h = jax.block_until_ready(h[:, p - 1 : p + c - 1])  # [N, C, D]
   w, vocab_major = model.head_weight()  # as the step takes it: [V, D] when tied
   w_letters = "VD" if vocab_major else "DV"
 
@@ -91,10 +97,12 @@ def main(argv=None) -> None:
     def chunk(hc, ic):
       logits = jnp.einsum(f"BTD,{w_letters}->BTV", hc, w, preferred_element_type=jnp.float32)
       return jnp.take_along_axis(logits, ic[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
+
     chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
     return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
 
   class Head:  # duck-types the two model methods completion_logp_and_stats uses
+
     def __init__(self, h, w):
       self.h, self.w = h, w
 
@@ -106,17 +114,18 @@ def main(argv=None) -> None:
 
   from ict_jax import lm_head, selection
 
-  _, stats0 = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
-                                           group_size=base.group_size, chunk_size=args.chunk)
+  _, stats0 = ts.completion_logp_and_stats(
+      Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk
+  )
   # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
   ict_rows = selection.ict_mask(stats0["js"], b["completion_mask"].astype(bool), base.top_fraction)
   g_ict = ict_rows.astype(jnp.float32)
   capacity = lm_head.sparse_grad_rows("ict", base.top_fraction, base.entropy_top_fraction, n, c)
 
   def fused(h, w, weights, grad_rows=0):
-    logp, stats = ts.completion_logp_and_stats(Head(h, w), b, temperature=1.0,
-                                               group_size=base.group_size, chunk_size=args.chunk,
-                                               grad_rows=grad_rows)
+    logp, stats = ts.completion_logp_and_stats(
+        Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk, grad_rows=grad_rows
+    )
     return jnp.sum(weights * logp) + 0.0 * sum(jnp.sum(v) for v in stats.values())
 
   ones = jnp.ones_like(g_ict)
@@ -145,21 +154,35 @@ def main(argv=None) -> None:
   med = {name: statistics.median(v) for name, v in times.items()}
   breakdown = {name + "_fwd_bwd_s": round(med[name], 4) for name in variants}
   breakdown["fused_forward_only_s"] = round(med["fused_forward"], 4)
-  print(json.dumps({
-      "benchmark": "selection_overhead", "model": "bench", "dtype": "float32",
-      "batch": args.batch, "prompt_len": args.prompt, "completion_len": args.completion,
-      "group_size": base.group_size, "chunk_size": args.chunk, "threads": args.threads,
-      "cpus": cpus, "repeats": args.repeats,
-      "grpo_step_s": round(med["grpo"], 4), "ict_step_s": round(med["ict"], 4),
-      "overhead_ratio": round(med["ict"] / med["grpo"], 4), "goal_ratio": 1.10,
-      "all_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
-      "compile_s": {m: round(s.compile_s, 2) for m, s in steps.items()},
-      "selected_frac": {m: float(s.metrics["selected_frac"]) for m, s in steps.items()},
-      "breakdown": breakdown,
-      "sparse_rows": {"selected": int(ict_rows.sum()), "capacity": capacity, "of": n * c},
-      "forward_share_of_ict_step": round(med["fused_forward"] / med["ict"], 4),
-      "load_avg_1m": os.getloadavg()[0], "jax": jax.__version__,
-  }))
+  print(
+      json.dumps(
+          {
+              "benchmark": "selection_overhead",
+              "model": "bench",
+              "dtype": "float32",
+              "batch": args.batch,
+              "prompt_len": args.prompt,
+              "completion_len": args.completion,
+              "group_size": base.group_size,
+              "chunk_size": args.chunk,
+              "threads": args.threads,
+              "cpus": cpus,
+              "repeats": args.repeats,
+              "grpo_step_s": round(med["grpo"], 4),
+              "ict_step_s": round(med["ict"], 4),
+              "overhead_ratio": round(med["ict"] / med["grpo"], 4),
+              "goal_ratio": 1.10,
+              "all_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
+              "compile_s": {m: round(s.compile_s, 2) for m, s in steps.items()},
+              "selected_frac": {m: float(s.metrics["selected_frac"]) for m, s in steps.items()},
+              "breakdown": breakdown,
+              "sparse_rows": {"selected": int(ict_rows.sum()), "capacity": capacity, "of": n * c},
+              "forward_share_of_ict_step": round(med["fused_forward"] / med["ict"], 4),
+              "load_avg_1m": os.getloadavg()[0],
+              "jax": jax.__version__,
+          }
+      )
+  )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ named in the file name) gets random weights, the step settings come from the con
 no torch run; tokens/s and MFU = model FLOP/s / (peak_tflops * 1e12) are reported (peak default
 790 = H200 dense bf16). Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 BENCH_SHAPE = dict(batch=8, prompt=64, completion=192)
 CONFIG_SHAPE = dict(batch=16, prompt=256, completion=768)
-FORMULA = ("MFU = flops_per_token(S) * N * S / step_s / (peak_tflops * 1e12); flops_per_token = "
-           "6 * (L * (D*H*Dh + 2*D*K*Dh + H*Dh*D + 3*D*F) + D*V) + 6 * L * H * Dh * S")
+FORMULA = (
+    "MFU = flops_per_token(S) * N * S / step_s / (peak_tflops * 1e12); flops_per_token = "
+    "6 * (L * (D*H*Dh + 2*D*K*Dh + H*Dh*D + 3*D*F) + D*V) + 6 * L * H * Dh * S"
+)
 
 
 def _pin(threads: int) -> list[int]:
@@ -71,10 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--prompt", type=int, default=0)
   ap.add_argument("--completion", type=int, default=0)
   ap.add_argument("--micro_batch", type=int, default=0, help="0: the whole batch")
-  ap.add_argument("--chunk", type=int, default=0,
-                  help="LM-head / statistics chunk (default: 16, or the config's)")
-  ap.add_argument("--method", default="",
-                  help="grpo | entropy | stapo | ict (default: ict, or the config's)")
+  ap.add_argument("--chunk", type=int, default=0, help="LM-head / statistics chunk (default: 16, or the config's)")
+  ap.add_argument("--method", default="", help="grpo | entropy | stapo | ict (default: ict, or the config's)")
   ap.add_argument("--threads", type=int, default=2, help="CPU cores to pin to (0: all)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--peak_tflops", type=float, default=790.0)
@@ -94,6 +95,7 @@ def load_config(path: str):
   import importlib.util
 
   from ict_jax import config as config_lib
+
   spec = importlib.util.spec_from_file_location("bench_config", path)
   if spec is None or spec.loader is None:
     raise SystemExit(f"--config {path}: not a Python file")
@@ -105,6 +107,7 @@ def load_config(path: str):
 def model_config(args, cfg=None):
   """Qwen2Config: "bench", or the config's model (its HF folder, else the preset in the name)."""
   from ict_jax.models.config import PRESETS, Qwen2Config
+
   if cfg is None:
     mcfg = Qwen2Config.preset("bench", dtype=args.dtype or "float32", param_dtype="float32")
   else:
@@ -115,13 +118,19 @@ def model_config(args, cfg=None):
       stem = os.path.basename(args.config)
       names = sorted((n for n in PRESETS if n in stem), key=len, reverse=True)
       if not names and cfg.model.path:
-        raise SystemExit(f"--config {args.config}: model.path {cfg.model.path!r} has no "
-                         f"config.json and the file name names no preset of {sorted(PRESETS)}")
+        raise SystemExit(
+            f"--config {args.config}: model.path {cfg.model.path!r} has no "
+            f"config.json and the file name names no preset of {sorted(PRESETS)}"
+        )
       mcfg = Qwen2Config.preset(names[0] if names else cfg.model.preset)
     from ict_jax.setup import resolve_attention
-    mcfg = mcfg.replace(dtype=args.dtype or cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                        remat_policy=cfg.model.remat_policy,
-                        attention=resolve_attention(cfg.model.attention))
+
+    mcfg = mcfg.replace(
+        dtype=args.dtype or cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        remat_policy=cfg.model.remat_policy,
+        attention=resolve_attention(cfg.model.attention),
+    )
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)
   return mcfg
@@ -129,21 +138,27 @@ def model_config(args, cfg=None):
 
 def step_config(args, cfg=None, method: str | None = None):
   from ict_jax import train_step as ts
+
   if cfg is None:
     # chunk 16: the default (tiny, CPU) config's ict.chunk_size; [8, 16, V] float32 blocks
-    base = ts.StepConfig(group_size=8, temperature=1.0, method="ict", warmup_steps=0,
-                         chunk_size=16)
+    base = ts.StepConfig(group_size=8, temperature=1.0, method="ict", warmup_steps=0, chunk_size=16)
   else:
     base = ts.StepConfig.from_config(cfg)
   import dataclasses
-  return dataclasses.replace(base, method=method or args.method or base.method, warmup_steps=0,
-                             micro_batch_size=args.micro_batch,
-                             chunk_size=args.chunk or base.chunk_size)
+
+  return dataclasses.replace(
+      base,
+      method=method or args.method or base.method,
+      warmup_steps=0,
+      micro_batch_size=args.micro_batch,
+      chunk_size=args.chunk or base.chunk_size,
+  )
 
 
 def make_batch(args, vocab: int, group_size: int, seed: int = 0) -> dict:
   """Left-padded prompts (G rollouts share one), right-padded completions, mixed-sign A."""
   import numpy as np
+
   rng = np.random.RandomState(seed)
   n, p, c = args.batch, args.prompt, args.completion
   if n % group_size:
@@ -156,8 +171,7 @@ def make_batch(args, vocab: int, group_size: int, seed: int = 0) -> dict:
   cmask = (np.arange(c)[None] < clen[:, None]).astype(np.int32)
   cids = rng.randint(1, vocab, (n, c)).astype(np.int32) * cmask
   adv = rng.randn(n).astype(np.float32)
-  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask,
-              advantages=adv)
+  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
 
 
 def median_time(fn, repeats: int) -> tuple[float, list[float]]:
@@ -172,13 +186,14 @@ def median_time(fn, repeats: int) -> tuple[float, list[float]]:
 def jax_matmul_gflops(repeats: int = 5) -> float:
   import jax
   import jax.numpy as jnp
+
   k = jax.random.split(jax.random.key(0))
   a = jax.random.normal(k[0], (2048, 2048), jnp.float32)
   b = jax.random.normal(k[1], (2048, 2048), jnp.float32)
   dot = jax.jit(jnp.dot)
   dot(a, b).block_until_ready()
   t, _ = median_time(lambda: dot(a, b).block_until_ready(), repeats)
-  return 2 * 2048 ** 3 / t / 1e9
+  return 2 * 2048**3 / t / 1e9
 
 
 class JaxStep:
@@ -187,6 +202,7 @@ class JaxStep:
   def __init__(self, graphdef, params, scfg, optimizer, batch):
     import jax
     from ict_jax import train_step as ts
+
     self.state = ts.init_train_state(params, optimizer)
     self.batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
     jitted = ts.make_train_step(graphdef, scfg, optimizer)
@@ -196,6 +212,7 @@ class JaxStep:
 
   def run(self):
     import jax
+
     self.state, self.metrics, self.logp = self.compiled(self.state, self.batch, None)
     jax.block_until_ready((self.state, self.metrics, self.logp))
     return self
@@ -209,14 +226,17 @@ def child_jax(args) -> dict:
 
   from ict_jax import train_step as ts
   from ict_jax.config import OptimConfig
+
   cfg = load_config(args.config) if args.config else None
   mcfg = model_config(args, cfg)
   if cfg is None:
     from ict_jax.models.hf import load_pretrained
+
     model = load_pretrained(os.path.join(args.workdir, "weights"), dtype=mcfg.dtype)
     optim = OptimConfig(learning_rate=1e-6, max_grad_norm=1.0)
   else:
     from ict_jax.models.qwen2 import init_model
+
     model = init_model(mcfg, seed=0)
     optim = cfg.optim
   graphdef, state = nnx.split(model)
@@ -235,12 +255,19 @@ def child_jax(args) -> dict:
   n, s = args.batch, args.prompt + args.completion
   flops = mcfg.flops_per_token(s) * n * s
   out = {
-      "step_s": step_s, "all_step_s": [round(x, 4) for x in all_s],
-      "compile_s": round(step.compile_s, 2), "first_step_s": round(first_s, 2),
-      "tokens_per_s": n * s / step_s, "model_tflops_per_s": flops / step_s / 1e12,
-      "step_model_tflop": flops / 1e12, "method": scfg.method, "chunk_size": scfg.chunk_size,
-      "selected_frac": float(step.metrics["selected_frac"]), "loss": float(step.metrics["loss"]),
-      "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+      "step_s": step_s,
+      "all_step_s": [round(x, 4) for x in all_s],
+      "compile_s": round(step.compile_s, 2),
+      "first_step_s": round(first_s, 2),
+      "tokens_per_s": n * s / step_s,
+      "model_tflops_per_s": flops / step_s / 1e12,
+      "step_model_tflop": flops / 1e12,
+      "method": scfg.method,
+      "chunk_size": scfg.chunk_size,
+      "selected_frac": float(step.metrics["selected_frac"]),
+      "loss": float(step.metrics["loss"]),
+      "device": str(jax.devices()[0].device_kind),
+      "backend": jax.default_backend(),
       "jax": jax.__version__,
   }
   if jax.default_backend() == "cpu":
@@ -252,9 +279,11 @@ def child_torch(args) -> dict:
   import numpy as np
   import torch
   import transformers
+
   torch.set_num_threads(args.threads or os.cpu_count())
-  model = transformers.Qwen2ForCausalLM.from_pretrained(os.path.join(args.workdir, "weights"),
-                                                        dtype=torch.float32).train()
+  model = transformers.Qwen2ForCausalLM.from_pretrained(
+      os.path.join(args.workdir, "weights"), dtype=torch.float32
+  ).train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
   b = {k: torch.from_numpy(v) for k, v in np.load(os.path.join(args.workdir, "batch.npz")).items()}
   ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1).long()
@@ -265,8 +294,11 @@ def child_torch(args) -> dict:
   c, eps = cids.shape[1], 0.2
 
   def step():
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                   logits_to_keep=c + 1, use_cache=False).logits[:, :-1].float()  # [N, C, V]
+    logits = (
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=c + 1, use_cache=False)
+        .logits[:, :-1]
+        .float()
+    )  # [N, C, V]
     logp = torch.log_softmax(logits, -1).gather(-1, cids[..., None])[..., 0]
     ratio = torch.exp(logp - logp.detach())
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
@@ -286,17 +318,21 @@ def child_torch(args) -> dict:
   a @ a
   mm_s, _ = median_time(lambda: a @ a, 5)
   n, s = ids.shape
-  return {"step_s": step_s, "all_step_s": [round(x, 4) for x in all_s],
-          "first_step_s": round(first_s, 2),
-          "tokens_per_s": n * s / step_s, "matmul_2048_gflops": 2 * 2048 ** 3 / mm_s / 1e9,
-          "torch": torch.__version__, "transformers": transformers.__version__}
+  return {
+      "step_s": step_s,
+      "all_step_s": [round(x, 4) for x in all_s],
+      "first_step_s": round(first_s, 2),
+      "tokens_per_s": n * s / step_s,
+      "matmul_2048_gflops": 2 * 2048**3 / mm_s / 1e9,
+      "torch": torch.__version__,
+      "transformers": transformers.__version__,
+  }
 
 
 def run_child(kind: str, args, workdir: str) -> dict:
   """Run one framework in a fresh process; adds its peak RSS (ru_maxrss of that child)."""
   argv = [a for a in sys.argv[1:]] + ["--child", kind, "--workdir", workdir]
-  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                          stdout=subprocess.PIPE)
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=subprocess.PIPE)
   out = proc.stdout.read().decode()
   _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)
@@ -322,6 +358,7 @@ def main(argv=None) -> None:
     return
 
   import numpy as np
+
   cfg = load_config(args.config) if args.config else None
   mcfg = model_config(args, cfg)
   scfg = step_config(args, cfg)
@@ -332,9 +369,9 @@ def main(argv=None) -> None:
     if cfg is None:  # shared random weights, written once by transformers
       import torch
       import transformers
+
       skip = ("architectures", "model_type", "torch_dtype")
-      hf_cfg = transformers.Qwen2Config(**{k: v for k, v in mcfg.to_hf_dict().items()
-                                           if k not in skip})
+      hf_cfg = transformers.Qwen2Config(**{k: v for k, v in mcfg.to_hf_dict().items() if k not in skip})
       torch.manual_seed(0)
       transformers.Qwen2ForCausalLM(hf_cfg).float().save_pretrained(os.path.join(tmp, "weights"))
     ours = run_child("jax", args, tmp)
@@ -347,16 +384,30 @@ def main(argv=None) -> None:
 
   n, s = args.batch, args.prompt + args.completion
   report = {
-      "benchmark": "train_step", "method": ours["method"],
-      "model": {"vocab": mcfg.vocab_size, "hidden": mcfg.hidden_size,
-                "layers": mcfg.num_hidden_layers,
-                "heads": mcfg.num_attention_heads, "kv_heads": mcfg.num_key_value_heads,
-                "mlp": mcfg.intermediate_size, "tied": mcfg.tie_word_embeddings,
-                "dtype": mcfg.dtype, "param_dtype": mcfg.param_dtype, "remat_policy": mcfg.remat_policy,
-                "params": mcfg.num_params()},
-      "batch": n, "prompt_len": args.prompt, "completion_len": args.completion,
-      "tokens_per_step": n * s, "group_size": scfg.group_size, "chunk_size": scfg.chunk_size,
-      "micro_batch": args.micro_batch or n, "threads": args.threads, "repeats": args.repeats,
+      "benchmark": "train_step",
+      "method": ours["method"],
+      "model": {
+          "vocab": mcfg.vocab_size,
+          "hidden": mcfg.hidden_size,
+          "layers": mcfg.num_hidden_layers,
+          "heads": mcfg.num_attention_heads,
+          "kv_heads": mcfg.num_key_value_heads,
+          "mlp": mcfg.intermediate_size,
+          "tied": mcfg.tie_word_embeddings,
+          "dtype": mcfg.dtype,
+          "param_dtype": mcfg.param_dtype,
+          "remat_policy": mcfg.remat_policy,
+          "params": mcfg.num_params(),
+      },
+      "batch": n,
+      "prompt_len": args.prompt,
+      "completion_len": args.completion,
+      "tokens_per_step": n * s,
+      "group_size": scfg.group_size,
+      "chunk_size": scfg.chunk_size,
+      "micro_batch": args.micro_batch or n,
+      "threads": args.threads,
+      "repeats": args.repeats,
       "flops_per_token": mcfg.flops_per_token(s),
       "ours": ours,
   }

@@ -9,9 +9,11 @@ temporaries); 16 fits (`--config.train.micro_batch_size=16`: 6.62 GiB peak of 15
 `python -m ict_jax.aot --config configs/qwen2_5_0_5b_math.py --target v5e-8
 --config.train.micro_batch_size=16`; benchmarks/RESULTS.md).
 """
+
 from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1,
-                      micro_batch_size=128)
+  return paper_config(
+      "/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1, micro_batch_size=128
+  )

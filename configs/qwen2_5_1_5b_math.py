@@ -8,9 +8,11 @@ sequences; on v5e-8 64 and 32 do not fit, 16 does (`--config.train.micro_batch_s
 peak of 15.75 per chip, `python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5e-8
 --config.train.micro_batch_size=16`; benchmarks/RESULTS.md).
 """
+
 from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-1.5B", "qwen2_5_1_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1,
-                      micro_batch_size=64)
+  return paper_config(
+      "/ckpt/Qwen2.5-1.5B", "qwen2_5_1_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1, micro_batch_size=64
+  )

@@ -9,9 +9,17 @@ parameter, 14.2 GiB/chip over 8 chips) leave no room for activations in 15.75 Gi
 parameters are refused (they lose lr 1e-6 updates). Check a target with
 `python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5p-32`.
 """
+
 from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-7B", "qwen2_5_7b", prompts_per_step=128, steps=500, mesh_fsdp=-1, mesh_tensor=1,
-                      micro_batch_size=32)
+  return paper_config(
+      "/ckpt/Qwen2.5-7B",
+      "qwen2_5_7b",
+      prompts_per_step=128,
+      steps=500,
+      mesh_fsdp=-1,
+      mesh_tensor=1,
+      micro_batch_size=32,
+  )

@@ -6,6 +6,7 @@ ICT (dense GRPO for the first 10 steps), with pass@1 / pass@4 on the held-out pr
 steps. Finishes in minutes on 2 CPU cores; the reward rises. configs/tiny_chain.py is the same
 model on the worked-solution task `synthetic_chain`.
 """
+
 from ict_jax.config import tiny_config
 
 

@@ -7,6 +7,7 @@ pass@4 on the held-out problems every 20 steps.
 Not yet the default: with these values the reward did not clearly rise (seed 0 fell; see
 benchmarks/RESULTS.md), so the values still need tuning.
 """
+
 from ict_jax.config import chain_config
 
 

@@ -2,6 +2,7 @@
 
 Public names are resolved lazily so that ``import ict_jax`` does no work and imports no JAX.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,12 +23,12 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'ict_jax' has no attribute {name!r}")
-    module = _LAZY[name]
-    if module is None:
-        return importlib.import_module(f"ict_jax.{name}")
-    return getattr(importlib.import_module(module), name)
+  if name not in _LAZY:
+    raise AttributeError(f"module 'ict_jax' has no attribute {name!r}")
+  module = _LAZY[name]
+  if module is None:
+    return importlib.import_module(f"ict_jax.{name}")
+  return getattr(importlib.import_module(module), name)
 
 
 __all__ = sorted(_LAZY)

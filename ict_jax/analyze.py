@@ -8,6 +8,7 @@ statistics of the selected tokens: their mean probability, their share of high- 
 tokens (above / below the median entropy of the step's logged tokens) and where in the response
 they sit (fifths of the response length).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
   ent = np.concatenate([r["entropy"] for r in rows]) if rows else np.zeros(0)
   js = np.concatenate([r["js"] for r in rows]) if rows else np.zeros(0)
   sel = np.concatenate([np.asarray(r["selected"], bool) for r in rows]) if rows else np.zeros(0, bool)
-  rel = np.concatenate([(np.arange(len(r["prob"])) + 0.5) / max(len(r["prob"]), 1) for r in rows]) \
-      if rows else np.zeros(0)
+  rel = (
+      np.concatenate([(np.arange(len(r["prob"])) + 0.5) / max(len(r["prob"]), 1) for r in rows])
+      if rows
+      else np.zeros(0)
+  )
   first = np.concatenate([np.arange(len(r["prob"])) == 0 for r in rows]) if rows else np.zeros(0, bool)
   median = float(np.median(ent)) if ent.size else 0.0
   fifths = np.minimum((rel * 5).astype(int), 4)
@@ -41,16 +45,21 @@ def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
   n_sel = int(sel.sum())
   return {
-      "tokens": int(sel.size), "selected": n_sel,
-      "mean_prob_selected": mean(prob[sel]), "mean_prob_all": mean(prob),
-      "mean_js_selected": mean(js[sel]), "mean_js_unselected": mean(js[~sel]),
+      "tokens": int(sel.size),
+      "selected": n_sel,
+      "mean_prob_selected": mean(prob[sel]),
+      "mean_prob_all": mean(prob),
+      "mean_js_selected": mean(js[sel]),
+      "mean_js_unselected": mean(js[~sel]),
       "entropy_median": median,
-      "high_entropy_share": mean(ent[sel] > median), "low_entropy_share": mean(ent[sel] <= median),
+      "high_entropy_share": mean(ent[sel] > median),
+      "low_entropy_share": mean(ent[sel] <= median),
       "position_fifths_selected": [int(np.sum(sel & (fifths == k))) for k in range(5)],
       "position_fifths_all": [int(np.sum(fifths == k)) for k in range(5)],
       "mean_relative_position_selected": mean(rel[sel]),
       "first_token_selected_share": mean(sel[first]),
-      "mean_js_first_token": mean(js[first]), "mean_js_later_tokens": mean(js[~first]),
+      "mean_js_first_token": mean(js[first]),
+      "mean_js_later_tokens": mean(js[~first]),
   }
 
 
@@ -90,21 +99,28 @@ def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any]
   previous_prompt = None
   for r in rows:
     if r["prompt"] != previous_prompt:
-      lines.append(f'<div class="group">prompt <b>{html.escape(r["prompt"])}</b> &nbsp; gold '
-                   f'<b>{html.escape(r["gold"])}</b></div>')
+      lines.append(
+          f'<div class="group">prompt <b>{html.escape(r["prompt"])}</b> &nbsp; gold '
+          f'<b>{html.escape(r["gold"])}</b></div>'
+      )
       previous_prompt = r["prompt"]
     toks = "".join(
         f'<span class="tok{" sel" if s else ""}" data-js="{j:.6f}" data-entropy="{h:.6f}" '
         f'data-prob="{p:.6f}" title="JS {j:.4f} | entropy {h:.3f} | p {p:.3f}'
         f'{" | selected" if s else ""}">{html.escape(t)}</span>'
-        for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"]))
+        for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"])
+    )
     ok = r["reward"] > 0
-    lines.append(f'<div class="row"><div class="meta"><span class="{"ok" if ok else "bad"}">'
-                 f'{"correct" if ok else "wrong"}</span> A={r["advantage"]:+.2f}</div><div>{toks}</div></div>')
+    lines.append(
+        f'<div class="row"><div class="meta"><span class="{"ok" if ok else "bad"}">'
+        f'{"correct" if ok else "wrong"}</span> A={r["advantage"]:+.2f}</div><div>{toks}</div></div>'
+    )
   fifth_sel, fifth_all = stats["position_fifths_selected"], stats["position_fifths_all"]
   top = max(fifth_sel + [1])
-  hist = "".join(f'<div style="height:{6 + 80 * c / top:.0f}px" title="{c} of {a} tokens">{c}</div>'
-                 for c, a in zip(fifth_sel, fifth_all))
+  hist = "".join(
+      f'<div style="height:{6 + 80 * c / top:.0f}px" title="{c} of {a} tokens">{c}</div>'
+      for c, a in zip(fifth_sel, fifth_all)
+  )
   f = lambda v: "–" if v != v else f"{v:.3f}"  # noqa: E731 (nan -> dash)
   warm = any(r.get("dense_warmup") for r in rows)
   warm_note = " &middot; this step is in ICT's dense warm-up: every token trained" if warm else ""
@@ -141,17 +157,29 @@ def screenshot(html_path: str, png_path: str, width: int = 1150, height: int = 9
   """A PNG of the page from headless Chromium; None (no PNG) when no Chromium is installed."""
   import shutil
   import subprocess
+
   exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
   if exe is None:
     return None
-  subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                  f"--window-size={width},{height}", f"--screenshot={os.path.abspath(png_path)}",
-                  "file://" + os.path.abspath(html_path)], check=True, capture_output=True, timeout=120)
+  subprocess.run(
+      [
+          exe,
+          "--headless",
+          "--no-sandbox",
+          "--disable-gpu",
+          "--hide-scrollbars",
+          f"--window-size={width},{height}",
+          f"--screenshot={os.path.abspath(png_path)}",
+          "file://" + os.path.abspath(html_path),
+      ],
+      check=True,
+      capture_output=True,
+      timeout=120,
+  )
   return png_path
 
 
-def analyze(workdir: str, step: int | None = None, out_dir: str | None = None,
-            png: bool = True) -> dict[str, Any]:
+def analyze(workdir: str, step: int | None = None, out_dir: str | None = None, png: bool = True) -> dict[str, Any]:
   """Write the page (and the PNG when Chromium is there) -> {"step", "html", "png", "stats"}."""
   step, rows = token_view.load(workdir, step)
   stats = selection_stats(rows)
@@ -179,9 +207,11 @@ def main(argv=None) -> None:
     print(f"ict_jax.analyze: error: {e.args[0] if e.args else e}", file=sys.stderr)
     sys.exit(2)
   s = res["stats"]
-  print(f"step {res['step']}: {s['selected']} of {s['tokens']} tokens selected; mean p selected "
-        f"{s['mean_prob_selected']:.3f} (all {s['mean_prob_all']:.3f}); high-entropy share "
-        f"{s['high_entropy_share']:.2f}")
+  print(
+      f"step {res['step']}: {s['selected']} of {s['tokens']} tokens selected; mean p selected "
+      f"{s['mean_prob_selected']:.3f} (all {s['mean_prob_all']:.3f}); high-entropy share "
+      f"{s['high_entropy_share']:.2f}"
+  )
   print(res["html"])
   if res["png"]:
     print(res["png"])

@@ -29,6 +29,7 @@ when installed next to JAX, so they live in their own folder that only this modu
 One function a compiled program (`compile_train_step`), each returning a `Report`; they share
 `target_devices` and `measure`.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,40 +71,60 @@ GPU_MEM_FRACTION = 0.90  # launch/gpu_slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACT
 class Target:
   """An accelerator slice. `usable_hbm` is per chip (JAX device): for TPU what libtpu 0.0.42.1
   reports as available HBM in its out-of-memory error; for GPU the spec's device memory."""
+
   name: str
-  platform: str            # "tpu" | "gpu"
-  chips: int               # JAX devices
-  usable_hbm: int          # bytes per device a program may use
-  peak_tflops: float       # dense bf16
+  platform: str  # "tpu" | "gpu"
+  chips: int  # JAX devices
+  usable_hbm: int  # bytes per device a program may use
+  peak_tflops: float  # dense bf16
   hbm_tb_s: float
-  topology: str = ""       # TPU: libtpu topology name; GPU: "1x1x8"
+  topology: str = ""  # TPU: libtpu topology name; GPU: "1x1x8"
   chip_config: str = "default"
   host_bounds: tuple[int, int, int] = (2, 2, 1)
   accelerator_type: str = ""  # TPU_ACCELERATOR_TYPE (silences libtpu's host probing)
-  gpu_spec: str = ""       # file in gpu_specs/
-  gpu_memory: int = 0      # bytes, replaces the spec's device_memory_size when set
-  gpu_bandwidth: int = 0   # bytes/s, replaces the spec's memory_bandwidth when set
+  gpu_spec: str = ""  # file in gpu_specs/
+  gpu_memory: int = 0  # bytes, replaces the spec's device_memory_size when set
+  gpu_bandwidth: int = 0  # bytes/s, replaces the spec's memory_bandwidth when set
 
 
-TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("v4-8", "tpu", 4, int(30.75 * GiB), 275, 1.2, "v4:2x2x1", "megacore", (2, 2, 1), "v4-8"),
-    Target("v5e-8", "tpu", 8, int(15.75 * GiB), 197, 0.82, "v5e:2x4", "default", (2, 2, 1),
-           "v5litepod-8"),
-    Target("v5p-32", "tpu", 16, int(95.74 * GiB), 459, 2.76, "v5:2x2x4", "megacore", (2, 2, 1),
-           "v5p-32"),
-    Target("v6e-8", "tpu", 8, int(31.25 * GiB), 918, 1.64, "v6e:2x4", "default", (2, 4, 1), "v6e-8"),
-    Target("h100-8", "gpu", 8, int(84978434048 * GPU_MEM_FRACTION), 989, 3.35, "1x1x8",
-           gpu_spec="h100_sxm.txtpb"),
-    # H200: the H100 SXM chip with 141 GB of HBM3e at 4.8 TB/s.
-    Target("h200-8", "gpu", 8, int(141e9 * GPU_MEM_FRACTION), 989, 4.8, "1x1x8",
-           gpu_spec="h100_sxm.txtpb", gpu_memory=int(141e9), gpu_bandwidth=int(4.8e12)),
-)}
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("v4-8", "tpu", 4, int(30.75 * GiB), 275, 1.2, "v4:2x2x1", "megacore", (2, 2, 1), "v4-8"),
+        Target("v5e-8", "tpu", 8, int(15.75 * GiB), 197, 0.82, "v5e:2x4", "default", (2, 2, 1), "v5litepod-8"),
+        Target("v5p-32", "tpu", 16, int(95.74 * GiB), 459, 2.76, "v5:2x2x4", "megacore", (2, 2, 1), "v5p-32"),
+        Target("v6e-8", "tpu", 8, int(31.25 * GiB), 918, 1.64, "v6e:2x4", "default", (2, 4, 1), "v6e-8"),
+        Target("h100-8", "gpu", 8, int(84978434048 * GPU_MEM_FRACTION), 989, 3.35, "1x1x8", gpu_spec="h100_sxm.txtpb"),
+        # H200: the H100 SXM chip with 141 GB of HBM3e at 4.8 TB/s.
+        Target(
+            "h200-8",
+            "gpu",
+            8,
+            int(141e9 * GPU_MEM_FRACTION),
+            989,
+            4.8,
+            "1x1x8",
+            gpu_spec="h100_sxm.txtpb",
+            gpu_memory=int(141e9),
+            gpu_bandwidth=int(4.8e12),
+        ),
+    )
+}
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
-               "collective-broadcast", "ragged-all-to-all")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 _COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_OOM_RES = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
-            re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+_OOM_RES = (
+    re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+    re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -114,6 +135,7 @@ class AotError(ValueError):
 @dataclasses.dataclass
 class Report:
   """What one compile of one program for one target measured (bytes are per device)."""
+
   program: str
   target: str
   fits: bool
@@ -156,33 +178,46 @@ def _gpu_target_config(target: Target) -> str:
 def target_devices(target: Target) -> list:
   """The target's compile-only devices (nothing can run on them)."""
   from jax.experimental import topologies
+
   if target.platform == "tpu":
     try:
       import libtpu  # noqa: F401  (jax loads libtpu.so from TPU_LIBRARY_PATH or this module)
     except ImportError:
-      raise AotError(f"--target {target.name}: libtpu is not installed; run: pip install --no-deps "
-                     f"--target {LIBS_DIR} -r requirements-aot.txt") from None
+      raise AotError(
+          f"--target {target.name}: libtpu is not installed; run: pip install --no-deps "
+          f"--target {LIBS_DIR} -r requirements-aot.txt"
+      ) from None
     os.environ.setdefault("TPU_LIBRARY_PATH", libtpu.get_library_path())
     # no chip to guard: several aot processes may load libtpu at once (else its /tmp lockfile
     # makes the second one fail)
-    for k, v in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                 ("TPU_WORKER_HOSTNAMES", "localhost"),
-                 ("TPU_WORKER_ID", "0"), ("TPU_ACCELERATOR_TYPE", target.accelerator_type)):
+    for k, v in (
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_WORKER_ID", "0"),
+        ("TPU_ACCELERATOR_TYPE", target.accelerator_type),
+    ):
       os.environ.setdefault(k, v)
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                        chip_config_name=target.chip_config,
-                                        chips_per_host_bounds=target.host_bounds, num_slices=1)
+    topo = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=target.topology,
+        chip_config_name=target.chip_config,
+        chips_per_host_bounds=target.host_bounds,
+        num_slices=1,
+    )
   else:
     try:
-      topo = topologies.get_topology_desc("", "cuda", target_config=_gpu_target_config(target),
-                                          topology=target.topology)
+      topo = topologies.get_topology_desc(
+          "", "cuda", target_config=_gpu_target_config(target), topology=target.topology
+      )
     except NotImplementedError:
-      raise AotError(f"--target {target.name}: the CUDA plugin is not installed; run: pip install "
-                     f"--no-deps --target {LIBS_DIR} -r requirements-aot.txt") from None
+      raise AotError(
+          f"--target {target.name}: the CUDA plugin is not installed; run: pip install "
+          f"--no-deps --target {LIBS_DIR} -r requirements-aot.txt"
+      ) from None
   devices = list(topo.devices)
   if len(devices) != target.chips:
-    raise AotError(f"--target {target.name}: the topology has {len(devices)} devices, "
-                   f"expected {target.chips}")
+    raise AotError(f"--target {target.name}: the topology has {len(devices)} devices, " f"expected {target.chips}")
   return devices
 
 
@@ -219,22 +254,43 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
       raise
     needed, available = _parse_oom(msg)
     first = next((line for line in msg.splitlines() if "RESOURCE_EXHAUSTED" in line), msg)
-    return Report(program, target.name, False, available or target.usable_hbm, needed,
-                  temp_bytes=needed, compile_s=time.perf_counter() - t0,
-                  error=first.strip()[:500], advice=advice)
+    return Report(
+        program,
+        target.name,
+        False,
+        available or target.usable_hbm,
+        needed,
+        temp_bytes=needed,
+        compile_s=time.perf_counter() - t0,
+        error=first.strip()[:500],
+        advice=advice,
+    )
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
-  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-          + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+  peak = (
+      mem.argument_size_in_bytes
+      + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes
+      + mem.temp_size_in_bytes
+      + mem.generated_code_size_in_bytes
+  )
   fits = peak <= target.usable_hbm
-  return Report(program, target.name, fits, target.usable_hbm, int(peak),
-                argument_bytes=int(mem.argument_size_in_bytes),
-                output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
-                temp_bytes=int(mem.temp_size_in_bytes),
-                generated_code_bytes=int(mem.generated_code_size_in_bytes),
-                compiler_accepted=True, compile_s=compile_s,
-                collectives=count_collectives(compiled.as_text()),
-                advice="" if fits else advice)
+  return Report(
+      program,
+      target.name,
+      fits,
+      target.usable_hbm,
+      int(peak),
+      argument_bytes=int(mem.argument_size_in_bytes),
+      output_bytes=int(mem.output_size_in_bytes),
+      alias_bytes=int(mem.alias_size_in_bytes),
+      temp_bytes=int(mem.temp_size_in_bytes),
+      generated_code_bytes=int(mem.generated_code_size_in_bytes),
+      compiler_accepted=True,
+      compile_s=compile_s,
+      collectives=count_collectives(compiled.as_text()),
+      advice="" if fits else advice,
+  )
 
 
 # ---- the train step --------------------------------------------------------------------------
@@ -244,14 +300,14 @@ def _without_missing_model_path(cfg: Config) -> tuple[Config, str]:
   path = cfg.model.path
   if not path or os.path.isfile(os.path.join(path, "config.json")):
     return cfg, ""
-  note = (f"model.path {path} is not on this machine: shapes from model.preset "
-          f"{cfg.model.preset!r}")
+  note = f"model.path {path} is not on this machine: shapes from model.preset " f"{cfg.model.preset!r}"
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="")), note
 
 
 def _cudnn_loadable() -> bool:
   try:  # JAX checks the cuDNN version while tracing its cuDNN attention
     from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
     check_cudnn_version()
     return True
   except Exception:  # noqa: BLE001 - no cuDNN library on this machine, whatever JAX raises
@@ -264,24 +320,28 @@ def _without_missing_cudnn(mcfg):
   memory-efficient) stands in, and the note says so."""
   if mcfg.attention != "cudnn" or _cudnn_loadable():
     return mcfg, ""
-  return (dataclasses.replace(mcfg, attention="dot_product"),
-          "cuDNN is not installed here: attention compiled as dot_product (XLA), not cudnn")
+  return (
+      dataclasses.replace(mcfg, attention="dot_product"),
+      "cuDNN is not installed here: attention compiled as dot_product (XLA), not cudnn",
+  )
 
 
 def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dict[str, tuple]:
   """{name: (shape, dtype)} of one step's batch as `Rollout.batch()` builds it."""
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-  shapes = dict(prompt_ids=((rows, prompt_len), jnp.int32), prompt_mask=((rows, prompt_len), jnp.int32),
-                completion_ids=((rows, completion_len), jnp.int32),
-                completion_mask=((rows, completion_len), jnp.int32),
-                advantages=((rows,), jnp.float32))
+  shapes = dict(
+      prompt_ids=((rows, prompt_len), jnp.int32),
+      prompt_mask=((rows, prompt_len), jnp.int32),
+      completion_ids=((rows, completion_len), jnp.int32),
+      completion_mask=((rows, completion_len), jnp.int32),
+      advantages=((rows,), jnp.float32),
+  )
   if cfg.train.num_iterations > 1:  # the second pass of a batch also carries old log-probs
     shapes["old_logp"] = ((rows, completion_len), jnp.float32)
   return shapes
 
 
-def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
-                       completion_len: int = 0) -> Report:
+def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
   """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
   data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
   devices = target_devices(target)
@@ -307,25 +367,41 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0,
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
   state = ts.abstract_train_state(optimizer, params, state_sharding)
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
-           for k, (shape, dtype) in train_batch_shapes(cfg, prompt_len, completion_len).items()}
+  batch = {
+      k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+      for k, (shape, dtype) in train_batch_shapes(cfg, prompt_len, completion_len).items()
+  }
   ref = params if cfg.loss.beta > 0 else None
-  step = ts.make_train_step(graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh,
-                            state_sharding=state_sharding)
+  step = ts.make_train_step(
+      graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
+  )
   with jax.set_mesh(mesh):
     lowered = step.jitted.lower(state, batch, ref)
-  advice = (f"lower --config.train.micro_batch_size (now {mb}; a multiple of group_size "
-            f"{cfg.rollout.group_size} and of data x fsdp = {shards}), or --completion_len "
-            f"(now {completion_len}), or spread the model over more chips (config.mesh)")
+  advice = (
+      f"lower --config.train.micro_batch_size (now {mb}; a multiple of group_size "
+      f"{cfg.rollout.group_size} and of data x fsdp = {shards}), or --completion_len "
+      f"(now {completion_len}), or spread the model over more chips (config.mesh)"
+  )
   report = measure(lowered, target, program="train_step", advice=advice)
   tokens = rows * (prompt_len + completion_len)
   report.model_flops_per_step = float(mcfg.flops_per_token(prompt_len + completion_len) * tokens)
-  report.shapes = dict(rows=rows, micro_batch_size=mb, group_size=cfg.rollout.group_size, prompt_len=prompt_len,
-                       completion_len=completion_len, mesh=dict(mesh.shape),
-                       model=cfg.model.path or cfg.model.preset, num_params=mcfg.num_params(),
-                       dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, remat_policy=mcfg.remat_policy,
-                       attention=mcfg.attention,
-                       method=cfg.ict.method, rows_per_shard=mb // shards, note=note)
+  report.shapes = dict(
+      rows=rows,
+      micro_batch_size=mb,
+      group_size=cfg.rollout.group_size,
+      prompt_len=prompt_len,
+      completion_len=completion_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=mcfg.dtype,
+      param_dtype=mcfg.param_dtype,
+      remat_policy=mcfg.remat_policy,
+      attention=mcfg.attention,
+      method=cfg.ict.method,
+      rows_per_shard=mb // shards,
+      note=note,
+  )
   return report
 
 
@@ -336,29 +412,47 @@ def _gib(n: int | None) -> str:
 
 def format_report(r: Report, target: Target) -> str:
   s = r.shapes
-  lines = [f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
-           f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
-           f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
-           f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"]
+  lines = [
+      f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
+      f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
+      f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
+      f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"
+  ]
   if s.get("note"):
     lines.append(f"  note: {s['note']}")
   if s.get("method") == "ict" and 0 < s.get("rows_per_shard", 0) < s.get("group_size", 0):
-    lines.append(f"  note: a row shard holds {s['rows_per_shard']} rows of a micro-batch, less than "
-                 f"a group ({s['group_size']}): the ICT group mean crosses chips")
-  lines += [f"  per chip: arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
-            f"(aliased {_gib(r.alias_bytes)}), temporaries {_gib(r.temp_bytes)}, generated code "
-            f"{_gib(r.generated_code_bytes)}",
-            f"  peak {_gib(r.peak_bytes_per_device)} of {_gib(r.hbm_bytes_per_device)} usable HBM: "
-            + (f"fits, margin {_gib(r.margin_bytes)}" if r.fits else "DOES NOT FIT"
-               + (" (the compiler accepted it, but arguments + temporaries exceed the usable HBM)"
-                  if r.compiler_accepted else "")),
-            f"  compile {r.compile_s:.1f} s"]
+    lines.append(
+        f"  note: a row shard holds {s['rows_per_shard']} rows of a micro-batch, less than "
+        f"a group ({s['group_size']}): the ICT group mean crosses chips"
+    )
+  lines += [
+      f"  per chip: arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
+      f"(aliased {_gib(r.alias_bytes)}), temporaries {_gib(r.temp_bytes)}, generated code "
+      f"{_gib(r.generated_code_bytes)}",
+      f"  peak {_gib(r.peak_bytes_per_device)} of {_gib(r.hbm_bytes_per_device)} usable HBM: "
+      + (
+          f"fits, margin {_gib(r.margin_bytes)}"
+          if r.fits
+          else "DOES NOT FIT"
+          + (
+              " (the compiler accepted it, but arguments + temporaries exceed the usable HBM)"
+              if r.compiler_accepted
+              else ""
+          )
+      ),
+      f"  compile {r.compile_s:.1f} s",
+  ]
   if r.collectives:
-    lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
-                 if any(r.collectives.values()) else "  collectives: none")
+    lines.append(
+        "  collectives: " + ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
+        if any(r.collectives.values())
+        else "  collectives: none"
+    )
   flops = r.model_flops_per_step
-  lines.append(f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
-               f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)")
+  lines.append(
+      f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
+      f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)"
+  )
   if r.error:
     lines.append(f"  {r.error}")
   if not r.fits and r.advice:
@@ -377,17 +471,22 @@ def main(argv=None) -> None:
   from ml_collections import config_flags
 
   from ict_jax import config as config_lib
+
   fl = flags.FlagValues()
   flags.DEFINE_string("target", "", f"one of {', '.join(TARGETS)}", flag_values=fl)
-  flags.DEFINE_integer("completion_len", 0, "completion columns of the batch (0: "
-                       "rollout.max_new_tokens, what the trainer feeds)", flag_values=fl)
-  flags.DEFINE_integer("prompt_len", 0, "prompt columns (0: the bucket of data.max_prompt_len)",
-                       flag_values=fl)
+  flags.DEFINE_integer(
+      "completion_len",
+      0,
+      "completion columns of the batch (0: " "rollout.max_new_tokens, what the trainer feeds)",
+      flag_values=fl,
+  )
+  flags.DEFINE_integer("prompt_len", 0, "prompt columns (0: the bucket of data.max_prompt_len)", flag_values=fl)
   flags.DEFINE_string("json", "", "also write the report here as JSON", flag_values=fl)
   argv = sys.argv if argv is None else argv
   try:
-    config_flags.DEFINE_config_file("config", config_lib.__file__, "An ml_collections config file.",
-                                    flag_values=fl, lock_config=True)
+    config_flags.DEFINE_config_file(
+        "config", config_lib.__file__, "An ml_collections config file.", flag_values=fl, lock_config=True
+    )
     fl(argv)
     cd = fl.config
   except (AttributeError, KeyError) as e:
@@ -395,8 +494,10 @@ def main(argv=None) -> None:
   except (flags.Error, TypeError, ValueError) as e:
     _fail(" ".join(str(e).split()))
   if type(cd).__name__ == "_ErrorConfig":
-    _fail(f"--config {fl['config'].config_filename}: could not be loaded: "
-          + " ".join(str(object.__getattribute__(cd, "_error")).split()))
+    _fail(
+        f"--config {fl['config'].config_filename}: could not be loaded: "
+        + " ".join(str(object.__getattribute__(cd, "_error")).split())
+    )
   if fl.target not in TARGETS:
     _fail(f"--target {fl.target!r}: unknown; expected one of {', '.join(TARGETS)}")
   if fl.completion_len < 0 or fl.prompt_len < 0:
@@ -404,14 +505,18 @@ def main(argv=None) -> None:
   target = TARGETS[fl.target]
   try:
     cfg = config_lib.validate(cd)
-    report = compile_train_step(cfg, target, prompt_len=fl.prompt_len,
-                                completion_len=fl.completion_len)
+    report = compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len)
   except (ConfigError, AotError) as e:
     _fail(" ".join(str(e).split()))
   if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
-    out = {**report.to_json(), "config": fl["config"].config_filename,
-           "chips": target.chips, "peak_tflops_per_chip": target.peak_tflops,
-           "hbm_tb_s_per_chip": target.hbm_tb_s, "jax": jax.__version__}
+    out = {
+        **report.to_json(),
+        "config": fl["config"].config_filename,
+        "chips": target.chips,
+        "peak_tflops_per_chip": target.peak_tflops,
+        "hbm_tb_s_per_chip": target.hbm_tb_s,
+        "jax": jax.__version__,
+    }
     with open(fl.json, "w") as f:
       json.dump(out, f, indent=1)
   print(format_report(report, target), flush=True)

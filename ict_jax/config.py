@@ -5,6 +5,7 @@ with a few fields changed). `validate(cd)` turns it into a `Config`, raising one
 that names the key and what was expected for an unknown key, a wrong type or a bad value.
 This runs at start-up, before anything is compiled.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,69 +21,69 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  preset: str = "tiny"            # Qwen2Config preset when `path` is empty
-  path: str = ""                  # local Hugging Face folder (config.json + *.safetensors)
-  dtype: str = "float32"          # compute dtype
-  param_dtype: str = "float32"    # master weights: float32 only for training (see validate)
-  remat_policy: str = "none"      # the scanned layer's remat in the train step: none|full|minimal
-  attention: str = "auto"         # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
-                                  # einsum | dot_product | cudnn | splash (see models/attention.py)
+  preset: str = "tiny"  # Qwen2Config preset when `path` is empty
+  path: str = ""  # local Hugging Face folder (config.json + *.safetensors)
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"  # master weights: float32 only for training (see validate)
+  remat_policy: str = "none"  # the scanned layer's remat in the train step: none|full|minimal
+  attention: str = "auto"  # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
+  # einsum | dot_product | cudnn | splash (see models/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = 1
-  fsdp: int = -1                  # -1: the rest of the devices
+  fsdp: int = -1  # -1: the rest of the devices
   tensor: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  name: str = "synthetic_arith"   # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes
-  config: str = "level1"          # builder config (e.g. synthetic level), "" for the default
-  data_dir: str = ""              # tfds data_dir ("" -> <workdir>/data)
-  manual_dir: str = ""            # where the downloaded GSM8K / MATH files are
-  prompt_style: str = "plain"     # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
+  name: str = "synthetic_arith"  # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes
+  config: str = "level1"  # builder config (e.g. synthetic level), "" for the default
+  data_dir: str = ""  # tfds data_dir ("" -> <workdir>/data)
+  manual_dir: str = ""  # where the downloaded GSM8K / MATH files are
+  prompt_style: str = "plain"  # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
   train_split: str = "train"
   eval_split: str = "test"
-  max_prompt_len: int = 512       # longer prompts are skipped and counted
+  max_prompt_len: int = 512  # longer prompts are skipped and counted
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  prompts_per_step: int = 8       # prompts in one step's batch (all hosts)
-  group_size: int = 8             # G completions per prompt
+  prompts_per_step: int = 8  # prompts in one step's batch (all hosts)
+  group_size: int = 8  # G completions per prompt
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  dtype: str = "auto"             # rollout copy of the policy: auto (bfloat16 on TPU/GPU, else
-                                  # model.dtype) | float32 | bfloat16 | float16
+  dtype: str = "auto"  # rollout copy of the policy: auto (bfloat16 on TPU/GPU, else
+  # model.dtype) | float32 | bfloat16 | float16
   decode_batch_size: str = "auto"  # rows decoded at once: "auto" (sized from free device memory;
-                                   # all rows on CPU) | "all" | a number dividing the step's rows
+  # all rows on CPU) | "all" | a number dividing the step's rows
 
 
 @dataclasses.dataclass(frozen=True)
 class IctConfig:
-  method: str = "ict"             # grpo | entropy | stapo | ict
-  top_fraction: float = 0.1       # ICT: share of each response's tokens kept (by JS)
-  warmup_steps: int = 10          # ICT: dense GRPO for the first steps
+  method: str = "ict"  # grpo | entropy | stapo | ict
+  top_fraction: float = 0.1  # ICT: share of each response's tokens kept (by JS)
+  warmup_steps: int = 10  # ICT: dense GRPO for the first steps
   entropy_top_fraction: float = 0.2  # 20-Entropy: share of the batch's tokens kept
   stapo_tau_p: float = 0.002
   stapo_tau_h_quantile: float = 0.8
-  chunk_size: int = 128           # sequence chunk of the fused LM-head / statistics pass
-  sparse_backward: bool = True    # LM-head backward on the selected rows only (exact; faster)
+  chunk_size: int = 128  # sequence chunk of the fused LM-head / statistics pass
+  sparse_backward: bool = True  # LM-head backward on the selected rows only (exact; faster)
   # ICT ablations (selection.SCORES / KEEPS / REFERENCES); top_fraction is the fourth
-  score: str = "js"               # js | kl | entropy | random: what ranks a response's tokens
-  keep: str = "unique"            # unique (the top top_fraction) | frequent (the bottom)
+  score: str = "js"  # js | kl | entropy | random: what ranks a response's tokens
+  keep: str = "unique"  # unique (the top top_fraction) | frequent (the bottom)
   reference: str = "active_mean"  # P of the JS / KL score: active_mean | others_mean
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  loss_type: str = "grpo"         # grpo | bnpo | dr_grpo | dapo (for method=grpo)
+  loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo (for method=grpo)
   advantage_scale: str = "group"  # group | batch | none
-  beta: float = 0.0               # k3 KL coefficient; a frozen reference is loaded when > 0
+  beta: float = 0.0  # k3 KL coefficient; a frozen reference is loaded when > 0
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
 
@@ -90,7 +91,7 @@ class LossConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   learning_rate: float = 1e-6
-  schedule: str = "constant"      # constant | cosine | linear
+  schedule: str = "constant"  # constant | cosine | linear
   warmup_steps: int = 0
   weight_decay: float = 0.0
   b1: float = 0.9
@@ -101,9 +102,9 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  kind: str = "math"              # math (last \\boxed{}) | choice (letter) | answer (bare answer)
-  format_weight: float = 0.0      # added weight of the format reward
-  num_workers: int = 2            # verifier processes (0: in-process)
+  kind: str = "math"  # math (last \\boxed{}) | choice (letter) | answer (bare answer)
+  format_weight: float = 0.0  # added weight of the format reward
+  num_workers: int = 2  # verifier processes (0: in-process)
   timeout_s: float = 5.0
 
 
@@ -111,6 +112,7 @@ class RewardConfig:
 class WarmStartConfig:
   """Brief supervised warm-start of a randomly initialised model (the CPU default), so that
   RL starts from a policy that sometimes succeeds. Ignored when model.path is set."""
+
   sft_steps: int = 0
   sft_batch_size: int = 32
   sft_learning_rate: float = 3e-3
@@ -119,22 +121,22 @@ class WarmStartConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 100
-  num_iterations: int = 1         # passes over each rollout batch (old log-probs kept)
-  micro_batch_size: int = 0       # sequences per micro-batch (0: the whole batch)
+  num_iterations: int = 1  # passes over each rollout batch (old log-probs kept)
+  micro_batch_size: int = 0  # sequences per micro-batch (0: the whole batch)
   seed: int = 0
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   async_checkpointing: bool = True
-  eval_every: int = 0             # 0: no periodic eval
-  eval_samples: int = 4           # samples per held-out prompt for pass@k at eval time
+  eval_every: int = 0  # 0: no periodic eval
+  eval_samples: int = 4  # samples per held-out prompt for pass@k at eval time
   eval_prompts: int = 64
   sigterm_grace_s: float = 30.0
-  profile_steps: str = ""         # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
+  profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  wandb_project: str = ""         # also log to this Weights & Biases project (needs `pip install wandb`)
+  wandb_project: str = ""  # also log to this Weights & Biases project (needs `pip install wandb`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +170,40 @@ _CHOICES = {
     "reward.kind": ("math", "choice", "answer"),
     "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
-_POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-             "train.steps", "train.num_iterations", "train.checkpoint_every",
-             "train.keep_checkpoints", "ict.chunk_size", "data.max_prompt_len",
-             "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
-             "train.eval_samples", "train.eval_prompts")
-_NON_NEGATIVE = ("ict.warmup_steps", "train.micro_batch_size", "train.eval_every",
-                 "warm_start.sft_steps", "optim.warmup_steps", "optim.weight_decay",
-                 "optim.max_grad_norm", "rollout.temperature", "rollout.top_k", "loss.beta",
-                 "loss.epsilon_low", "loss.epsilon_high", "reward.num_workers",
-                 "reward.format_weight", "train.sigterm_grace_s")
-_FRACTIONS = ("ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile",
-              "rollout.top_p")
+_POSITIVE = (
+    "rollout.prompts_per_step",
+    "rollout.group_size",
+    "rollout.max_new_tokens",
+    "train.steps",
+    "train.num_iterations",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "ict.chunk_size",
+    "data.max_prompt_len",
+    "warm_start.sft_batch_size",
+    "optim.learning_rate",
+    "reward.timeout_s",
+    "train.eval_samples",
+    "train.eval_prompts",
+)
+_NON_NEGATIVE = (
+    "ict.warmup_steps",
+    "train.micro_batch_size",
+    "train.eval_every",
+    "warm_start.sft_steps",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.max_grad_norm",
+    "rollout.temperature",
+    "rollout.top_k",
+    "loss.beta",
+    "loss.epsilon_low",
+    "loss.epsilon_high",
+    "reward.num_workers",
+    "reward.format_weight",
+    "train.sigterm_grace_s",
+)
+_FRACTIONS = ("ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile", "rollout.top_p")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -300,8 +324,10 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
   mb = cfg.train.micro_batch_size
   total = cfg.rollout.prompts_per_step * cfg.rollout.group_size
   if mb and total % mb:
-    raise ConfigError(f"config.train.micro_batch_size: {mb} does not divide the "
-                      f"{total} sequences of a step (prompts_per_step x group_size)")
+    raise ConfigError(
+        f"config.train.micro_batch_size: {mb} does not divide the "
+        f"{total} sequences of a step (prompts_per_step x group_size)"
+    )
   if cfg.train.profile_steps:
     profile_range(cfg.train.profile_steps)
   if cfg.model.param_dtype != "float32":
@@ -315,15 +341,19 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
         f"config.model.param_dtype: training keeps float32 weights, Adam moments and gradient "
         f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
         f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
-        f"model.dtype=bfloat16 and keep model.param_dtype=float32")
+        f"model.dtype=bfloat16 and keep model.param_dtype=float32"
+    )
   dbs = cfg.rollout.decode_batch_size
   if dbs not in ("auto", "all"):
     if not dbs.isdigit() or int(dbs) == 0:
-      raise ConfigError(f"config.rollout.decode_batch_size: expected 'auto', 'all' or a positive "
-                        f"int (as a string), got {dbs!r}")
+      raise ConfigError(
+          f"config.rollout.decode_batch_size: expected 'auto', 'all' or a positive " f"int (as a string), got {dbs!r}"
+      )
     if total % int(dbs):
-      raise ConfigError(f"config.rollout.decode_batch_size: {dbs} does not divide the {total} "
-                        "rows of a step (prompts_per_step x group_size)")
+      raise ConfigError(
+          f"config.rollout.decode_batch_size: {dbs} does not divide the {total} "
+          "rows of a step (prompts_per_step x group_size)"
+      )
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   return cfg
@@ -338,8 +368,7 @@ def profile_range(text: str) -> tuple[int, int]:
   if len(steps) == 1:
     steps *= 2
   if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
-    raise ConfigError(f"config.train.profile_steps: expected \"a,b\" with 1 <= a <= b (steps to trace), "
-                      f"got {text!r}")
+    raise ConfigError(f'config.train.profile_steps: expected "a,b" with 1 <= a <= b (steps to trace), ' f"got {text!r}")
   return steps[0], steps[1]
 
 
@@ -349,4 +378,3 @@ def to_dict(cfg: Config) -> dict:
 
 def from_dict(d: dict) -> Config:
   return validate(d)
-

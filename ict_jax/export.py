@@ -7,6 +7,7 @@ its sharding on the mesh, and writes `config.json` + safetensors that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads. Run it on every host of a
 multi-host job (the parameters are gathered; process 0 writes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,21 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--workdir", required=True, help="a training workdir (or its checkpoints/ folder)")
   p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   p.add_argument("--out", required=True, help="the Hugging Face folder to write")
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                 help="dtype of the written tensors (default: the saved one)")
-  p.add_argument("--mesh", type=_ints, help="data,fsdp,tensor sizes (-1: the rest) to read the "
-                 "parameters onto; default: one device")
-  p.add_argument("--ref", action="store_true", help="export the frozen reference policy (ref_params) "
-                 "instead of the trained parameters")
+  p.add_argument(
+      "--dtype",
+      choices=("float32", "bfloat16", "float16"),
+      help="dtype of the written tensors (default: the saved one)",
+  )
+  p.add_argument(
+      "--mesh",
+      type=_ints,
+      help="data,fsdp,tensor sizes (-1: the rest) to read the " "parameters onto; default: one device",
+  )
+  p.add_argument(
+      "--ref",
+      action="store_true",
+      help="export the frozen reference policy (ref_params) " "instead of the trained parameters",
+  )
   return p
 
 
@@ -43,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from ict_jax import inspect as ckpt_inspect
   from ict_jax import sharding
   from ict_jax.checkpoint import CheckpointError
+
   try:
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
   except ValueError as e:
@@ -50,8 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   try:
     with ckpt_inspect.open_checkpoint(args.workdir, args.step) as ckpt:
-      out = ckpt_inspect.to_hf(ckpt, args.out, dtype=args.dtype, mesh=mesh,
-                               item="ref_params" if args.ref else "params")
+      out = ckpt_inspect.to_hf(ckpt, args.out, dtype=args.dtype, mesh=mesh, item="ref_params" if args.ref else "params")
       print(f"wrote step {ckpt.step} of {args.workdir} to {out}")
   except (CheckpointError, KeyError, ValueError) as e:
     print(f"ict_jax.export: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ the completion mask: ``M = mask * token_mask`` is used both to zero the per-toke
 ``entropy_mask`` zeroes only the surrogate and keeps normalising by the completion mask; with
 ``token_mask=None`` the two coincide.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -43,94 +44,90 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 
 
 def _unbiased_std(centered: jax.Array, axis: int | None) -> jax.Array:
-    """sqrt(sum(x^2) / (n - 1)) of already-centred values; 0 when n == 1 (torch gives NaN)."""
-    n = centered.size if axis is None else centered.shape[axis]
-    if n < 2:
-        return jnp.zeros_like(jnp.sum(centered, axis=axis, keepdims=axis is not None))
-    return jnp.sqrt(jnp.sum(centered**2, axis=axis, keepdims=axis is not None) / (n - 1))
+  """sqrt(sum(x^2) / (n - 1)) of already-centred values; 0 when n == 1 (torch gives NaN)."""
+  n = centered.size if axis is None else centered.shape[axis]
+  if n < 2:
+    return jnp.zeros_like(jnp.sum(centered, axis=axis, keepdims=axis is not None))
+  return jnp.sqrt(jnp.sum(centered**2, axis=axis, keepdims=axis is not None) / (n - 1))
 
 
-def group_advantages(
-    rewards: jax.Array, group_size: int, scale: str = "group", eps: float = 1e-4
-) -> jax.Array:
-    """Group-relative advantages, TRL ``scale_rewards`` semantics.
+def group_advantages(rewards: jax.Array, group_size: int, scale: str = "group", eps: float = 1e-4) -> jax.Array:
+  """Group-relative advantages, TRL ``scale_rewards`` semantics.
 
-    Args:
-      rewards: [N] with N = num_prompts * group_size; rows g*G .. g*G+G-1 are the G
-        completions of prompt g.
-      group_size: G (static).
-      scale: "group": A = (r - group mean) / (unbiased group std + eps);
-        "batch": A = (r - group mean) / (unbiased std of all N rewards + eps);
-        "none": A = r - group mean.
-      eps: added to the std (TRL hard-codes 1e-4).
+  Args:
+    rewards: [N] with N = num_prompts * group_size; rows g*G .. g*G+G-1 are the G
+      completions of prompt g.
+    group_size: G (static).
+    scale: "group": A = (r - group mean) / (unbiased group std + eps);
+      "batch": A = (r - group mean) / (unbiased std of all N rewards + eps);
+      "none": A = r - group mean.
+    eps: added to the std (TRL hard-codes 1e-4).
 
-    Returns:
-      [N] float32 (float64 under x64 for float64 rewards). A group whose rewards are all
-      equal gets exactly 0 (not a rounding residue, never NaN), and so does group_size=1.
-    """
-    if scale not in ADVANTAGE_SCALES:
-        raise ValueError(
-            f"grpo.group_advantages: scale={scale!r}; expected one of {ADVANTAGE_SCALES}"
-        )
-    if rewards.ndim != 1:
-        raise ValueError(f"grpo.group_advantages: rewards must be [N], got shape {rewards.shape}")
-    if group_size < 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"grpo.group_advantages: N={rewards.shape[0]} is not a positive multiple of "
-            f"group_size={group_size}"
-        )
-    r = rewards.astype(jnp.promote_types(rewards.dtype, jnp.float32))
-    grouped = r.reshape(-1, group_size)  # [P, G]
-    centered = grouped - grouped.mean(axis=1, keepdims=True)  # [P, G]
-    constant = grouped.max(axis=1, keepdims=True) == grouped.min(axis=1, keepdims=True)
-    if scale == "group":
-        adv = centered / (_unbiased_std(centered, axis=1) + eps)
-    elif scale == "batch":
-        adv = centered / (_unbiased_std(r - r.mean(), axis=None) + eps)
-    else:
-        adv = centered
-    return jnp.where(constant, jnp.zeros_like(adv), adv).reshape(-1)
+  Returns:
+    [N] float32 (float64 under x64 for float64 rewards). A group whose rewards are all
+    equal gets exactly 0 (not a rounding residue, never NaN), and so does group_size=1.
+  """
+  if scale not in ADVANTAGE_SCALES:
+    raise ValueError(f"grpo.group_advantages: scale={scale!r}; expected one of {ADVANTAGE_SCALES}")
+  if rewards.ndim != 1:
+    raise ValueError(f"grpo.group_advantages: rewards must be [N], got shape {rewards.shape}")
+  if group_size < 1 or rewards.shape[0] % group_size:
+    raise ValueError(
+        f"grpo.group_advantages: N={rewards.shape[0]} is not a positive multiple of " f"group_size={group_size}"
+    )
+  r = rewards.astype(jnp.promote_types(rewards.dtype, jnp.float32))
+  grouped = r.reshape(-1, group_size)  # [P, G]
+  centered = grouped - grouped.mean(axis=1, keepdims=True)  # [P, G]
+  constant = grouped.max(axis=1, keepdims=True) == grouped.min(axis=1, keepdims=True)
+  if scale == "group":
+    adv = centered / (_unbiased_std(centered, axis=1) + eps)
+  elif scale == "batch":
+    adv = centered / (_unbiased_std(r - r.mean(), axis=None) + eps)
+  else:
+    adv = centered
+  return jnp.where(constant, jnp.zeros_like(adv), adv).reshape(-1)
 
 
 # ----------------------------------------------------------------------------- loss types
 class LossType(NamedTuple):
-    """How per-token losses L*M [B, T] are reduced to (numerator, denominator)."""
+  """How per-token losses L*M [B, T] are reduced to (numerator, denominator)."""
 
-    display_name: str
-    reduce: Callable[[jax.Array, jax.Array, int], tuple[jax.Array, jax.Array]]
-    description: str
+  display_name: str
+  reduce: Callable[[jax.Array, jax.Array, int], tuple[jax.Array, jax.Array]]
+  description: str
 
 
 def _per_sequence_mean(weighted, m, length):
-    del length
-    seq = weighted.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)  # [B]
-    return seq.sum(), jnp.asarray(weighted.shape[0], weighted.dtype)
+  del length
+  seq = weighted.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)  # [B]
+  return seq.sum(), jnp.asarray(weighted.shape[0], weighted.dtype)
 
 
 def _token_mean(weighted, m, length):
-    del length
-    return weighted.sum(), m.sum()
+  del length
+  return weighted.sum(), m.sum()
 
 
 def _constant_length(weighted, m, length):
-    del m
-    return weighted.sum(), jnp.asarray(weighted.shape[0] * length, weighted.dtype)
+  del m
+  return weighted.sum(), jnp.asarray(weighted.shape[0] * length, weighted.dtype)
 
 
 LOSS_TYPES: dict[str, LossType] = {
     "grpo": LossType(
-        "GRPO", _per_sequence_mean,
+        "GRPO",
+        _per_sequence_mean,
         "mean over sequences of sum_t(L*M)/max(sum_t M, 1); terms: (sum of per-sequence means, B)",
     ),
-    "bnpo": LossType(
-        "BNPO", _token_mean, "sum(L*M)/max(sum(M), 1) over the batch; terms: (sum L*M, sum M)"
-    ),
+    "bnpo": LossType("BNPO", _token_mean, "sum(L*M)/max(sum(M), 1) over the batch; terms: (sum L*M, sum M)"),
     "dr_grpo": LossType(
-        "Dr. GRPO", _constant_length,
+        "Dr. GRPO",
+        _constant_length,
         "sum(L*M)/(B*max_completion_length); terms: (sum L*M, B*max_completion_length)",
     ),
     "dapo": LossType(
-        "DAPO", _token_mean,
+        "DAPO",
+        _token_mean,
         "sum(L*M)/num_items, num_items = selected tokens of the whole step (all micro-batches, "
         "all hosts); terms: (sum L*M, sum M)",
     ),
@@ -138,36 +135,36 @@ LOSS_TYPES: dict[str, LossType] = {
 
 
 def get_loss_type(name: str) -> LossType:
-    """Registry lookup; unknown names raise ValueError listing the valid ones."""
-    if name not in LOSS_TYPES:
-        raise ValueError(f"grpo: unknown loss_type={name!r}; expected one of {sorted(LOSS_TYPES)}")
-    return LOSS_TYPES[name]
+  """Registry lookup; unknown names raise ValueError listing the valid ones."""
+  if name not in LOSS_TYPES:
+    raise ValueError(f"grpo: unknown loss_type={name!r}; expected one of {sorted(LOSS_TYPES)}")
+  return LOSS_TYPES[name]
 
 
 # ----------------------------------------------------------------------------- the loss
 class LossTerms(NamedTuple):
-    """Additive pieces of the loss: loss = numerator / max(denominator, 1).
+  """Additive pieces of the loss: loss = numerator / max(denominator, 1).
 
-    metrics maps a name to (sum, count); all leaves add across micro-batches.
-    """
+  metrics maps a name to (sum, count); all leaves add across micro-batches.
+  """
 
-    numerator: jax.Array
-    denominator: jax.Array
-    metrics: dict[str, tuple[jax.Array, jax.Array]]
+  numerator: jax.Array
+  denominator: jax.Array
+  metrics: dict[str, tuple[jax.Array, jax.Array]]
 
 
 def loss_from_terms(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """The loss from (possibly accumulated) terms; an empty batch gives 0, not NaN."""
-    return numerator / jnp.maximum(denominator, 1.0)
+  """The loss from (possibly accumulated) terms; an empty batch gives 0, not NaN."""
+  return numerator / jnp.maximum(denominator, 1.0)
 
 
 def finalize_metrics(metrics: dict[str, tuple[jax.Array, jax.Array]]) -> dict[str, jax.Array]:
-    """(sum, count) pairs -> means (0 where count == 0)."""
-    return {k: s / jnp.maximum(c, 1.0) for k, (s, c) in metrics.items()}
+  """(sum, count) pairs -> means (0 where count == 0)."""
+  return {k: s / jnp.maximum(c, 1.0) for k, (s, c) in metrics.items()}
 
 
 def _is_zero(x) -> bool:
-    return isinstance(x, (int, float)) and x == 0
+  return isinstance(x, (int, float)) and x == 0
 
 
 def policy_loss_terms(
@@ -184,79 +181,77 @@ def policy_loss_terms(
     token_mask: jax.Array | None = None,
     max_completion_length: int | None = None,
 ) -> LossTerms:
-    """Clipped-surrogate loss as additive (numerator, denominator, metrics).
+  """Clipped-surrogate loss as additive (numerator, denominator, metrics).
 
-    Args:
-      logp: [B, T] log pi_theta(y_t) (differentiated).
-      old_logp: [B, T] log pi_old(y_t) of the sampling policy (no gradient); pass
-        ``jax.lax.stop_gradient(logp)`` for on-policy steps (TRL's default).
-      advantages: [B] one per completion.
-      mask: [B, T] completion mask (1 on valid tokens, EOS included).
-      ref_logp: [B, T] reference-policy log-probs; the k3 penalty is added when given and
-        beta is not the literal 0.
-      beta: KL coefficient (may be traced).
-      epsilon_low, epsilon_high: clip range [1 - eps_low, 1 + eps_high] (clip-higher).
-      loss_type: one of LOSS_TYPES (static).
-      token_mask: [B, T] optional selection (bool or 0/1); M = mask * token_mask.
-      max_completion_length: T used by "dr_grpo" (static); default mask.shape[1].
+  Args:
+    logp: [B, T] log pi_theta(y_t) (differentiated).
+    old_logp: [B, T] log pi_old(y_t) of the sampling policy (no gradient); pass
+      ``jax.lax.stop_gradient(logp)`` for on-policy steps (TRL's default).
+    advantages: [B] one per completion.
+    mask: [B, T] completion mask (1 on valid tokens, EOS included).
+    ref_logp: [B, T] reference-policy log-probs; the k3 penalty is added when given and
+      beta is not the literal 0.
+    beta: KL coefficient (may be traced).
+    epsilon_low, epsilon_high: clip range [1 - eps_low, 1 + eps_high] (clip-higher).
+    loss_type: one of LOSS_TYPES (static).
+    token_mask: [B, T] optional selection (bool or 0/1); M = mask * token_mask.
+    max_completion_length: T used by "dr_grpo" (static); default mask.shape[1].
 
-    Per token: ratio = exp(logp - old_logp);
-      L = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A) + beta*k3,
-      k3 = exp(ref - logp) - (ref - logp) - 1.
-    Metrics (sum, count over M, no gradient): clip_frac_low (ratio < 1-eps_low and A < 0),
-    clip_frac_high (ratio > 1+eps_high and A > 0), clip_frac (either), kl (mean k3, 0
-    without ref_logp), ratio_mean.
-    """
-    kind = get_loss_type(loss_type)
-    if logp.ndim != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(
-            "grpo.policy_loss: logp, old_logp and mask must all be [B, T]; got "
-            f"{logp.shape}, {old_logp.shape}, {mask.shape}"
-        )
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(
-            f"grpo.policy_loss: advantages must be [B]={logp.shape[:1]}, got {advantages.shape}"
-        )
-    for name, extra in (("ref_logp", ref_logp), ("token_mask", token_mask)):
-        if extra is not None and extra.shape != logp.shape:
-            raise ValueError(f"grpo.policy_loss: {name} must be {logp.shape}, got {extra.shape}")
-    length = mask.shape[1] if max_completion_length is None else int(max_completion_length)
+  Per token: ratio = exp(logp - old_logp);
+    L = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A) + beta*k3,
+    k3 = exp(ref - logp) - (ref - logp) - 1.
+  Metrics (sum, count over M, no gradient): clip_frac_low (ratio < 1-eps_low and A < 0),
+  clip_frac_high (ratio > 1+eps_high and A > 0), clip_frac (either), kl (mean k3, 0
+  without ref_logp), ratio_mean.
+  """
+  kind = get_loss_type(loss_type)
+  if logp.ndim != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+    raise ValueError(
+        "grpo.policy_loss: logp, old_logp and mask must all be [B, T]; got "
+        f"{logp.shape}, {old_logp.shape}, {mask.shape}"
+    )
+  if advantages.shape != logp.shape[:1]:
+    raise ValueError(f"grpo.policy_loss: advantages must be [B]={logp.shape[:1]}, got {advantages.shape}")
+  for name, extra in (("ref_logp", ref_logp), ("token_mask", token_mask)):
+    if extra is not None and extra.shape != logp.shape:
+      raise ValueError(f"grpo.policy_loss: {name} must be {logp.shape}, got {extra.shape}")
+  length = mask.shape[1] if max_completion_length is None else int(max_completion_length)
 
-    dtype = jnp.promote_types(logp.dtype, jnp.float32)
-    logp = logp.astype(dtype)
-    old_logp = jax.lax.stop_gradient(old_logp.astype(dtype))
-    adv = jax.lax.stop_gradient(advantages.astype(dtype))[:, None]  # [B, 1]
-    m = mask.astype(dtype)
-    if token_mask is not None:
-        m = m * token_mask.astype(dtype)
-    m = jax.lax.stop_gradient(m)  # [B, T]
+  dtype = jnp.promote_types(logp.dtype, jnp.float32)
+  logp = logp.astype(dtype)
+  old_logp = jax.lax.stop_gradient(old_logp.astype(dtype))
+  adv = jax.lax.stop_gradient(advantages.astype(dtype))[:, None]  # [B, 1]
+  m = mask.astype(dtype)
+  if token_mask is not None:
+    m = m * token_mask.astype(dtype)
+  m = jax.lax.stop_gradient(m)  # [B, T]
 
-    ratio = jnp.exp(logp - old_logp)  # [B, T]
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)  # [B, T]
-    if ref_logp is not None:
-        delta = jax.lax.stop_gradient(ref_logp.astype(dtype)) - logp
-        k3 = jnp.exp(delta) - delta - 1.0  # [B, T]
-        if not _is_zero(beta):
-            per_token = per_token + beta * k3
-    else:
-        k3 = jnp.zeros_like(per_token)
+  ratio = jnp.exp(logp - old_logp)  # [B, T]
+  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+  per_token = -jnp.minimum(ratio * adv, clipped * adv)  # [B, T]
+  if ref_logp is not None:
+    delta = jax.lax.stop_gradient(ref_logp.astype(dtype)) - logp
+    k3 = jnp.exp(delta) - delta - 1.0  # [B, T]
+    if not _is_zero(beta):
+      per_token = per_token + beta * k3
+  else:
+    k3 = jnp.zeros_like(per_token)
 
-    numerator, denominator = kind.reduce(per_token * m, m, length)
+  numerator, denominator = kind.reduce(per_token * m, m, length)
 
-    sg_ratio = jax.lax.stop_gradient(ratio)
-    low = ((sg_ratio < 1.0 - epsilon_low) & (adv < 0)).astype(dtype)
-    high = ((sg_ratio > 1.0 + epsilon_high) & (adv > 0)).astype(dtype)
-    count = m.sum()
-    msum = lambda x: jnp.sum(x * m)  # noqa: E731
-    metrics = {
-        "clip_frac_low": (msum(low), count),
-        "clip_frac_high": (msum(high), count),
-        "clip_frac": (msum(jnp.maximum(low, high)), count),
-        "kl": (msum(jax.lax.stop_gradient(k3)), count),
-        "ratio_mean": (msum(sg_ratio), count),
-    }
-    return LossTerms(numerator, denominator, metrics)
+  sg_ratio = jax.lax.stop_gradient(ratio)
+  low = ((sg_ratio < 1.0 - epsilon_low) & (adv < 0)).astype(dtype)
+  high = ((sg_ratio > 1.0 + epsilon_high) & (adv > 0)).astype(dtype)
+  count = m.sum()
+  msum = lambda x: jnp.sum(x * m)  # noqa: E731
+  metrics = {
+      "clip_frac_low": (msum(low), count),
+      "clip_frac_high": (msum(high), count),
+      "clip_frac": (msum(jnp.maximum(low, high)), count),
+      "kl": (msum(jax.lax.stop_gradient(k3)), count),
+      "ratio_mean": (msum(sg_ratio), count),
+  }
+  return LossTerms(numerator, denominator, metrics)
 
 
 def policy_loss(
@@ -274,23 +269,29 @@ def policy_loss(
     num_items: jax.Array | int | None = None,
     max_completion_length: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Scalar loss and metric means; see ``policy_loss_terms`` for the arguments.
+  """Scalar loss and metric means; see ``policy_loss_terms`` for the arguments.
 
-    num_items ("dapo" only): the number of selected valid tokens of the whole optimisation
-    step, summed over micro-batches and hosts; the loss is sum(L*M) / num_items, so summing
-    the gradients of the micro-batch losses gives the step's gradient. Default: sum(M) of
-    this call (then "dapo" equals "bnpo").
-    """
-    terms = policy_loss_terms(
-        logp, old_logp, advantages, mask,
-        ref_logp=ref_logp, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        loss_type=loss_type, token_mask=token_mask, max_completion_length=max_completion_length,
-    )
-    denominator = terms.denominator
-    if num_items is not None:
-        if loss_type != "dapo":
-            raise ValueError(
-                f"grpo.policy_loss: num_items is only used by loss_type='dapo', got {loss_type!r}"
-            )
-        denominator = jnp.asarray(num_items, terms.numerator.dtype)
-    return loss_from_terms(terms.numerator, denominator), finalize_metrics(terms.metrics)
+  num_items ("dapo" only): the number of selected valid tokens of the whole optimisation
+  step, summed over micro-batches and hosts; the loss is sum(L*M) / num_items, so summing
+  the gradients of the micro-batch losses gives the step's gradient. Default: sum(M) of
+  this call (then "dapo" equals "bnpo").
+  """
+  terms = policy_loss_terms(
+      logp,
+      old_logp,
+      advantages,
+      mask,
+      ref_logp=ref_logp,
+      beta=beta,
+      epsilon_low=epsilon_low,
+      epsilon_high=epsilon_high,
+      loss_type=loss_type,
+      token_mask=token_mask,
+      max_completion_length=max_completion_length,
+  )
+  denominator = terms.denominator
+  if num_items is not None:
+    if loss_type != "dapo":
+      raise ValueError(f"grpo.policy_loss: num_items is only used by loss_type='dapo', got {loss_type!r}")
+    denominator = jnp.asarray(num_items, terms.numerator.dtype)
+  return loss_from_terms(terms.numerator, denominator), finalize_metrics(terms.metrics)

@@ -17,6 +17,7 @@ The decoder layers' parameters are stacked: `layers/<name>` is one [L, ...] tens
 scans over it); per-layer figures ("layers/3") are computed on its slices.
 Nothing here writes to the checkpoint directory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +60,11 @@ def _spec_entry(e) -> str:
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
   """Metadata of one saved array, as Orbax recorded it (nothing is read from the array files)."""
-  path: str                       # "layers/3/attn/q_proj/kernel" (relative to the item)
+
+  path: str  # "layers/3/attn/q_proj/kernel" (relative to the item)
   shape: tuple[int, ...]
   dtype: np.dtype
-  sharding: Any = None            # orbax ShardingMetadata (Named / SingleDevice) or None
+  sharding: Any = None  # orbax ShardingMetadata (Named / SingleDevice) or None
 
   @property
   def size(self) -> int:
@@ -87,7 +89,7 @@ class TensorInfo:
 
   @property
   def spec_str(self) -> str:
-    """"P(None, 'fsdp')" for a NamedSharding, "device cpu:0" for one device, "?" when unknown."""
+    """ "P(None, 'fsdp')" for a NamedSharding, "device cpu:0" for one device, "?" when unknown."""
     spec = self.partition_spec
     if spec is not None:
       return "P(" + ", ".join(_spec_entry(e) for e in spec) + ")"
@@ -114,10 +116,12 @@ class TensorInfo:
   def __treescope_repr__(self, path, subtree_renderer):
     del subtree_renderer
     from treescope import rendering_parts as rp
+
     dims = ", ".join(str(d) for d in self.shape)
     line = rp.siblings(
         rp.text(f"{np.dtype(self.dtype).name}[{dims}]"),
-        rp.comment_color(rp.text(f"  {self.spec_str}  {_human_bytes(self.nbytes)}")))
+        rp.comment_color(rp.text(f"  {self.spec_str}  {_human_bytes(self.nbytes)}")),
+    )
     return rp.build_one_line_tree_node(line, path)
 
 
@@ -150,8 +154,7 @@ def _read_group(path: str) -> str:
 
 def _group_sort_key(group: str):
   parts = group.split("/")
-  return (_ORDER.get(parts[0], len(_ORDER)), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0,
-          group)
+  return (_ORDER.get(parts[0], len(_ORDER)), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0, group)
 
 
 def _nest(flat: Mapping[str, Any]) -> dict:
@@ -230,14 +233,19 @@ class Checkpoint:
   def config(self):
     """The run's validated `Config` from the meta item (None when it no longer validates)."""
     from ict_jax import config as config_lib
+
     raw = self.meta().get("config")
     if raw is None:
       return None
     try:
       return config_lib.from_dict(raw)
     except config_lib.ConfigError as e:
-      log.warning("%s/%d/meta: config does not validate (%s); using the tensor shapes only",
-                  os.fspath(self.directory), self.step, e)
+      log.warning(
+          "%s/%d/meta: config does not validate (%s); using the tensor shapes only",
+          os.fspath(self.directory),
+          self.step,
+          e,
+      )
       return None
 
   def tensors(self, step: int | None = None, *, item: str | None = "params") -> dict[str, TensorInfo]:
@@ -249,20 +257,30 @@ class Checkpoint:
       if tree is None:
         raise CheckpointError(f"{os.fspath(self.directory / str(step))}/state: no Orbax tree metadata")
       self._tensors[step] = {
-          "/".join(str(k) for k in keys): TensorInfo("/".join(str(k) for k in keys), tuple(int(d) for d in leaf.shape),
-                                                     np.dtype(leaf.dtype), getattr(leaf, "sharding", None))
-          for keys, leaf in _walk(tree)}
+          "/".join(str(k) for k in keys): TensorInfo(
+              "/".join(str(k) for k in keys),
+              tuple(int(d) for d in leaf.shape),
+              np.dtype(leaf.dtype),
+              getattr(leaf, "sharding", None),
+          )
+          for keys, leaf in _walk(tree)
+      }
     everything = self._tensors[step]
     if item is None:
       return dict(everything)
     if item not in _ITEMS:
       raise ValueError(f"item {item!r}: expected one of {sorted(_ITEMS)} or None")
     prefix = "/".join(_ITEMS[item]) + "/"
-    out = {p[len(prefix):]: dataclasses.replace(t, path=p[len(prefix):])
-           for p, t in everything.items() if p.startswith(prefix)}
+    out = {
+        p[len(prefix) :]: dataclasses.replace(t, path=p[len(prefix) :])
+        for p, t in everything.items()
+        if p.startswith(prefix)
+    }
     if not out:
-      raise CheckpointError(f"{os.fspath(self.directory / str(step))}: no '{item}' in the saved state "
-                            f"(top-level items: {sorted({p.split('/')[0] for p in everything})})")
+      raise CheckpointError(
+          f"{os.fspath(self.directory / str(step))}: no '{item}' in the saved state "
+          f"(top-level items: {sorted({p.split('/')[0] for p in everything})})"
+      )
     return out
 
   def tree(self, step: int | None = None, *, item: str | None = "params") -> dict:
@@ -276,8 +294,9 @@ class Checkpoint:
   def model_config(self):
     """The `Qwen2Config` of the saved parameters (see `_resolve_model_config`)."""
     if self._model_config is None:
-      self._model_config = _resolve_model_config(self.tensors(), self.config,
-                                                 os.fspath(self.directory / str(self.step)))
+      self._model_config = _resolve_model_config(
+          self.tensors(), self.config, os.fspath(self.directory / str(self.step))
+      )
     return self._model_config
 
   # ---- rendering -----------------------------------------------------------------------------
@@ -285,24 +304,35 @@ class Checkpoint:
     step = self._check_step(step)
     params = self.tensors(step)
     meshes = {json.dumps(t.mesh) for t in params.values() if t.mesh}
-    mesh = " ".join(f"{k}={v}" for k, v in json.loads(meshes.pop()).items()) if len(meshes) == 1 else (
-        "several meshes" if meshes else "no mesh recorded")
+    mesh = (
+        " ".join(f"{k}={v}" for k, v in json.loads(meshes.pop()).items())
+        if len(meshes) == 1
+        else ("several meshes" if meshes else "no mesh recorded")
+    )
     n = sum(t.size for t in params.values())
     full = self.nbytes(step, item=None)
-    return (f"checkpoint {os.fspath(self.directory)}  step {step}  (steps {self.steps})\n"
-            f"params: {len(params)} tensors, {n:,} parameters, {_human_bytes(self.nbytes(step))}; "
-            f"whole state {_human_bytes(full)}; saved on mesh {mesh}")
+    return (
+        f"checkpoint {os.fspath(self.directory)}  step {step}  (steps {self.steps})\n"
+        f"params: {len(params)} tensors, {n:,} parameters, {_human_bytes(self.nbytes(step))}; "
+        f"whole state {_human_bytes(full)}; saved on mesh {mesh}"
+    )
 
   def render_text(self, step: int | None = None, *, item: str | None = "params") -> str:
     """A plain-text table: path, dtype[shape], saved sharding, bytes (and bytes per device)."""
-    rows = [(t.path, f"{np.dtype(t.dtype).name}[{', '.join(map(str, t.shape))}]", t.spec_str,
-             _human_bytes(t.nbytes), _human_bytes(t.shard_nbytes))
-            for t in self.tensors(step, item=item).values()]
+    rows = [
+        (
+            t.path,
+            f"{np.dtype(t.dtype).name}[{', '.join(map(str, t.shape))}]",
+            t.spec_str,
+            _human_bytes(t.nbytes),
+            _human_bytes(t.shard_nbytes),
+        )
+        for t in self.tensors(step, item=item).values()
+    ]
     head = ("path", "dtype[shape]", "sharding", "bytes", "per device")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([self.header(step), fmt(head), fmt(tuple("-" * w for w in widths))]
-                     + [fmt(r) for r in rows])
+    return "\n".join([self.header(step), fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
 
   def show(self, step: int | None = None, *, item: str | None = "params", max_height: int = 80) -> None:
     """Treescope (collapsible tree, one line per tensor, about `max_height` lines expanded) in a
@@ -311,6 +341,7 @@ class Checkpoint:
       print(self.render_text(step, item=item))
       return
     import treescope
+
     print(self.header(step))
     with treescope.using_expansion_strategy(max_height=max_height, target_width=100):
       treescope.display(self.tree(step, item=item))
@@ -331,8 +362,7 @@ class Checkpoint:
     self.close()
 
 
-def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None, *,
-                    model_config=None) -> Checkpoint:
+def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None, *, model_config=None) -> Checkpoint:
   """A workdir, its `checkpoints/` folder, or one `checkpoints/<step>/` folder -> `Checkpoint`.
 
   `step` (default: the step of a step folder, else the latest) selects `.step`. `model_config`
@@ -352,22 +382,28 @@ def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None,
 # ---- the architecture -------------------------------------------------------------------------
 def _shape_dims(params: Mapping[str, TensorInfo], where: str) -> dict:
   """Architecture sizes read off the parameter shapes."""
-  need = ("embed/embedding", "layers/attn/q_proj/kernel", "layers/attn/k_proj/kernel",
-          "layers/mlp/gate_proj/kernel")
+  need = ("embed/embedding", "layers/attn/q_proj/kernel", "layers/attn/k_proj/kernel", "layers/mlp/gate_proj/kernel")
   missing = [p for p in need if p not in params]
   if missing and "layers/0/attn/q_proj/kernel" in params:
-    raise CheckpointError(f"{where}: saved with one tensor per decoder layer (layers/0/...), the "
-                          "layout before the scanned layers; this version reads stacked layers/... "
-                          "tensors only")
+    raise CheckpointError(
+        f"{where}: saved with one tensor per decoder layer (layers/0/...), the "
+        "layout before the scanned layers; this version reads stacked layers/... "
+        "tensors only"
+    )
   if missing:
     raise CheckpointError(f"{where}: not a Qwen2 parameter tree (missing {missing})")
   vocab, hidden = params["embed/embedding"].shape
   layers, _, heads, _ = params["layers/attn/q_proj/kernel"].shape
   _, _, kv_heads, _ = params["layers/attn/k_proj/kernel"].shape
-  return dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
-              num_key_value_heads=kv_heads, num_hidden_layers=layers,
-              intermediate_size=params["layers/mlp/gate_proj/kernel"].shape[2],
-              tie_word_embeddings="lm_head/kernel" not in params)
+  return dict(
+      vocab_size=vocab,
+      hidden_size=hidden,
+      num_attention_heads=heads,
+      num_key_value_heads=kv_heads,
+      num_hidden_layers=layers,
+      intermediate_size=params["layers/mlp/gate_proj/kernel"].shape[2],
+      tie_word_embeddings="lm_head/kernel" not in params,
+  )
 
 
 def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
@@ -375,6 +411,7 @@ def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
   matches the saved shapes; else the preset with those shapes; else the shapes with Qwen2.5's
   defaults (rope_theta 1e6), with a warning. Parameter dtype: the saved one."""
   from ict_jax.models.config import PRESETS, Qwen2Config
+
   dims = _shape_dims(params, where)
   pdt = np.dtype(params["embed/embedding"].dtype).name
   dtype = cfg.model.dtype if cfg is not None else pdt
@@ -382,19 +419,28 @@ def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
   if cfg is not None:
     from ict_jax import setup
     from ict_jax.config import ConfigError
+
     try:
       run = setup.model_config(cfg, cfg.model.path)
       if matches(run):
         return run.replace(param_dtype=pdt)
-      log.warning("%s: the run's model (%s) does not match the saved shapes %s", where,
-                  cfg.model.path or f"preset {cfg.model.preset!r}", dims)
+      log.warning(
+          "%s: the run's model (%s) does not match the saved shapes %s",
+          where,
+          cfg.model.path or f"preset {cfg.model.preset!r}",
+          dims,
+      )
     except ConfigError as e:
       log.warning("%s: the run's model cannot be read (%s); using the saved shapes", where, e)
   for preset in PRESETS.values():
     if matches(preset):
       return preset.replace(dtype=dtype, param_dtype=pdt)
-  log.warning("%s: no preset has the saved shapes %s; assuming Qwen2.5 defaults for rope_theta and "
-              "rms_norm_eps (pass model_config= to open_checkpoint to override)", where, dims)
+  log.warning(
+      "%s: no preset has the saved shapes %s; assuming Qwen2.5 defaults for rope_theta and "
+      "rms_norm_eps (pass model_config= to open_checkpoint to override)",
+      where,
+      dims,
+  )
   return Qwen2Config(**dims, dtype=dtype, param_dtype=pdt)
 
 
@@ -402,9 +448,9 @@ def param_axes(model_config) -> dict[str, tuple]:
   """{param path: logical axis names} from the model's `axes` metadata (no memory used)."""
   from flax import nnx
   from ict_jax.models.qwen2 import abstract_model
+
   state = nnx.state(abstract_model(model_config), nnx.Param)
-  return {"/".join(str(k) for k in keys): tuple(var.get_metadata()["axes"])
-          for keys, var in nnx.to_flat_state(state)}
+  return {"/".join(str(k) for k in keys): tuple(var.get_metadata()["axes"]) for keys, var in nnx.to_flat_state(state)}
 
 
 # ---- reading tensors ----------------------------------------------------------------------------
@@ -412,6 +458,7 @@ def _placement(info: TensorInfo, mesh, axes: Mapping[str, tuple] | None):
   if mesh is None:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   from ict_jax.models.axes import logical_to_spec
+
   names = axes.get(info.path) if axes else None
   if names is None:
     raise KeyError(f"no logical axes for parameter {info.path!r} in the model's metadata")
@@ -421,6 +468,7 @@ def _placement(info: TensorInfo, mesh, axes: Mapping[str, tuple] | None):
 def _restore(ckpt: Checkpoint, step: int, item: str, infos: list[TensorInfo], mesh) -> dict[str, jax.Array]:
   """Partial restore of exactly `infos` (paths relative to `item`) -> {path: array}."""
   import orbax.checkpoint as ocp
+
   axes = None
   if mesh is not None:
     if ckpt._axes is None:
@@ -449,12 +497,13 @@ def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> tuple[TensorIn
     if stacked is not None and int(parts[1]) < stacked.shape[0]:
       return stacked, int(parts[1])
   close = difflib.get_close_matches(path, list(tensors), n=3)
-  raise KeyError(f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
-                 + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}"))
+  raise KeyError(
+      f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
+      + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}")
+  )
 
 
-def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = None,
-               item: str = "params") -> jax.Array:
+def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = None, item: str = "params") -> jax.Array:
   """One tensor (e.g. "layers/attn/q_proj/kernel", all layers [L, D, N, H]), read alone by Orbax
   partial restore; "layers/3/attn/q_proj/kernel" is layer 3's slice [D, N, H] of it (the stacked
   tensor is read, then sliced).
@@ -469,6 +518,7 @@ def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = Non
   out = x.sharding
   if mesh is not None:
     from ict_jax.models.axes import logical_to_spec
+
     names = ckpt._axes[info.path][1:]
     out = jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape[1:], dict(mesh.shape)))
   return jax.jit(lambda x: x[layer], out_shardings=out)(x)
@@ -491,6 +541,7 @@ def restore_model(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item:
   """The `Qwen2` model (nnx) holding the step's parameters."""
   from flax import nnx
   from ict_jax.models.qwen2 import abstract_model
+
   graphdef, _ = nnx.split(abstract_model(ckpt.model_config))
   return nnx.merge(graphdef, load_params(ckpt, step, mesh=mesh, item=item))
 
@@ -508,8 +559,7 @@ def _sumsq(tree):  # {path: array} -> {path: float32 [] or [L]}
 
 @jax.jit
 def _diff_sumsq(a, b):  # -> {path: sum((b - a)^2), [] or [L]}
-  return {p: _sum_per_layer(p, jnp.square(b[p].astype(jnp.float32) - x.astype(jnp.float32)))
-          for p, x in a.items()}
+  return {p: _sum_per_layer(p, jnp.square(b[p].astype(jnp.float32) - x.astype(jnp.float32))) for p, x in a.items()}
 
 
 def _host_sums(sums) -> dict[str, np.ndarray]:
@@ -524,8 +574,7 @@ def _layer_norms(tensor_sumsq: Mapping[str, np.ndarray]) -> dict[str, float]:
   """Per layer group: "layers/i" gathers layer i's slice of every stacked tensor."""
   out: dict[str, float] = {}
   for path, s in tensor_sumsq.items():
-    per_group = ({f"layers/{i}": x for i, x in enumerate(s)} if _stacked(path)
-                 else {layer_group(path): float(s)})
+    per_group = {f"layers/{i}": x for i, x in enumerate(s)} if _stacked(path) else {layer_group(path): float(s)}
     for g, x in per_group.items():
       out[g] = out.get(g, 0.0) + float(x)
   return {g: math.sqrt(out[g]) for g in sorted(out, key=_group_sort_key)}
@@ -534,13 +583,15 @@ def _layer_norms(tensor_sumsq: Mapping[str, np.ndarray]) -> dict[str, float]:
 def _table(rows: list[tuple], head: tuple) -> str:
   cells = [head] + [tuple(c if isinstance(c, str) else f"{c:.4g}" for c in r) for r in rows]
   widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                   for r in cells)
+  return "\n".join(
+      "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamStats:
   """L2 norms of one step's parameters: per tensor and per layer group ("embed", "layers/3", ...)."""
+
   step: int
   tensor_norms: dict[str, float]
   layer_norms: dict[str, float]
@@ -566,6 +617,7 @@ def _relative(delta: float, base: float) -> float:
 class ParamDiff:
   """How far the parameters moved from `step_a` to `step_b`: ||b - a|| and ||a||, per tensor and
   per layer group; `*_relative` = ||b - a|| / ||a||."""
+
   step_a: int
   step_b: int
   tensor_delta: dict[str, float]
@@ -584,8 +636,7 @@ class ParamDiff:
   def render_text(self) -> str:
     rel = self.layer_relative
     rows = [(g, d, self.layer_norm[g], rel[g]) for g, d in self.layer_delta.items()]
-    return (f"step {self.step_a} -> {self.step_b}\n"
-            + _table(rows, ("layer", "||b-a||", "||a||", "relative")))
+    return f"step {self.step_a} -> {self.step_b}\n" + _table(rows, ("layer", "||b-a||", "||a||", "relative"))
 
 
 def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "params") -> ParamDiff:
@@ -593,32 +644,57 @@ def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "
   at a time."""
   step_a, step_b = ckpt._check_step(step_a), ckpt._check_step(step_b)
   ta, tb = ckpt.tensors(step_a, item=item), ckpt.tensors(step_b, item=item)
-  mismatch = sorted(p for p in set(ta) | set(tb)
-                    if p not in ta or p not in tb or (ta[p].shape, ta[p].dtype) != (tb[p].shape, tb[p].dtype))
+  mismatch = sorted(
+      p
+      for p in set(ta) | set(tb)
+      if p not in ta or p not in tb or (ta[p].shape, ta[p].dtype) != (tb[p].shape, tb[p].dtype)
+  )
   if mismatch:
-    raise ValueError(f"{os.fspath(ckpt.directory)}: steps {step_a} and {step_b} differ in tensors "
-                     f"{mismatch[:4]} (missing, or another shape/dtype)")
+    raise ValueError(
+        f"{os.fspath(ckpt.directory)}: steps {step_a} and {step_b} differ in tensors "
+        f"{mismatch[:4]} (missing, or another shape/dtype)"
+    )
   delta, base = {}, {}
   for infos in _groups(ckpt, step_a, item).values():
     a = _restore(ckpt, step_a, item, infos, mesh)
     b = _restore(ckpt, step_b, item, infos, mesh)
     delta.update(_host_sums(_diff_sumsq(a, b)))
     base.update(_host_sums(_sumsq(a)))
-  return ParamDiff(step_a, step_b, _tensor_norms(delta), _tensor_norms(base), _layer_norms(delta),
-                   _layer_norms(base))
+  return ParamDiff(step_a, step_b, _tensor_norms(delta), _tensor_norms(base), _layer_norms(delta), _layer_norms(base))
 
 
 # ---- export -------------------------------------------------------------------------------------------
-def to_hf(ckpt: Checkpoint, out_dir: str | os.PathLike, step: int | None = None, *, dtype=None,
-          mesh=None, item: str = "params") -> str:
+def to_hf(
+    ckpt: Checkpoint,
+    out_dir: str | os.PathLike,
+    step: int | None = None,
+    *,
+    dtype=None,
+    mesh=None,
+    item: str = "params",
+) -> str:
   """Write the step's parameters as a Hugging Face folder (`config.json` + safetensors) that
   `transformers.AutoModelForCausalLM.from_pretrained` loads; `dtype` defaults to the saved one.
   Call on every host with a multi-host mesh (process 0 writes). Returns `out_dir`."""
   from ict_jax.models.hf import save_pretrained
+
   model = restore_model(ckpt, step, mesh=mesh, item=item)
   save_pretrained(model, os.fspath(out_dir), dtype=dtype)
   return os.fspath(out_dir)
 
 
-__all__ = ["Checkpoint", "TensorInfo", "ParamStats", "ParamDiff", "open_checkpoint", "load_param",
-           "load_params", "restore_model", "param_stats", "diff", "to_hf", "param_axes", "layer_group"]
+__all__ = [
+    "Checkpoint",
+    "TensorInfo",
+    "ParamStats",
+    "ParamDiff",
+    "open_checkpoint",
+    "load_param",
+    "load_params",
+    "restore_model",
+    "param_stats",
+    "diff",
+    "to_hf",
+    "param_axes",
+    "layer_group",
+]

@@ -16,6 +16,7 @@ warm-up steps, or a capacity overflow) every row is recomputed in chunks. The ch
 `lax.cond` on the actual count, so the result is the exact gradient either way; `grad_rows` is
 only a performance hint (0 = always dense).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,7 @@ from ict_jax.models.axes import constrain
 __all__ = ["logp_and_stats", "sparse_grad_rows"]
 
 
-def sparse_grad_rows(method: str, top_fraction: float, entropy_top_fraction: float,
-                     rows: int, length: int) -> int:
+def sparse_grad_rows(method: str, top_fraction: float, entropy_top_fraction: float, rows: int, length: int) -> int:
   """Capacity of the sparse backward for `rows` responses of `length` completion positions.
 
   ICT keeps ceil(f * len_i) <= ceil(f * length) tokens per response, so rows * that bounds its
@@ -94,13 +94,11 @@ def _head_weight(w, dtype, vocab_major: bool):
 
 def _logits(h, w, temperature: float, names, vocab_major: bool):
   h = constrain(h, names[:-1] + (None,))
-  logits = jnp.einsum(f"...D,{_w(vocab_major)}->...V", h, w,
-                      preferred_element_type=jnp.float32) / temperature
+  logits = jnp.einsum(f"...D,{_w(vocab_major)}->...V", h, w, preferred_element_type=jnp.float32) / temperature
   return constrain(logits, names)
 
 
-def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major,
-             reference="active_mean", kl=False):
+def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major, reference="active_mean", kl=False):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
 
@@ -122,6 +120,7 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
 
   B blocks run one after the other (`lax.scan`, dW accumulated in float32, vocabulary-sharded
   like w)."""
+
   def block(dw, xs):
     h_b, ids_b, lse_b, g_b = xs
     logits = _logits(h_b, w, temperature, names, vocab_major)  # [R, V] or [N, k, V]
@@ -140,16 +139,35 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major,
-                    reference, kl):
-  logp, _, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
-                            group_size, chunk_size, vocab_major, reference, kl)
+def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
+  logp, _, stats = _forward(
+      h,
+      _head_weight(w, h.dtype, vocab_major),
+      ids,
+      mask,
+      temperature,
+      group_size,
+      chunk_size,
+      vocab_major,
+      reference,
+      kl,
+  )
   return logp, stats
 
 
 def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
-  logp, lse, stats = _forward(h, _head_weight(w, h.dtype, vocab_major), ids, mask, temperature,
-                              group_size, chunk_size, vocab_major, reference, kl)
+  logp, lse, stats = _forward(
+      h,
+      _head_weight(w, h.dtype, vocab_major),
+      ids,
+      mask,
+      temperature,
+      group_size,
+      chunk_size,
+      vocab_major,
+      reference,
+      kl,
+  )
   return (logp, stats), (h, w, ids, lse)
 
 
@@ -162,9 +180,16 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference,
   n_chunks, k = _split(c, chunk_size)
 
   def dense(_):
-    dh, dw = _rows_backward(_chunked(h, n_chunks, k), w, _chunked(ids, n_chunks, k),
-                            _chunked(lse, n_chunks, k), _chunked(g, n_chunks, k), temperature,
-                            LOGIT_NAMES, vocab_major)
+    dh, dw = _rows_backward(
+        _chunked(h, n_chunks, k),
+        w,
+        _chunked(ids, n_chunks, k),
+        _chunked(lse, n_chunks, k),
+        _chunked(g, n_chunks, k),
+        temperature,
+        LOGIT_NAMES,
+        vocab_major,
+    )
     return _unchunked(dh, c), dw
 
   if not 0 < grad_rows < n * c:
@@ -181,8 +206,9 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference,
       valid = jnp.arange(cap) < nnz
       take = lambda x: x.reshape(n * c, *x.shape[2:])[idx].reshape(n_blocks, block, *x.shape[2:])
       g_s = jnp.where(valid, flat[idx], 0.0).reshape(n_blocks, block)
-      dh_s, dw = _rows_backward(take(h), w, take(ids), take(lse), g_s, temperature,
-                                ("act_head_batch", "act_head_vocab"), vocab_major)
+      dh_s, dw = _rows_backward(
+          take(h), w, take(ids), take(lse), g_s, temperature, ("act_head_batch", "act_head_vocab"), vocab_major
+      )
       dh_s = jnp.where(valid[:, None], dh_s.reshape(cap, d), 0)
       dh = jnp.zeros((n * c, d), h.dtype).at[idx].add(dh_s).reshape(n, c, d)
       return dh, dw
@@ -194,9 +220,20 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference,
 _logp_and_stats.defvjp(_fwd, _bwd)
 
 
-def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | None,
-                   chunk_size: int = 128, grad_rows: int = 0, vocab_major: bool = False,
-                   reference: str = "active_mean", kl: bool = False):
+def logp_and_stats(
+    h,
+    w,
+    ids,
+    mask,
+    *,
+    temperature: float,
+    group_size: int | None,
+    chunk_size: int = 128,
+    grad_rows: int = 0,
+    vocab_major: bool = False,
+    reference: str = "active_mean",
+    kl: bool = False,
+):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
   h [N, C, D] final hidden states at the positions that predict ids [N, C]; w the LM head as
@@ -205,5 +242,16 @@ def logp_and_stats(h, w, ids, mask, *, temperature: float, group_size: int | Non
   accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc).
   `reference`, `kl`: as for `selection.chunk_stats` (ICT's ablations)."""
-  return _logp_and_stats(h, w, ids, mask.astype(jnp.float32), float(temperature), group_size,
-                         int(chunk_size), int(grad_rows), bool(vocab_major), str(reference), bool(kl))
+  return _logp_and_stats(
+      h,
+      w,
+      ids,
+      mask.astype(jnp.float32),
+      float(temperature),
+      group_size,
+      int(chunk_size),
+      int(grad_rows),
+      bool(vocab_major),
+      str(reference),
+      bool(kl),
+  )

@@ -11,6 +11,7 @@ by their first step: ``cat <workdir>/metrics/*.jsonl`` is the log in step order,
 Only process 0 writes (`enabled`). On resume at step `initial`, parts starting after it are
 deleted and lines past it are dropped from the last part left, so the log stays one line per step.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,7 @@ def read_log(workdir: str | os.PathLike, name: str = "metrics") -> list[dict]:
 class JsonlLog:
   """One log of a run: records go to the current part, which is rewritten whole each `write`."""
 
-  def __init__(self, folder: epath.Path, initial: int, *, part_steps: int = PART_STEPS,
-               part_bytes: int = PART_BYTES):
+  def __init__(self, folder: epath.Path, initial: int, *, part_steps: int = PART_STEPS, part_bytes: int = PART_BYTES):
     self.folder, self.part_steps, self.part_bytes = folder, part_steps, part_bytes
     folder.mkdir(parents=True, exist_ok=True)
     for first, part in _parts(folder):  # resume: nothing past step `initial` survives
@@ -85,8 +85,7 @@ class JsonlLog:
     if not records:
       return
     lines = [json.dumps(r) for r in records]
-    if self._first is not None and (len(self._steps | {step}) > self.part_steps
-                                    or self._bytes >= self.part_bytes):
+    if self._first is not None and (len(self._steps | {step}) > self.part_steps or self._bytes >= self.part_bytes):
       self._first, self._lines, self._steps, self._bytes = None, [], set(), 0
     if self._first is None:
       self._first = step
@@ -99,32 +98,48 @@ class JsonlLog:
 def import_wandb():
   """The `wandb` module, or one ConfigError saying how to get it (imported only when asked for)."""
   from ict_jax.config import ConfigError
+
   try:
     import wandb
   except ImportError:
-    raise ConfigError("config.log.wandb_project is set but the wandb package is not installed: "
-                      "pip install wandb (or leave log.wandb_project empty)") from None
+    raise ConfigError(
+        "config.log.wandb_project is set but the wandb package is not installed: "
+        "pip install wandb (or leave log.wandb_project empty)"
+    ) from None
   return wandb
 
 
 def _numbers(record: dict[str, Any]):
-  return {k: v for k, v in record.items()
-          if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+  return {
+      k: v
+      for k, v in record.items()
+      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  }
 
 
 class MetricsLogger:
 
-  def __init__(self, workdir: str, *, enabled: bool = True, progress: bool = True, total: int = 0,
-               initial: int = 0, config: dict | None = None, tensorboard: bool = True,
-               wandb_project: str = ""):
+  def __init__(
+      self,
+      workdir: str,
+      *,
+      enabled: bool = True,
+      progress: bool = True,
+      total: int = 0,
+      initial: int = 0,
+      config: dict | None = None,
+      tensorboard: bool = True,
+      wandb_project: str = "",
+  ):
     self.enabled = enabled
     self._bar = self._tb = self._wandb = None
     self._eval: dict[str, str] = {}
     if not enabled:
       return
     if wandb_project:
-      self._wandb = import_wandb().init(project=wandb_project, config=config,
-                                        name=os.path.basename(os.fspath(workdir).rstrip("/")) or None)
+      self._wandb = import_wandb().init(
+          project=wandb_project, config=config, name=os.path.basename(os.fspath(workdir).rstrip("/")) or None
+      )
     root = epath.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     if config is not None:
@@ -134,11 +149,13 @@ class MetricsLogger:
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
+
         self._tb = SummaryWriter(os.fspath(root / "tb"))
       except ImportError:  # optional
         self._tb = None
     if progress:
       from tqdm.auto import tqdm
+
       self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
   def write(self, record: dict[str, Any], samples: list[dict] | None = None) -> None:
@@ -155,13 +172,18 @@ class MetricsLogger:
       self._wandb.log(numbers, step=step)
     if self._bar is not None:
       nan = float("nan")
-      self._eval = {k[len("eval_"):].replace("_at_", "@"): f"{v:.3f}" for k, v in record.items()
-                    if k.startswith("eval_pass_at_")} or self._eval  # the latest evaluation
-      self._bar.set_postfix(reward=f"{record.get('reward_mean', nan):.3f}",
-                            entropy=f"{record.get('entropy', nan):.3f}",
-                            lr=f"{record.get('learning_rate', nan):.2e}",
-                            tok_s_chip=f"{record.get('tokens_per_s_per_chip', nan):.0f}",
-                            mfu=f"{100 * record.get('mfu', nan):.1f}%", **self._eval, refresh=False)
+      self._eval = {
+          k[len("eval_") :].replace("_at_", "@"): f"{v:.3f}" for k, v in record.items() if k.startswith("eval_pass_at_")
+      } or self._eval  # the latest evaluation
+      self._bar.set_postfix(
+          reward=f"{record.get('reward_mean', nan):.3f}",
+          entropy=f"{record.get('entropy', nan):.3f}",
+          lr=f"{record.get('learning_rate', nan):.2e}",
+          tok_s_chip=f"{record.get('tokens_per_s_per_chip', nan):.0f}",
+          mfu=f"{100 * record.get('mfu', nan):.1f}%",
+          **self._eval,
+          refresh=False,
+      )
       self._bar.update(1)
 
   def close(self) -> None:

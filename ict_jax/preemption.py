@@ -12,6 +12,7 @@ boundary on, and `drop_step` additionally lets the loop abandon a step whose tra
 end within `train.sigterm_grace_s` (a jitted call cannot be interrupted). With several processes
 the step in flight always finishes: the hosts only agree at step boundaries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,9 +39,12 @@ class Preemption:
   def __enter__(self) -> "Preemption":
     if self.agreed:
       from jax._src import distributed
+
       if distributed.global_state.preemption_sync_manager is None:
-        log.warning("JAX's preemption service is off (jax_enable_preemption_service=False): "
-                    "SIGTERM will not save a checkpoint on this multi-process run")
+        log.warning(
+            "JAX's preemption service is off (jax_enable_preemption_service=False): "
+            "SIGTERM will not save a checkpoint on this multi-process run"
+        )
     elif hasattr(signal, "SIGTERM"):  # JAX's service owns SIGTERM when agreed: do not replace it
       try:
         self._old = signal.signal(signal.SIGTERM, self._handle)
@@ -52,14 +56,14 @@ class Preemption:
     if not self.requested:
       self.deadline = time.monotonic() + self.grace_s
     self.requested = Preemption.stopped = True
-    log.warning("SIGTERM: saving a checkpoint within %g s (train.sigterm_grace_s), then exiting",
-                self.grace_s)
+    log.warning("SIGTERM: saving a checkpoint within %g s (train.sigterm_grace_s), then exiting", self.grace_s)
 
   def reached(self, step: int) -> bool:
     """Whether to save `step` (completed steps) and stop, asked before step `step + 1` starts.
     Call it at every step on every host, with the same `step` numbers."""
     if self.agreed:
       from jax.experimental import multihost_utils
+
       try:
         hit = multihost_utils.reached_preemption_sync_point(int(step))
       except RuntimeError:  # the service is off (warned in __enter__)

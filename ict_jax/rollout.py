@@ -9,6 +9,7 @@ from every host, so the advantages are computed once from the same numbers every
 verifier timeout on one host scores 0 on every host alike. The sampler's log-probs are not
 computed (the train step's first pass gives the old log-probs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,28 +30,33 @@ from ict_jax.tokenizer import left_pad
 
 @dataclasses.dataclass
 class Rollout:
-  prompt_ids: np.ndarray       # [N, P] int32, left-padded, each prompt repeated G times
-  prompt_mask: np.ndarray      # [N, P]
-  completion_ids: jax.Array    # [N, C] int32, rows over the devices of every host
-  completion_mask: jax.Array   # [N, C] int32
-  rewards: np.ndarray          # [N], the same on every host
-  advantages: np.ndarray       # [N], the same on every host
-  rows: np.ndarray             # [n] int: the rows this host scored (all of them on one host)
-  completions: list[str]       # [n] texts of `rows`
-  golds: list[Any]             # [n] gold answers of `rows`
+  prompt_ids: np.ndarray  # [N, P] int32, left-padded, each prompt repeated G times
+  prompt_mask: np.ndarray  # [N, P]
+  completion_ids: jax.Array  # [N, C] int32, rows over the devices of every host
+  completion_mask: jax.Array  # [N, C] int32
+  rewards: np.ndarray  # [N], the same on every host
+  advantages: np.ndarray  # [N], the same on every host
+  rows: np.ndarray  # [n] int: the rows this host scored (all of them on one host)
+  completions: list[str]  # [n] texts of `rows`
+  golds: list[Any]  # [n] gold answers of `rows`
   stats: dict[str, float]
 
   def batch(self) -> dict[str, Any]:
     """The train step's inputs."""
-    return dict(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask,
-                completion_ids=self.completion_ids, completion_mask=self.completion_mask,
-                advantages=self.advantages)
+    return dict(
+        prompt_ids=self.prompt_ids,
+        prompt_mask=self.prompt_mask,
+        completion_ids=self.completion_ids,
+        completion_mask=self.completion_mask,
+        advantages=self.advantages,
+    )
 
 
 def host_array(x) -> np.ndarray:
   """A (possibly multi-host sharded) array, whole, on every host."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
+
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(x)
 
@@ -75,6 +81,7 @@ def gather_rows(rows: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
   values = np.asarray(values)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     counts = multihost_utils.process_allgather(np.int32(len(rows)))  # [processes]
     width = int(np.max(counts))
     pad = lambda a, fill: np.concatenate([a, np.full((width - len(a),) + a.shape[1:], fill, a.dtype)])
@@ -100,16 +107,31 @@ def rollout_policy(model_or_parts, *, dtype: str | None = None, mesh=None) -> Ro
   """A RolloutPolicy from a model, (graphdef, params) or a RolloutPolicy (returned as is)."""
   if isinstance(model_or_parts, RolloutPolicy):
     return model_or_parts
-  graphdef, params = (model_or_parts if isinstance(model_or_parts, tuple)
-                      else nnx.split(model_or_parts))
+  graphdef, params = model_or_parts if isinstance(model_or_parts, tuple) else nnx.split(model_or_parts)
   return make_rollout_policy(graphdef, params, dtype=dtype, mesh=mesh)
 
 
-def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *, rng,
-            group_size: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-            prompt_style: str, max_prompt_len: int, reward_kind: str, format_weight: float = 0.0,
-            advantage_scale: str = "group", mesh=None, rollout_dtype: str | None = None,
-            decode_batch_size: int | str | None = None) -> Rollout:
+def collect(
+    model_or_parts,
+    examples: Sequence[dict],
+    tokenizer,
+    reward_pool,
+    *,
+    rng,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    prompt_style: str,
+    max_prompt_len: int,
+    reward_kind: str,
+    format_weight: float = 0.0,
+    advantage_scale: str = "group",
+    mesh=None,
+    rollout_dtype: str | None = None,
+    decode_batch_size: int | str | None = None,
+) -> Rollout:
   """Sample `group_size` completions per example with the current policy and score them.
 
   model_or_parts: a Qwen2, (graphdef, params) (e.g. the train state's) or a RolloutPolicy;
@@ -119,8 +141,7 @@ def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *,
   covers the rollout copy, generation and fetching this host's rows."""
   t0 = time.perf_counter()
   policy = rollout_policy(model_or_parts, dtype=rollout_dtype, mesh=mesh)
-  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style,
-                                          max_len=max_prompt_len)
+  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
   skipped = len(examples) - len(kept)  # over-long prompts
   if not kept:
     raise ValueError(f"every prompt of this batch is longer than data.max_prompt_len={max_prompt_len}")
@@ -129,11 +150,22 @@ def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *,
   n = len(kept) * group_size
   if isinstance(decode_batch_size, int) and n % decode_batch_size:  # prompts were skipped
     decode_batch_size = math.gcd(decode_batch_size, n)  # smaller sub-batches: still fits
-  c_ids, c_mask = generate(policy, p_ids, p_mask, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, top_k=top_k, rng=rng,
-                           eos_token_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
-                           num_samples=group_size, mesh=mesh, return_logprobs=False,
-                           decode_batch_size=decode_batch_size)
+  c_ids, c_mask = generate(
+      policy,
+      p_ids,
+      p_mask,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      rng=rng,
+      eos_token_ids=tokenizer.eos_ids,
+      pad_id=tokenizer.pad_id,
+      num_samples=group_size,
+      mesh=mesh,
+      return_logprobs=False,
+      decode_batch_size=decode_batch_size,
+  )
   rows, ids = local_rows(c_ids)  # this host's rows (ids and mask share one sharding)
   _, mask = local_rows(c_mask)
   sample_s = time.perf_counter() - t0
@@ -159,13 +191,28 @@ def collect(model_or_parts, examples: Sequence[dict], tokenizer, reward_pool, *,
   adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group_size, scale=advantage_scale))
   groups = rewards.reshape(-1, group_size)
   stats = dict(
-      reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+      reward_mean=float(rewards.mean()),
+      reward_std=float(rewards.std()),
       pass_rate=float((groups.max(axis=1) > 0).mean()),
       solve_all_rate=float((groups.min(axis=1) > 0).mean()),
       response_len=float(lengths.mean()),
       max_response_len=int(lengths.max()),
-      completion_tokens=int(lengths.sum()), prompts_skipped=skipped,
-      reward_timeouts=timeouts, reward_errors=errors,
-      sample_s=sample_s, reward_s=reward_s)
-  return Rollout(np.repeat(p_ids, group_size, 0), np.repeat(p_mask, group_size, 0),
-                 c_ids, c_mask, rewards, adv.astype(np.float32), rows, texts, golds, stats)
+      completion_tokens=int(lengths.sum()),
+      prompts_skipped=skipped,
+      reward_timeouts=timeouts,
+      reward_errors=errors,
+      sample_s=sample_s,
+      reward_s=reward_s,
+  )
+  return Rollout(
+      np.repeat(p_ids, group_size, 0),
+      np.repeat(p_mask, group_size, 0),
+      c_ids,
+      c_mask,
+      rewards,
+      adv.astype(np.float32),
+      rows,
+      texts,
+      golds,
+      stats,
+  )

@@ -36,6 +36,7 @@ decodes the rows in sub-batches (one KV cache live at a time), "auto" sizing the
 devices' free memory (`decode_row_bytes`). `lower_generate` + `abstract_rollout_policy` compile
 the same program for devices that are absent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -205,8 +206,9 @@ def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> t
   return (r * g + n).astype(jnp.int32), col[rows, r] - m - log_z
 
 
-def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool,
-                 top_k: int, use_top_p: bool) -> tuple[Array, Array]:
+def _sample_step(
+    logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool, top_k: int, use_top_p: bool
+) -> tuple[Array, Array]:
   """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32)."""
   logits = logits.astype(jnp.float32)
   top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
@@ -234,17 +236,22 @@ def _sample_step(logits: Array, key: Array, temperature: Array, top_p: Array, *,
   return tok, lp
 
 
-def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0,
-                  top_p=1.0) -> tuple[Array, Array]:
+def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> tuple[Array, Array]:
   """Sample one token per row from logits [B, V] -> (ids [B] int32, log-probs [B] float32).
 
   temperature 0 (a Python number) is greedy. top_k 0 and top_p 1.0 (Python numbers) are off;
   temperature and top_p may also be traced scalars. Pure: usable inside jit."""
   greedy = isinstance(temperature, (int, float)) and temperature == 0
   use_top_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
-  return _sample_step(logits, key, jnp.asarray(1.0 if greedy else temperature, jnp.float32),
-                      jnp.asarray(top_p, jnp.float32), greedy=greedy, top_k=int(top_k),
-                      use_top_p=use_top_p)
+  return _sample_step(
+      logits,
+      key,
+      jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+      jnp.asarray(top_p, jnp.float32),
+      greedy=greedy,
+      top_k=int(top_k),
+      use_top_p=use_top_p,
+  )
 
 
 # ---- the rollout copy of the policy --------------------------------------------------------------
@@ -259,6 +266,7 @@ class RolloutPolicy(NamedTuple):
   """The weights the sampler decodes with: `state` (a pure dict like `nnx.state(model,
   nnx.Param).to_pure_dict()`) in the rollout dtype and the decoding layout, and the `graphdef`
   of a `Qwen2` whose compute and parameter dtype are that dtype (so nothing is cast per token)."""
+
   graphdef: Any
   state: Any
 
@@ -277,8 +285,7 @@ def decode_shardings(state: nnx.State, mesh: Mesh) -> dict:
 
 
 def _cast(params, dtype: str):
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                      params)
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,8 +295,7 @@ def _reshard_fn(dtype: str, treedef, shardings: tuple | None):
   return jax.jit(functools.partial(_cast, dtype=dtype), out_shardings=out)
 
 
-def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mesh | None = None
-                        ) -> RolloutPolicy:
+def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mesh | None = None) -> RolloutPolicy:
   """The rollout copy of the policy: `params` (a pure dict, e.g. the train state's, any layout)
   cast to `dtype` (default: the model's compute dtype) and laid out for decoding on `mesh` by one
   jitted call, once per step. Without a mesh and with nothing to cast, `params` is used as is."""
@@ -301,10 +307,15 @@ def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mes
   state = nnx.state(model, nnx.Param)
   pure = state.to_pure_dict()
   rgraphdef = _rollout_graphdef(cfg, dtype)
-  same = all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)
-             for x in jax.tree.leaves(pure))
-  if mesh is None and same and all(not isinstance(getattr(x, "sharding", None), NamedSharding)
-                                   or x.sharding.mesh.size == 1 for x in jax.tree.leaves(pure)):
+  same = all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(pure))
+  if (
+      mesh is None
+      and same
+      and all(
+          not isinstance(getattr(x, "sharding", None), NamedSharding) or x.sharding.mesh.size == 1
+          for x in jax.tree.leaves(pure)
+      )
+  ):
     return RolloutPolicy(rgraphdef, pure)
   shardings = None if mesh is None else decode_shardings(state, mesh)
   leaves, treedef = jax.tree.flatten(shardings)
@@ -323,15 +334,33 @@ def abstract_rollout_policy(model_cfg, *, dtype: str, mesh: Mesh | None = None) 
   pure = params.to_pure_dict()
   structs = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(
-          x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s),
-      pure, shardings if shardings is not None else jax.tree.map(lambda _: None, pure))
+          x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s
+      ),
+      pure,
+      shardings if shardings is not None else jax.tree.map(lambda _: None, pure),
+  )
   return RolloutPolicy(_rollout_graphdef(model_cfg, dtype), structs)
 
 
 # ---- the generator ------------------------------------------------------------------------------
-def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_p, eos_ids, pad_id,
-                 *, max_len: int, greedy: bool, top_k: int, use_top_p: bool, return_logprobs: bool,
-                 return_logits: bool) -> dict:
+def _decode_rows(
+    model,
+    prompt_ids,
+    prompt_mask,
+    rng,
+    num_new,
+    temperature,
+    top_p,
+    eos_ids,
+    pad_id,
+    *,
+    max_len: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    return_logprobs: bool,
+    return_logits: bool,
+) -> dict:
   """One decode batch: prompt_ids/mask [b, P] -> {ids, mask[, logprobs][, logits]} [b, max_len(, V)].
 
   Prefill, then a `lax.while_loop` of [b, 1] steps that stops when every row has emitted an EOS
@@ -344,14 +373,16 @@ def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_
   kv_mask = constrain(jnp.concatenate([mask, jnp.ones((b, max_len), jnp.int32)], axis=1), rows)
 
   cache = model.init_cache(b, p + max_len)
-  h, cache = model.hidden_states(prompt_ids, mask, positions=positions, cache=cache,
-                                 cache_index=jnp.int32(0), prefill=True)  # [P, P] scores
+  h, cache = model.hidden_states(
+      prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
+  )  # [P, P] scores
   logits = model.next_token_logits(h[:, -1])  # [V, b]: left padding -> the last slot is real
 
   def emit(i, logits, done, out):
     """Sample completion token i from logits [V, b] and write it into the outputs."""
-    tok, lp = _sample_step(logits.T, jax.random.fold_in(rng, i), temperature, top_p,
-                           greedy=greedy, top_k=top_k, use_top_p=use_top_p)  # (.T.T: no copy)
+    tok, lp = _sample_step(
+        logits.T, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p
+    )  # (.T.T: no copy)
     active = ~done
     tok = jnp.where(active, tok, pad_id)
     out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active))
@@ -362,13 +393,14 @@ def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_
     done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
     return tok, done, out
 
-  out = dict(ids=constrain(jnp.full((b, max_len), pad_id, jnp.int32), rows),
-             mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows))
+  out = dict(
+      ids=constrain(jnp.full((b, max_len), pad_id, jnp.int32), rows),
+      mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows),
+  )
   if return_logprobs:
     out["logprobs"] = constrain(jnp.zeros((b, max_len), jnp.float32), rows)
   if return_logits:
-    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[0]), jnp.float32),
-                              ("act_batch", None, None))
+    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[0]), jnp.float32), ("act_batch", None, None))
   tok, done, out = emit(0, logits, num_prompt == 0, out)
 
   def cond(carry):
@@ -377,9 +409,14 @@ def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_
 
   def body(carry):
     i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, in slot p + i - 1
-    h, cache = model.hidden_states(tok[:, None], jnp.ones((b, 1), jnp.int32),
-                                   positions=(num_prompt + i - 1)[:, None], cache=cache,
-                                   cache_index=p + i - 1, kv_mask=kv_mask)
+    h, cache = model.hidden_states(
+        tok[:, None],
+        jnp.ones((b, 1), jnp.int32),
+        positions=(num_prompt + i - 1)[:, None],
+        cache=cache,
+        cache_index=p + i - 1,
+        kv_mask=kv_mask,
+    )
     tok, done, out = emit(i, model.next_token_logits(h[:, 0]), done, out)
     return i + 1, cache, tok, done, out
 
@@ -387,9 +424,26 @@ def _decode_rows(model, prompt_ids, prompt_mask, rng, num_new, temperature, top_
   return jax.lax.while_loop(cond, body, carry)[-1]
 
 
-def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, top_p, eos_ids,
-                   pad_id, *, graphdef, max_len: int, greedy: bool, top_k: int, use_top_p: bool,
-                   return_logits: bool, return_logprobs: bool = True, sub_batches: int = 1):
+def _generate_impl(
+    state,
+    prompt_ids,
+    prompt_mask,
+    rng,
+    num_new,
+    temperature,
+    top_p,
+    eos_ids,
+    pad_id,
+    *,
+    graphdef,
+    max_len: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    return_logits: bool,
+    return_logprobs: bool = True,
+    sub_batches: int = 1,
+):
   """prompt_ids/mask [B, P] left-padded -> ids [B, max_len], mask(, logprobs)(, logits [B, N, V]).
 
   num_new (<= max_len), temperature, top_p, eos_ids [E] (-1 = none) and pad_id are traced, so they
@@ -400,8 +454,14 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
   j + 2n, ...: viewed as [B / n, n], rows sharded in blocks over ("data", "fsdp") stay on their
   devices and every sub-batch spans all of them. Sub-batch j samples with `fold_in(rng, j)`."""
   model = nnx.merge(graphdef, state)
-  kw = dict(max_len=max_len, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
-            return_logprobs=return_logprobs, return_logits=return_logits)
+  kw = dict(
+      max_len=max_len,
+      greedy=greedy,
+      top_k=top_k,
+      use_top_p=use_top_p,
+      return_logprobs=return_logprobs,
+      return_logits=return_logits,
+  )
   scalars = (num_new, temperature, top_p, eos_ids, pad_id)
   if sub_batches == 1:
     out = _decode_rows(model, prompt_ids, prompt_mask, rng, *scalars, **kw)
@@ -409,29 +469,41 @@ def _generate_impl(state, prompt_ids, prompt_mask, rng, num_new, temperature, to
     b, p = prompt_ids.shape
     per = b // sub_batches
     split = lambda x: jnp.swapaxes(
-        constrain(x.reshape(per, sub_batches, p), ("act_batch", None, None)), 0, 1)  # [n, B/n, P]
+        constrain(x.reshape(per, sub_batches, p), ("act_batch", None, None)), 0, 1
+    )  # [n, B/n, P]
 
     def one(args):
       j, ids, mask = args
       return _decode_rows(model, ids, mask, jax.random.fold_in(rng, j), *scalars, **kw)
 
     out = jax.lax.map(one, (jnp.arange(sub_batches), split(prompt_ids), split(prompt_mask)))
-    out = {k: constrain(jnp.swapaxes(v, 0, 1), ("act_batch",) + (None,) * (v.ndim - 1))
-           .reshape(b, *v.shape[2:]) for k, v in out.items()}  # [B/n, n, ...] -> [B, ...]
-  names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (
-      ("logits",) if return_logits else ())
+    out = {
+        k: constrain(jnp.swapaxes(v, 0, 1), ("act_batch",) + (None,) * (v.ndim - 1)).reshape(b, *v.shape[2:])
+        for k, v in out.items()
+    }  # [B/n, n, ...] -> [B, ...]
+  names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
   return tuple(out[k] for k in names)
 
 
-_STATIC = ("graphdef", "max_len", "greedy", "top_k", "use_top_p", "return_logits",
-           "return_logprobs", "sub_batches")
+_STATIC = ("graphdef", "max_len", "greedy", "top_k", "use_top_p", "return_logits", "return_logprobs", "sub_batches")
 _generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
 
 
-def sample_fn(graphdef, state, prompt_ids: Array, prompt_mask: Array, rng: Array, *,
-              max_new_tokens: int, temperature=1.0, top_p=1.0, top_k: int = 0,
-              eos_token_ids: Sequence[int] = QWEN_EOS_IDS, pad_id: int = QWEN_PAD_ID,
-              return_logits: bool = False):
+def sample_fn(
+    graphdef,
+    state,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    rng: Array,
+    *,
+    max_new_tokens: int,
+    temperature=1.0,
+    top_p=1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = QWEN_EOS_IDS,
+    pad_id: int = QWEN_PAD_ID,
+    return_logits: bool = False,
+):
   """Pure generator for use inside other jitted code (no validation, no bucketing, no repeats).
 
   graphdef, state = nnx.split(model); prompt_ids/mask [B, P] left-padded, every row with at least
@@ -440,18 +512,29 @@ def sample_fn(graphdef, state, prompt_ids: Array, prompt_mask: Array, rng: Array
   [B, N, V] each token was sampled from."""
   greedy = isinstance(temperature, (int, float)) and temperature == 0
   return _generate_impl(
-      state, prompt_ids, prompt_mask, rng, jnp.int32(max_new_tokens),
-      jnp.asarray(1.0 if greedy else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-      jnp.asarray(_eos_array(eos_token_ids)), jnp.int32(pad_id), graphdef=graphdef,
-      max_len=int(max_new_tokens), greedy=greedy, top_k=int(top_k),
-      use_top_p=not (isinstance(top_p, (int, float)) and top_p >= 1.0), return_logits=return_logits)
+      state,
+      prompt_ids,
+      prompt_mask,
+      rng,
+      jnp.int32(max_new_tokens),
+      jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+      jnp.asarray(top_p, jnp.float32),
+      jnp.asarray(_eos_array(eos_token_ids)),
+      jnp.int32(pad_id),
+      graphdef=graphdef,
+      max_len=int(max_new_tokens),
+      greedy=greedy,
+      top_k=int(top_k),
+      use_top_p=not (isinstance(top_p, (int, float)) and top_p >= 1.0),
+      return_logits=return_logits,
+  )
 
 
 def _eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
   """EOS ids padded with -1 (never a token) to a multiple of 4: few distinct shapes."""
   eos = [int(e) for e in eos_token_ids]
   out = np.full(max(4, -(-len(eos) // 4) * 4), -1, np.int32)
-  out[:len(eos)] = eos
+  out[: len(eos)] = eos
   return out
 
 
@@ -468,8 +551,7 @@ def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, 
       raise ValueError(f"generate: {name} spans several hosts; call sample_fn inside your jit")
   ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
   if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-    raise ValueError("generate: prompt_ids must be [batch, prompt_len] with both > 0, "
-                     f"got shape {ids.shape}")
+    raise ValueError("generate: prompt_ids must be [batch, prompt_len] with both > 0, " f"got shape {ids.shape}")
   if mask.shape != ids.shape:
     raise ValueError(f"generate: prompt_mask shape {mask.shape} != prompt_ids shape {ids.shape}")
   if not np.issubdtype(ids.dtype, np.integer):
@@ -478,14 +560,15 @@ def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, 
     raise ValueError("generate: prompt_mask must hold only 0 (padding) and 1 (token)")
   mask = mask.astype(np.int32)
   if (mask.sum(axis=1) == 0).any():
-    raise ValueError(f"generate: prompt row(s) {np.flatnonzero(mask.sum(axis=1) == 0).tolist()} "
-                     "have no tokens (prompt_mask all 0)")
+    raise ValueError(
+        f"generate: prompt row(s) {np.flatnonzero(mask.sum(axis=1) == 0).tolist()} "
+        "have no tokens (prompt_mask all 0)"
+    )
   if (np.diff(mask, axis=1) < 0).any():
     raise ValueError("generate: prompts must be left-padded (each prompt_mask row 0...0 1...1)")
   real = ids[mask == 1]
   if real.size and (real.min() < 0 or real.max() >= vocab):
-    raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got "
-                     f"[{real.min()}, {real.max()}]")
+    raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got " f"[{real.min()}, {real.max()}]")
   return ids.astype(np.int32), mask
 
 
@@ -518,8 +601,7 @@ def decode_row_bytes(cfg, cache_len: int, mesh: Mesh | None, dtype: str) -> int:
   return cache + _LOGIT_COPIES * vocab * 4
 
 
-def auto_decode_batch_size(n_rows: int, rows_per_shard: int, row_bytes: int,
-                           free_bytes: int | None) -> int:
+def auto_decode_batch_size(n_rows: int, rows_per_shard: int, row_bytes: int, free_bytes: int | None) -> int:
   """The largest divisor d of n_rows whose sub-batch (ceil(d / rows_per_shard) rows on each
   device, `row_bytes` each) fits in `_AUTO_HEADROOM` of `free_bytes`; all rows when the backend
   reports no memory statistics (free_bytes None, e.g. CPU)."""
@@ -529,8 +611,10 @@ def auto_decode_batch_size(n_rows: int, rows_per_shard: int, row_bytes: int,
   for d in sorted((d for d in range(1, n_rows + 1) if n_rows % d == 0), reverse=True):
     if -(-d // rows_per_shard) * row_bytes <= budget:
       return d
-  raise ValueError(f"decode_batch_size=auto: not even one row per device fits: it needs "
-                   f"{row_bytes / 2**20:.1f} MiB and {free_bytes / 2**20:.1f} MiB are free")
+  raise ValueError(
+      f"decode_batch_size=auto: not even one row per device fits: it needs "
+      f"{row_bytes / 2**20:.1f} MiB and {free_bytes / 2**20:.1f} MiB are free"
+  )
 
 
 def free_device_bytes(devices) -> int | None:
@@ -543,8 +627,9 @@ def free_device_bytes(devices) -> int | None:
   return min(free) if free else None
 
 
-def resolve_decode_batch_size(decode_batch_size, n_rows: int, *, cfg, cache_len: int,
-                              mesh: Mesh | None, dtype: str) -> int:
+def resolve_decode_batch_size(
+    decode_batch_size, n_rows: int, *, cfg, cache_len: int, mesh: Mesh | None, dtype: str
+) -> int:
   """None: all rows; "auto": `auto_decode_batch_size` from the free memory of the mesh's
   devices (all rows on CPU); an int must divide n_rows. Raises ValueError before compiling."""
   if decode_batch_size is None:
@@ -555,21 +640,35 @@ def resolve_decode_batch_size(decode_batch_size, n_rows: int, *, cfg, cache_len:
     free = free_device_bytes(devices)
     if free is not None and jax.process_count() > 1:  # every host must compile the same program
       from jax.experimental import multihost_utils
+
       free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
     return auto_decode_batch_size(n_rows, rps, decode_row_bytes(cfg, cache_len, mesh, dtype), free)
   size = _check_int("decode_batch_size", decode_batch_size, 1)
   if n_rows % size:
-    raise ValueError(f"generate: decode_batch_size {size} does not divide the {n_rows} rows "
-                     "(prompts x num_samples)")
+    raise ValueError(f"generate: decode_batch_size {size} does not divide the {n_rows} rows " "(prompts x num_samples)")
   return size
 
 
-def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, rng: Array | None = None,
-             eos_token_ids: Sequence[int] | None = None, pad_id: int = QWEN_PAD_ID,
-             num_samples: int = 1, mesh=None, return_logits: bool = False,
-             buckets: Sequence[int] | None = None, decode_batch_size: int | str | None = None,
-             return_logprobs: bool = True, rollout_dtype: str | None = None):
+def generate(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    rng: Array | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_id: int = QWEN_PAD_ID,
+    num_samples: int = 1,
+    mesh=None,
+    return_logits: bool = False,
+    buckets: Sequence[int] | None = None,
+    decode_batch_size: int | str | None = None,
+    return_logprobs: bool = True,
+    rollout_dtype: str | None = None,
+):
   """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
   `RolloutPolicy` (`make_rollout_policy`, used as is).
 
@@ -600,8 +699,10 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
     raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
   longest = int(mask.sum(axis=1).max())
   if longest + n_new > cfg.max_position_embeddings:
-    raise ValueError(f"generate: prompt of {longest} tokens + max_new_tokens {n_new} exceeds the "
-                     f"model context (max_position_embeddings {cfg.max_position_embeddings})")
+    raise ValueError(
+        f"generate: prompt of {longest} tokens + max_new_tokens {n_new} exceeds the "
+        f"model context (max_position_embeddings {cfg.max_position_embeddings})"
+    )
   eos = QWEN_EOS_IDS if eos_token_ids is None else tuple(eos_token_ids)
   if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in eos):
     raise ValueError(f"generate: eos_token_ids must be ints, got {eos_token_ids!r}")
@@ -620,20 +721,32 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
   n_rows = ids.shape[0]
   p_bucket = bucket_length(ids.shape[1], buckets)
   n_bucket = bucket_length(n_new, buckets)
-  sub = resolve_decode_batch_size(decode_batch_size, n_rows, cfg=cfg, cache_len=p_bucket + n_bucket,
-                                  mesh=mesh, dtype=rollout_dtype or cfg.dtype)
+  sub = resolve_decode_batch_size(
+      decode_batch_size, n_rows, cfg=cfg, cache_len=p_bucket + n_bucket, mesh=mesh, dtype=rollout_dtype or cfg.dtype
+  )
   sub_batches = n_rows // sub
   per_sub = -(-sub // rows_per_shard) * rows_per_shard  # batch padding rows have an all-0 mask:
   widths = ((0, sub_batches * per_sub - n_rows), (p_bucket - ids.shape[1], 0))  # they emit nothing
   ids = np.pad(ids, widths, constant_values=pad_id)
   mask = np.pad(mask, widths)
 
-  static = dict(graphdef=graphdef, max_len=n_bucket, greedy=greedy,
-                top_k=min(top_k, cfg.vocab_size), use_top_p=bool(top_p < 1.0),
-                return_logits=bool(return_logits), return_logprobs=bool(return_logprobs),
-                sub_batches=sub_batches)
-  scalars = (np.int32(n_new), np.float32(1.0 if greedy else temperature), np.float32(top_p),
-             _eos_array(eos), np.int32(pad_id))
+  static = dict(
+      graphdef=graphdef,
+      max_len=n_bucket,
+      greedy=greedy,
+      top_k=min(top_k, cfg.vocab_size),
+      use_top_p=bool(top_p < 1.0),
+      return_logits=bool(return_logits),
+      return_logprobs=bool(return_logprobs),
+      sub_batches=sub_batches,
+  )
+  scalars = (
+      np.int32(n_new),
+      np.float32(1.0 if greedy else temperature),
+      np.float32(top_p),
+      _eos_array(eos),
+      np.int32(pad_id),
+  )
   ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
   with ctx:
     if not isinstance(model, RolloutPolicy):
@@ -642,17 +755,27 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature
     if mesh is not None:
       ids = put_global(ids, batch_sharding(mesh))
       mask = put_global(mask, batch_sharding(mesh))
-      rng = jax.random.wrap_key_data(put_global(jax.random.key_data(rng), replicated(mesh)),
-                                     impl=jax.random.key_impl(rng))
+      rng = jax.random.wrap_key_data(
+          put_global(jax.random.key_data(rng), replicated(mesh)), impl=jax.random.key_impl(rng)
+      )
       scalars = tuple(put_global(x, replicated(mesh)) for x in scalars)  # one cache entry per mesh
     out = _generate_jit(state, ids, mask, rng, *scalars, **static)
   return tuple(x[:n_rows, :n_new] for x in out)
 
 
-def lower_generate(policy: RolloutPolicy, batch: int, prompt_len: int, max_new_tokens: int, *,
-                   mesh: Mesh | None = None, greedy: bool = False, top_k: int = 0,
-                   use_top_p: bool = False, decode_batch_size: int | None = None,
-                   return_logprobs: bool = False) -> jax.stages.Lowered:
+def lower_generate(
+    policy: RolloutPolicy,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    mesh: Mesh | None = None,
+    greedy: bool = False,
+    top_k: int = 0,
+    use_top_p: bool = False,
+    decode_batch_size: int | None = None,
+    return_logprobs: bool = False,
+) -> jax.stages.Lowered:
   """The sampler's program lowered for abstract inputs, without running it (e.g. for absent
   accelerators: `.compile()` it, then read `memory_analysis()` / `cost_analysis()`).
 
@@ -667,18 +790,41 @@ def lower_generate(policy: RolloutPolicy, batch: int, prompt_len: int, max_new_t
   rows = None if mesh is None else batch_sharding(mesh)
   repl = None if mesh is None else replicated(mesh)
   sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-  args = (policy.state, sds((batch, prompt_len), jnp.int32, rows),
-          sds((batch, prompt_len), jnp.int32, rows),
-          sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, repl),
-          sds((), jnp.int32, repl), sds((), jnp.float32, repl), sds((), jnp.float32, repl),
-          sds(_eos_array(QWEN_EOS_IDS).shape, jnp.int32, repl), sds((), jnp.int32, repl))
-  static = dict(graphdef=policy.graphdef, max_len=max_new_tokens, greedy=greedy, top_k=top_k,
-                use_top_p=use_top_p, return_logits=False, return_logprobs=return_logprobs,
-                sub_batches=batch // sub)
+  args = (
+      policy.state,
+      sds((batch, prompt_len), jnp.int32, rows),
+      sds((batch, prompt_len), jnp.int32, rows),
+      sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, repl),
+      sds((), jnp.int32, repl),
+      sds((), jnp.float32, repl),
+      sds((), jnp.float32, repl),
+      sds(_eos_array(QWEN_EOS_IDS).shape, jnp.int32, repl),
+      sds((), jnp.int32, repl),
+  )
+  static = dict(
+      graphdef=policy.graphdef,
+      max_len=max_new_tokens,
+      greedy=greedy,
+      top_k=top_k,
+      use_top_p=use_top_p,
+      return_logits=False,
+      return_logprobs=return_logprobs,
+      sub_batches=batch // sub,
+  )
   ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
   with ctx:
     return _generate_jit.lower(*args, **static)
 
 
-__all__ = ["generate", "sample_fn", "sample_logits", "bucket_length", "make_rollout_policy",
-           "RolloutPolicy", "decode_shardings", "lower_generate", "QWEN_EOS_IDS", "QWEN_PAD_ID"]
+__all__ = [
+    "generate",
+    "sample_fn",
+    "sample_logits",
+    "bucket_length",
+    "make_rollout_policy",
+    "RolloutPolicy",
+    "decode_shardings",
+    "lower_generate",
+    "QWEN_EOS_IDS",
+    "QWEN_PAD_ID",
+]

@@ -16,6 +16,7 @@ Counts "ceil(fraction * n)" are computed in exact integer arithmetic with the fr
 as the nearest rational of denominator <= 10_000 (exact for up to 4 decimals), so
 ceil(0.1 * 30) is 3, not the 4 that float rounding would give.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,9 +56,9 @@ LOG2 = math.log(2.0)
 # JS score against is not stated in what we have of it; "active_mean" is our reading.
 REFERENCES: dict[str, str] = {
     "active_mean": "P_t = mean of p_{j,t} over the group's rollouts j still active at t, the "
-                   "scored rollout included (our reading; the default)",
+    "scored rollout included (our reading; the default)",
     "others_mean": "P_{i,t} = mean over the group's other rollouts j != i active at t "
-                   "(leave-one-out; score 0 where no other rollout is active)",
+    "(leave-one-out; score 0 where no other rollout is active)",
 }
 KEEPS: dict[str, str] = {
     "unique": "keep the highest-scoring tokens of each response (ICT)",
@@ -67,102 +68,100 @@ KEEPS: dict[str, str] = {
 
 # ----------------------------------------------------------------------------- helpers
 def _rational(value: float, what: str, low_open: bool = True) -> tuple[int, int]:
-    if not isinstance(value, (int, float)) or not (
-        (0.0 < value if low_open else 0.0 <= value) and value <= 1.0
-    ):
-        bound = "(0, 1]" if low_open else "[0, 1]"
-        raise ValueError(f"selection: {what}={value!r}; expected a Python float in {bound}")
-    frac = Fraction(str(float(value))).limit_denominator(_MAX_DENOMINATOR)
-    return frac.numerator, frac.denominator
+  if not isinstance(value, (int, float)) or not ((0.0 < value if low_open else 0.0 <= value) and value <= 1.0):
+    bound = "(0, 1]" if low_open else "[0, 1]"
+    raise ValueError(f"selection: {what}={value!r}; expected a Python float in {bound}")
+  frac = Fraction(str(float(value))).limit_denominator(_MAX_DENOMINATOR)
+  return frac.numerator, frac.denominator
 
 
 def _ceil_times(count: jax.Array, fraction: float, what: str) -> jax.Array:
-    """ceil(fraction * count) in int32 without overflow (count < 2**31)."""
-    num, den = _rational(fraction, what)
-    count = count.astype(jnp.int32)
-    q, r = count // den, count % den
-    return q * num + (r * num + den - 1) // den
+  """ceil(fraction * count) in int32 without overflow (count < 2**31)."""
+  num, den = _rational(fraction, what)
+  count = count.astype(jnp.int32)
+  q, r = count // den, count % den
+  return q * num + (r * num + den - 1) // den
 
 
 def _xlogy_ratio(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
-    """p * (log p - log q) with 0 log 0 = 0 (also when log_p is -inf)."""
-    return jnp.where(p > 0, p * (log_p - log_q), 0.0)
+  """p * (log p - log q) with 0 log 0 = 0 (also when log_p is -inf)."""
+  return jnp.where(p > 0, p * (log_p - log_q), 0.0)
 
 
 def _safe_log(x: jax.Array) -> jax.Array:
-    return jnp.log(jnp.where(x > 0, x, 1.0))
+  return jnp.log(jnp.where(x > 0, x, 1.0))
 
 
 # ----------------------------------------------------------------------------- logits stats
-def _entropies(
-    logits: jax.Array, lse: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [..., V] -> (p, log p, Shannon H, Renyi-2 H2), float32, no gradient.
+def _entropies(logits: jax.Array, lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """logits [..., V] -> (p, log p, Shannon H, Renyi-2 H2), float32, no gradient.
 
-    ``lse`` [...]: the rows' logsumexp when the caller already has it (saves two passes)."""
-    logits = jax.lax.stop_gradient(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
-    if lse is None:
-        logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
-    else:
-        logp = logits - jax.lax.stop_gradient(lse)[..., None]
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # [...]
-    renyi2 = -jax.nn.logsumexp(2.0 * logp, axis=-1)  # -log sum p^2
-    return p, logp, entropy, renyi2
+  ``lse`` [...]: the rows' logsumexp when the caller already has it (saves two passes)."""
+  logits = jax.lax.stop_gradient(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
+  if lse is None:
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
+  else:
+    logp = logits - jax.lax.stop_gradient(lse)[..., None]
+  p = jnp.exp(logp)
+  entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # [...]
+  renyi2 = -jax.nn.logsumexp(2.0 * logp, axis=-1)  # -log sum p^2
+  return p, logp, entropy, renyi2
 
 
-def _group_reference(
-    pg: jax.Array, w: jax.Array, group_size: int, reference: str
-) -> tuple[jax.Array, jax.Array]:
-    """pg [P, G, C, V], w [P, G, C, 1] -> (reference P [P, 1 or G, C, V], has-reference [P, *, C, 1]).
+def _group_reference(pg: jax.Array, w: jax.Array, group_size: int, reference: str) -> tuple[jax.Array, jax.Array]:
+  """pg [P, G, C, V], w [P, G, C, 1] -> (reference P [P, 1 or G, C, V], has-reference [P, *, C, 1]).
 
-    See ``REFERENCES``: "active_mean" is the mean of the active rollouts' p (the same for all
-    members); "others_mean" leaves the scored rollout out (none -> no reference, score 0)."""
-    if reference == "active_mean":
-        # One reduction over the group axis: local when a device holds whole groups, else one
-        # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a
-        # sharded group axis would each move a [C, V] block). XLA:CPU without a mesh takes the
-        # row-blocked path (ROW_BLOCK), where this strided reduction's speed does not matter.
-        active = w.sum(axis=1, keepdims=True)  # [P, 1, C, 1]
-        total = (pg * w).sum(axis=1, keepdims=True)  # [P, 1, C, V]
-        return total / jnp.maximum(active, 1.0), (active > 0).astype(pg.dtype)
-    # others_mean (an ablation): per-member sums, so G slices of the group axis
-    members = [(pg[:, g : g + 1] * w[:, g : g + 1], w[:, g : g + 1]) for g in range(group_size)]
-    others = [_sum_of_others(members, g) for g in range(group_size)]
-    total = jnp.concatenate([o[0] for o in others], axis=1)  # [P, G, C, V]
-    count = jnp.concatenate([o[1] for o in others], axis=1)  # [P, G, C, 1]
-    return total / jnp.maximum(count, 1.0), (count > 0).astype(pg.dtype)
+  See ``REFERENCES``: "active_mean" is the mean of the active rollouts' p (the same for all
+  members); "others_mean" leaves the scored rollout out (none -> no reference, score 0)."""
+  if reference == "active_mean":
+    # One reduction over the group axis: local when a device holds whole groups, else one
+    # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a
+    # sharded group axis would each move a [C, V] block). XLA:CPU without a mesh takes the
+    # row-blocked path (ROW_BLOCK), where this strided reduction's speed does not matter.
+    active = w.sum(axis=1, keepdims=True)  # [P, 1, C, 1]
+    total = (pg * w).sum(axis=1, keepdims=True)  # [P, 1, C, V]
+    return total / jnp.maximum(active, 1.0), (active > 0).astype(pg.dtype)
+  # others_mean (an ablation): per-member sums, so G slices of the group axis
+  members = [(pg[:, g : g + 1] * w[:, g : g + 1], w[:, g : g + 1]) for g in range(group_size)]
+  others = [_sum_of_others(members, g) for g in range(group_size)]
+  total = jnp.concatenate([o[0] for o in others], axis=1)  # [P, G, C, V]
+  count = jnp.concatenate([o[1] for o in others], axis=1)  # [P, G, C, 1]
+  return total / jnp.maximum(count, 1.0), (count > 0).astype(pg.dtype)
 
 
 def _sum_of_others(members, i):
-    """Sum of the tuples members[j], j != i, added directly: (total - member i) would cancel
-    catastrophically where member i holds most of the mass."""
-    rest = [m for j, m in enumerate(members) if j != i]
-    return tuple(sum(parts[1:], parts[0]) for parts in zip(*rest))
+  """Sum of the tuples members[j], j != i, added directly: (total - member i) would cancel
+  catastrophically where member i holds most of the mass."""
+  rest = [m for j, m in enumerate(members) if j != i]
+  return tuple(sum(parts[1:], parts[0]) for parts in zip(*rest))
 
 
 def _js_to_group_mean(
-    p: jax.Array, logp: jax.Array, mask: jax.Array, group_size: int,
-    reference: str = "active_mean", kl: bool = False,
+    p: jax.Array,
+    logp: jax.Array,
+    mask: jax.Array,
+    group_size: int,
+    reference: str = "active_mean",
+    kl: bool = False,
 ) -> dict[str, jax.Array]:
-    """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P))."""
-    n, c, v = p.shape  # chunk_stats has checked that G divides N
-    pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
-    lpg = logp.reshape(pg.shape)
-    w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
-    big_p, has_ref = _group_reference(pg, w, group_size, reference)
-    log_big_p = _safe_log(big_p)
-    mid = 0.5 * (pg + big_p)  # [P, G, C, V]
-    log_mid = _safe_log(mid)
-    kl_p = _xlogy_ratio(pg, lpg, log_mid).sum(axis=-1)  # [P, G, C]
-    kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, pg.shape), log_big_p, log_mid).sum(axis=-1)
-    valid = (w * has_ref)[..., 0]  # [P, G, C]
-    js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2) * valid
-    out = {"js": js.reshape(n, c)}
-    if kl:
-        log_ref = jnp.log(jnp.maximum(big_p, _TINY))
-        out["kl"] = (jnp.maximum(_xlogy_ratio(pg, lpg, log_ref).sum(axis=-1), 0.0) * valid).reshape(n, c)
-    return out
+  """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P))."""
+  n, c, v = p.shape  # chunk_stats has checked that G divides N
+  pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
+  lpg = logp.reshape(pg.shape)
+  w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
+  big_p, has_ref = _group_reference(pg, w, group_size, reference)
+  log_big_p = _safe_log(big_p)
+  mid = 0.5 * (pg + big_p)  # [P, G, C, V]
+  log_mid = _safe_log(mid)
+  kl_p = _xlogy_ratio(pg, lpg, log_mid).sum(axis=-1)  # [P, G, C]
+  kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, pg.shape), log_big_p, log_mid).sum(axis=-1)
+  valid = (w * has_ref)[..., 0]  # [P, G, C]
+  js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2) * valid
+  out = {"js": js.reshape(n, c)}
+  if kl:
+    log_ref = jnp.log(jnp.maximum(big_p, _TINY))
+    out["kl"] = (jnp.maximum(_xlogy_ratio(pg, lpg, log_ref).sum(axis=-1), 0.0) * valid).reshape(n, c)
+  return out
 
 
 # Row-blocked path (XLA:CPU). One [N, C, V] pass makes XLA:CPU run large 3-D reductions and
@@ -177,108 +176,118 @@ _LOG_FLOOR = -1e30  # floor of log p: -inf logits (masked vocabulary) give p * l
 
 
 def use_row_blocks() -> bool:
-    """Whether ``chunk_stats`` takes the row-blocked path by default (see ROW_BLOCK)."""
-    return cpu_single_device()
+  """Whether ``chunk_stats`` takes the row-blocked path by default (see ROW_BLOCK)."""
+  return cpu_single_device()
 
 
 def _row_sum(x: jax.Array) -> jax.Array:
-    """[B, V] -> [B]: sums of 32 entries as a matrix-vector product, then a reduce. XLA:CPU
-    materializes the summand (one fused elementwise pass) instead of evaluating a many-input
-    expression inside its reduction (4x faster here); short dot rows keep float32 accuracy."""
-    k = math.gcd(x.shape[-1], 32)
-    return jnp.sum(x.reshape(*x.shape[:-1], -1, k) @ jnp.ones((k,), x.dtype), axis=-1)
+  """[B, V] -> [B]: sums of 32 entries as a matrix-vector product, then a reduce. XLA:CPU
+  materializes the summand (one fused elementwise pass) instead of evaluating a many-input
+  expression inside its reduction (4x faster here); short dot rows keep float32 accuracy."""
+  k = math.gcd(x.shape[-1], 32)
+  return jnp.sum(x.reshape(*x.shape[:-1], -1, k) @ jnp.ones((k,), x.dtype), axis=-1)
 
 
-def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean",
-                   kl=False):
-    """chunk_stats on 2-D [B, V] slices (B <= block positions of one response).
+def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean", kl=False):
+  """chunk_stats on 2-D [B, V] slices (B <= block positions of one response).
 
-    p = valid * softmax is computed once per slice (one exp per logit) and feeds all four
-    statistics; rows with valid == 0 get p = 0 and are zeroed at the end."""
-    n, c, _ = logits.shape
-    s_w = lse - jnp.log(valid)  # exp(l - s_w) = valid * p
-    ent, ren, js, kls = [], [], [], []
-    for a in range(0, c, block):
-        b = min(a + block, c)
-        lp = [jnp.maximum(logits[i, a:b] - lse[i, a:b, None], _LOG_FLOOR) for i in range(n)]
-        p = [jnp.exp(logits[i, a:b] - s_w[i, a:b, None]) for i in range(n)]  # [B, V] each
-        ent.append(jnp.stack([-_row_sum(p[i] * lp[i]) for i in range(n)]))  # [N, B]
-        ren.append(jnp.stack([_row_sum(p[i] * p[i]) for i in range(n)]))
-        if group_size is None:
-            continue
-        jsb, klb = [], []
-        for q in range(0, n, group_size):
-            rows = range(q, q + group_size)
-            if reference == "active_mean":
-                active = sum(valid[i, a:b] for i in rows)
-                big = sum(p[i] for i in rows) / jnp.maximum(active, 1.0)[:, None]  # P: active rows' mean
-                log_big = jnp.log(jnp.maximum(big, _TINY))
-                # materialized once: XLA would otherwise recompute P from all G rows in every term
-                big, log_big = jax.lax.optimization_barrier((big, log_big))
-            for i in rows:
-                has_ref = jnp.ones_like(valid[i, a:b])
-                if reference == "others_mean":  # leave row i out
-                    rest, others = _sum_of_others([(p[j], valid[j, a:b]) for j in rows], i - q)
-                    big = rest / jnp.maximum(others, 1.0)[:, None]
-                    log_big = jnp.log(jnp.maximum(big, _TINY))
-                    has_ref = (others > 0).astype(big.dtype)
-                log_mid = jnp.log(jnp.maximum(0.5 * (p[i] + big), _TINY))
-                jsb.append(0.5 * _row_sum(p[i] * (lp[i] - log_mid) + big * (log_big - log_mid))
-                           * has_ref)
-                if kl:
-                    klb.append(jnp.maximum(_row_sum(p[i] * (lp[i] - log_big)), 0.0) * has_ref)
-        js.append(jnp.stack(jsb))
-        kls.append(jnp.stack(klb) if kl else None)
-    ren = jnp.concatenate(ren, 1)
-    out = {"entropy": jnp.concatenate(ent, 1) * valid,
-           "renyi2": -jnp.log(jnp.where(valid > 0, ren, 1.0)) * valid}  # ren = 0 if invalid
-    if group_size is not None:
-        out["js"] = jnp.clip(jnp.concatenate(js, 1), 0.0, LOG2) * valid
+  p = valid * softmax is computed once per slice (one exp per logit) and feeds all four
+  statistics; rows with valid == 0 get p = 0 and are zeroed at the end."""
+  n, c, _ = logits.shape
+  s_w = lse - jnp.log(valid)  # exp(l - s_w) = valid * p
+  ent, ren, js, kls = [], [], [], []
+  for a in range(0, c, block):
+    b = min(a + block, c)
+    lp = [jnp.maximum(logits[i, a:b] - lse[i, a:b, None], _LOG_FLOOR) for i in range(n)]
+    p = [jnp.exp(logits[i, a:b] - s_w[i, a:b, None]) for i in range(n)]  # [B, V] each
+    ent.append(jnp.stack([-_row_sum(p[i] * lp[i]) for i in range(n)]))  # [N, B]
+    ren.append(jnp.stack([_row_sum(p[i] * p[i]) for i in range(n)]))
+    if group_size is None:
+      continue
+    jsb, klb = [], []
+    for q in range(0, n, group_size):
+      rows = range(q, q + group_size)
+      if reference == "active_mean":
+        active = sum(valid[i, a:b] for i in rows)
+        big = sum(p[i] for i in rows) / jnp.maximum(active, 1.0)[:, None]  # P: active rows' mean
+        log_big = jnp.log(jnp.maximum(big, _TINY))
+        # materialized once: XLA would otherwise recompute P from all G rows in every term
+        big, log_big = jax.lax.optimization_barrier((big, log_big))
+      for i in rows:
+        has_ref = jnp.ones_like(valid[i, a:b])
+        if reference == "others_mean":  # leave row i out
+          rest, others = _sum_of_others([(p[j], valid[j, a:b]) for j in rows], i - q)
+          big = rest / jnp.maximum(others, 1.0)[:, None]
+          log_big = jnp.log(jnp.maximum(big, _TINY))
+          has_ref = (others > 0).astype(big.dtype)
+        log_mid = jnp.log(jnp.maximum(0.5 * (p[i] + big), _TINY))
+        jsb.append(0.5 * _row_sum(p[i] * (lp[i] - log_mid) + big * (log_big - log_mid)) * has_ref)
         if kl:
-            out["kl"] = jnp.concatenate(kls, 1) * valid
-    return out
+          klb.append(jnp.maximum(_row_sum(p[i] * (lp[i] - log_big)), 0.0) * has_ref)
+    js.append(jnp.stack(jsb))
+    kls.append(jnp.stack(klb) if kl else None)
+  ren = jnp.concatenate(ren, 1)
+  out = {
+      "entropy": jnp.concatenate(ent, 1) * valid,
+      "renyi2": -jnp.log(jnp.where(valid > 0, ren, 1.0)) * valid,
+  }  # ren = 0 if invalid
+  if group_size is not None:
+    out["js"] = jnp.clip(jnp.concatenate(js, 1), 0.0, LOG2) * valid
+    if kl:
+      out["kl"] = jnp.concatenate(kls, 1) * valid
+  return out
 
 
 def chunk_stats(
-    logits_chunk: jax.Array, mask_chunk: jax.Array, group_size: int | None,
-    lse: jax.Array | None = None, row_blocks: bool | None = None, *,
-    reference: str = "active_mean", kl: bool = False,
+    logits_chunk: jax.Array,
+    mask_chunk: jax.Array,
+    group_size: int | None,
+    lse: jax.Array | None = None,
+    row_blocks: bool | None = None,
+    *,
+    reference: str = "active_mean",
+    kl: bool = False,
 ) -> dict[str, jax.Array]:
-    """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
+  """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
-    Args:
-      logits_chunk: [N, C, V] logits already divided by the sampling temperature.
-      mask_chunk: [N, C] completion mask (1 = active).
-      group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
-      lse: optional [N, C] logsumexp of the logits (the LM head has it already).
-      row_blocks: take the row-blocked path (same values); None = ``use_row_blocks()``.
-      reference: the distribution P the scores compare with, a key of ``REFERENCES``.
-      kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
+  Args:
+    logits_chunk: [N, C, V] logits already divided by the sampling temperature.
+    mask_chunk: [N, C] completion mask (1 = active).
+    group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
+    lse: optional [N, C] logsumexp of the logits (the LM head has it already).
+    row_blocks: take the row-blocked path (same values); None = ``use_row_blocks()``.
+    reference: the distribution P the scores compare with, a key of ``REFERENCES``.
+    kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
 
-    Returns dict with
-      entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
-      js: 0.5 KL(p||m) + 0.5 KL(P||m), m = (p + P)/2, P = mean of p over the group's rows
-        active at that position, natural log, in [0, log 2];
-    every entry is 0 where mask_chunk == 0.
-    """
-    if group_size is not None and (group_size < 1 or logits_chunk.shape[0] % group_size):
-        raise ValueError(f"selection: N={logits_chunk.shape[0]} rows is not a positive multiple "
-                         f"of group_size={group_size}")
-    if reference not in REFERENCES:
-        raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
-    if use_row_blocks() if row_blocks is None else row_blocks:
-        logits = jax.lax.stop_gradient(
-            logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
-        lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
-        return _blocked_stats(logits, jax.lax.stop_gradient(lse).astype(logits.dtype),
-                              mask_chunk.astype(logits.dtype), group_size, reference=reference,
-                              kl=kl)
-    p, logp, entropy, renyi2 = _entropies(logits_chunk, lse)
-    valid = mask_chunk.astype(entropy.dtype)
-    out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
-    if group_size is not None:
-        out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl))
-    return out
+  Returns dict with
+    entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
+    js: 0.5 KL(p||m) + 0.5 KL(P||m), m = (p + P)/2, P = mean of p over the group's rows
+      active at that position, natural log, in [0, log 2];
+  every entry is 0 where mask_chunk == 0.
+  """
+  if group_size is not None and (group_size < 1 or logits_chunk.shape[0] % group_size):
+    raise ValueError(
+        f"selection: N={logits_chunk.shape[0]} rows is not a positive multiple " f"of group_size={group_size}"
+    )
+  if reference not in REFERENCES:
+    raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
+  if use_row_blocks() if row_blocks is None else row_blocks:
+    logits = jax.lax.stop_gradient(logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
+    lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
+    return _blocked_stats(
+        logits,
+        jax.lax.stop_gradient(lse).astype(logits.dtype),
+        mask_chunk.astype(logits.dtype),
+        group_size,
+        reference=reference,
+        kl=kl,
+    )
+  p, logp, entropy, renyi2 = _entropies(logits_chunk, lse)
+  valid = mask_chunk.astype(entropy.dtype)
+  out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
+  if group_size is not None:
+    out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl))
+  return out
 
 
 def sequence_stats(
@@ -290,116 +299,108 @@ def sequence_stats(
     reference: str = "active_mean",
     kl: bool = False,
 ) -> dict[str, jax.Array]:
-    """``chunk_stats`` over logits [N, T, V] in T-chunks of ``chunk_size`` -> dict of [N, T]."""
-    n, t, _ = logits.shape
-    if mask is None:
-        mask = jnp.ones((n, t), jnp.float32)
-    if mask.shape != (n, t):
-        raise ValueError(f"selection: mask must be [N, T]={(n, t)}, got {mask.shape}")
-    if chunk_size < 1:
-        raise ValueError(f"selection: chunk_size={chunk_size}; expected >= 1")
-    c = min(int(chunk_size), t)
-    n_chunks = -(-t // c)
-    names = ("entropy", "renyi2") + (("js",) + (("kl",) if kl else ()) if group_size is not None else ())
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  """``chunk_stats`` over logits [N, T, V] in T-chunks of ``chunk_size`` -> dict of [N, T]."""
+  n, t, _ = logits.shape
+  if mask is None:
+    mask = jnp.ones((n, t), jnp.float32)
+  if mask.shape != (n, t):
+    raise ValueError(f"selection: mask must be [N, T]={(n, t)}, got {mask.shape}")
+  if chunk_size < 1:
+    raise ValueError(f"selection: chunk_size={chunk_size}; expected >= 1")
+  c = min(int(chunk_size), t)
+  n_chunks = -(-t // c)
+  names = ("entropy", "renyi2") + (("js",) + (("kl",) if kl else ()) if group_size is not None else ())
+  dtype = jnp.promote_types(logits.dtype, jnp.float32)
 
-    def body(k, out):
-        start = jnp.minimum(k * c, t - c)  # last chunk ends at T, overlapping the previous one
-        stats = chunk_stats(
-            jax.lax.dynamic_slice_in_dim(logits, start, c, axis=1),  # [N, C, V]
-            jax.lax.dynamic_slice_in_dim(mask, start, c, axis=1),  # [N, C]
-            group_size,
-            reference=reference,
-            kl=kl,
-        )
-        return {
-            name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1)
-            for name in names
-        }
+  def body(k, out):
+    start = jnp.minimum(k * c, t - c)  # last chunk ends at T, overlapping the previous one
+    stats = chunk_stats(
+        jax.lax.dynamic_slice_in_dim(logits, start, c, axis=1),  # [N, C, V]
+        jax.lax.dynamic_slice_in_dim(mask, start, c, axis=1),  # [N, C]
+        group_size,
+        reference=reference,
+        kl=kl,
+    )
+    return {name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1) for name in names}
 
-    init = {name: jnp.zeros((n, t), dtype) for name in names}
-    return jax.lax.fori_loop(0, n_chunks, body, init)
+  init = {name: jnp.zeros((n, t), dtype) for name in names}
+  return jax.lax.fori_loop(0, n_chunks, body, init)
 
 
-def token_stats(
-    logits: jax.Array, mask: jax.Array | None = None, chunk_size: int = 128
-) -> dict[str, jax.Array]:
-    """Shannon and Renyi-2 entropy [N, T] of logits [N, T, V] (0 where mask == 0)."""
-    return sequence_stats(logits, mask, None, chunk_size)
+def token_stats(logits: jax.Array, mask: jax.Array | None = None, chunk_size: int = 128) -> dict[str, jax.Array]:
+  """Shannon and Renyi-2 entropy [N, T] of logits [N, T, V] (0 where mask == 0)."""
+  return sequence_stats(logits, mask, None, chunk_size)
 
 
-def js_scores(
-    logits: jax.Array, mask: jax.Array, group_size: int, chunk_size: int = 128
-) -> jax.Array:
-    """ICT score u [N, T] = JS(p_{i,t} || P_t) per token, 0 on padding, no gradient."""
-    return sequence_stats(logits, mask, group_size, chunk_size)["js"]
+def js_scores(logits: jax.Array, mask: jax.Array, group_size: int, chunk_size: int = 128) -> jax.Array:
+  """ICT score u [N, T] = JS(p_{i,t} || P_t) per token, 0 on padding, no gradient."""
+  return sequence_stats(logits, mask, group_size, chunk_size)["js"]
 
 
 # ----------------------------------------------------------------------------- masks
 def _top_k_rows(score: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
-    """Per row keep the k highest-scoring valid positions; ties -> lower position first."""
-    key = jnp.where(valid, -score.astype(jnp.float32), jnp.inf) + 0.0  # +0.0: no -0.0 keys
-    order = jnp.argsort(key, axis=-1, stable=True)  # [R, L]
-    # the inverse permutation by a second sort, not a scatter: a row-wise op, so rows sharded
-    # over a mesh stay where they are (a scatter with [R, L] indices gathered them)
-    rank = jnp.argsort(order, axis=-1)
-    return valid & (rank < k[:, None])
+  """Per row keep the k highest-scoring valid positions; ties -> lower position first."""
+  key = jnp.where(valid, -score.astype(jnp.float32), jnp.inf) + 0.0  # +0.0: no -0.0 keys
+  order = jnp.argsort(key, axis=-1, stable=True)  # [R, L]
+  # the inverse permutation by a second sort, not a scatter: a row-wise op, so rows sharded
+  # over a mesh stay where they are (a scatter with [R, L] indices gathered them)
+  rank = jnp.argsort(order, axis=-1)
+  return valid & (rank < k[:, None])
 
 
-def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1,
-             keep: str = "unique") -> jax.Array:
-    """ICT: per response keep k_i = max(1, ceil(top_fraction * len_i)) positions by u: the
-    highest ("unique", ICT) or the lowest ("frequent", the paper's 90%-frequent ablation).
+def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1, keep: str = "unique") -> jax.Array:
+  """ICT: per response keep k_i = max(1, ceil(top_fraction * len_i)) positions by u: the
+  highest ("unique", ICT) or the lowest ("frequent", the paper's 90%-frequent ablation).
 
-    u, mask: [N, T]; len_i = sum_t mask[i, t]. Rows with len_i = 0 get no token; ties go to
-    the lower position. Returns bool [N, T].
-    """
-    if keep not in KEEPS:
-        raise ValueError(f"selection: unknown keep={keep!r}; expected one of {sorted(KEEPS)}")
-    valid = mask.astype(bool)
-    length = valid.sum(axis=1)
-    k = jnp.maximum(1, _ceil_times(length, top_fraction, "ict top_fraction"))
-    return _top_k_rows(u if keep == "unique" else -u.astype(jnp.float32), valid, k)
+  u, mask: [N, T]; len_i = sum_t mask[i, t]. Rows with len_i = 0 get no token; ties go to
+  the lower position. Returns bool [N, T].
+  """
+  if keep not in KEEPS:
+    raise ValueError(f"selection: unknown keep={keep!r}; expected one of {sorted(KEEPS)}")
+  valid = mask.astype(bool)
+  length = valid.sum(axis=1)
+  k = jnp.maximum(1, _ceil_times(length, top_fraction, "ict top_fraction"))
+  return _top_k_rows(u if keep == "unique" else -u.astype(jnp.float32), valid, k)
 
 
 def entropy_mask(entropy: jax.Array, mask: jax.Array, top_fraction: float = 0.2) -> jax.Array:
-    """20-Entropy: keep the top ceil(top_fraction * valid tokens) of the whole batch by entropy.
+  """20-Entropy: keep the top ceil(top_fraction * valid tokens) of the whole batch by entropy.
 
-    entropy, mask: [B, T]; returns bool [B, T]. Exactly that many tokens are kept; ties go
-    to the lower flat index (row-major), so the result is deterministic.
+  entropy, mask: [B, T]; returns bool [B, T]. Exactly that many tokens are kept; ties go
+  to the lower flat index (row-major), so the result is deterministic.
 
-    Reference behaviour: the official "Beyond the 80/20 Rule" verl code
-    (``get_global_entropy_top_mask`` in verl/trainer/ppo/core_algos.py) also takes a global
-    top-k, with k = max(1, int(n * top_ratio + 0.9999)) and torch.topk's unspecified tie
-    order, over each micro-batch; its loss is the token mean over response_mask * mask
-    (our "bnpo" over M), while its KL loss, if enabled, stays on all response tokens. TRL's
-    ``top_entropy_quantile`` instead thresholds at torch.quantile(entropies, 1 - fraction)
-    and keeps entropy >= threshold, which can keep one token more or fewer and every token
-    tied at the threshold. Here the count is an exact ceil and the batch is whatever the
-    caller passes (the train step passes the whole step's batch).
-    """
-    valid = mask.astype(bool).reshape(1, -1)
-    k = _ceil_times(valid.sum(axis=1), top_fraction, "entropy top_fraction")
-    return _top_k_rows(entropy.reshape(1, -1), valid, k).reshape(mask.shape)
+  Reference behaviour: the official "Beyond the 80/20 Rule" verl code
+  (``get_global_entropy_top_mask`` in verl/trainer/ppo/core_algos.py) also takes a global
+  top-k, with k = max(1, int(n * top_ratio + 0.9999)) and torch.topk's unspecified tie
+  order, over each micro-batch; its loss is the token mean over response_mask * mask
+  (our "bnpo" over M), while its KL loss, if enabled, stays on all response tokens. TRL's
+  ``top_entropy_quantile`` instead thresholds at torch.quantile(entropies, 1 - fraction)
+  and keeps entropy >= threshold, which can keep one token more or fewer and every token
+  tied at the threshold. Here the count is an exact ceil and the batch is whatever the
+  caller passes (the train step passes the whole step's batch).
+  """
+  valid = mask.astype(bool).reshape(1, -1)
+  k = _ceil_times(valid.sum(axis=1), top_fraction, "entropy top_fraction")
+  return _top_k_rows(entropy.reshape(1, -1), valid, k).reshape(mask.shape)
 
 
 def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
-    """q-quantile of x over mask == 1, linear interpolation (numpy.quantile's default).
+  """q-quantile of x over mask == 1, linear interpolation (numpy.quantile's default).
 
-    q is a static float in [0, 1]; the position q*(n-1) is computed exactly as a rational.
-    Returns 0 when no entry is valid.
-    """
-    num, den = _rational(q, "quantile", low_open=False)
-    flat_valid = mask.astype(bool).reshape(-1)
-    s = jnp.sort(jnp.where(flat_valid, x.reshape(-1).astype(jnp.float32), jnp.inf))
-    last = jnp.maximum(flat_valid.sum().astype(jnp.int32) - 1, 0)  # n - 1
-    a, b = last // den, last % den
-    lo = a * num + (b * num) // den  # floor(q * (n-1))
-    frac = ((b * num) % den).astype(jnp.float32) / den
-    hi = jnp.minimum(lo + 1, last)
-    v_lo, v_hi = s[lo], s[hi]
-    value = jnp.where(frac > 0, v_lo + frac * (v_hi - v_lo), v_lo)
-    return jnp.where(flat_valid.any(), value, 0.0)
+  q is a static float in [0, 1]; the position q*(n-1) is computed exactly as a rational.
+  Returns 0 when no entry is valid.
+  """
+  num, den = _rational(q, "quantile", low_open=False)
+  flat_valid = mask.astype(bool).reshape(-1)
+  s = jnp.sort(jnp.where(flat_valid, x.reshape(-1).astype(jnp.float32), jnp.inf))
+  last = jnp.maximum(flat_valid.sum().astype(jnp.int32) - 1, 0)  # n - 1
+  a, b = last // den, last % den
+  lo = a * num + (b * num) // den  # floor(q * (n-1))
+  frac = ((b * num) % den).astype(jnp.float32) / den
+  hi = jnp.minimum(lo + 1, last)
+  v_lo, v_hi = s[lo], s[hi]
+  value = jnp.where(frac > 0, v_lo + frac * (v_hi - v_lo), v_lo)
+  return jnp.where(flat_valid.any(), value, 0.0)
 
 
 def stapo_mask(
@@ -410,43 +411,47 @@ def stapo_mask(
     tau_p: float = 0.002,
     tau_h_quantile: float = 0.8,
 ) -> jax.Array:
-    """STAPO: drop spurious tokens, keep = mask & ~(A > 0 & prob < tau_p & H < tau_h).
+  """STAPO: drop spurious tokens, keep = mask & ~(A > 0 & prob < tau_p & H < tau_h).
 
-    token_prob, entropy, mask: [B, T]; advantages: [B]; tau_h is the tau_h_quantile quantile
-    of entropy over the valid tokens of the batch (linear interpolation). Returns bool [B, T].
-    """
-    valid = mask.astype(bool)
-    tau_h = masked_quantile(entropy, valid, tau_h_quantile)
-    spurious = (advantages[:, None] > 0) & (token_prob < tau_p) & (entropy < tau_h)
-    return valid & ~spurious
+  token_prob, entropy, mask: [B, T]; advantages: [B]; tau_h is the tau_h_quantile quantile
+  of entropy over the valid tokens of the batch (linear interpolation). Returns bool [B, T].
+  """
+  valid = mask.astype(bool)
+  tau_h = masked_quantile(entropy, valid, tau_h_quantile)
+  spurious = (advantages[:, None] > 0) & (token_prob < tau_p) & (entropy < tau_h)
+  return valid & ~spurious
 
 
 # ----------------------------------------------------------------------------- registry
 class Selector(NamedTuple):
-    """A token-selection method: which inputs it needs and the loss type it trains with.
+  """A token-selection method: which inputs it needs and the loss type it trains with.
 
-    loss_type None means "the configured dense loss type" (plain GRPO).
-    """
+  loss_type None means "the configured dense loss type" (plain GRPO).
+  """
 
-    needs: tuple[str, ...]
-    loss_type: str | None
-    fn: Callable[..., jax.Array]
-    description: str
+  needs: tuple[str, ...]
+  loss_type: str | None
+  fn: Callable[..., jax.Array]
+  description: str
 
 
 SELECTORS: dict[str, Selector] = {
     "grpo": Selector(
-        (), None, lambda mask, **_: mask.astype(bool),
+        (),
+        None,
+        lambda mask, **_: mask.astype(bool),
         "all valid tokens; the configured loss type",
     ),
     "entropy": Selector(
-        ("entropy",), "bnpo",
+        ("entropy",),
+        "bnpo",
         lambda mask, entropy, cfg, **_: entropy_mask(entropy, mask, cfg["entropy_top_fraction"]),
         "20-Entropy: top 20% entropy tokens of the batch; token mean over the selected tokens "
         "(bnpo over M, as verl's token-mean with the entropy-masked response mask)",
     ),
     "stapo": Selector(
-        ("token_prob", "entropy", "advantages"), "bnpo",
+        ("token_prob", "entropy", "advantages"),
+        "bnpo",
         lambda mask, token_prob, entropy, advantages, cfg, **_: stapo_mask(
             token_prob, entropy, advantages, mask, cfg["stapo_tau_p"], cfg["stapo_tau_h_quantile"]
         ),
@@ -454,9 +459,11 @@ SELECTORS: dict[str, Selector] = {
         "the kept tokens (bnpo over M)",
     ),
     "ict": Selector(
-        ("u",), "grpo",  # ("u",) for the default score; select_tokens asks for the chosen one
-        lambda mask, cfg, **inputs: ict_mask(inputs[SCORES[cfg["ict_score"]].input], mask,
-                                             cfg["ict_top_fraction"], cfg["ict_keep"]),
+        ("u",),
+        "grpo",  # ("u",) for the default score; select_tokens asks for the chosen one
+        lambda mask, cfg, **inputs: ict_mask(
+            inputs[SCORES[cfg["ict_score"]].input], mask, cfg["ict_top_fraction"], cfg["ict_keep"]
+        ),
         "ICT: top 10% JS tokens of each response; Sparse-GRPO, i.e. per-sequence mean over "
         "the selected tokens then mean over sequences (grpo over M)",
     ),
@@ -464,33 +471,30 @@ SELECTORS: dict[str, Selector] = {
 
 
 class Score(NamedTuple):
-    """An ICT score: the ``select_tokens`` input that holds it [N, T] and what it is."""
+  """An ICT score: the ``select_tokens`` input that holds it [N, T] and what it is."""
 
-    input: str
-    description: str
+  input: str
+  description: str
 
 
 SCORES: dict[str, Score] = {
     "js": Score("u", "JS(p_i || P) to the group reference (ICT's score)"),
     "kl": Score("kl", "KL(p_i || P) to the group reference"),
-    "entropy": Score("entropy", "the token's Shannon entropy (per response, unlike 20-Entropy's "
-                                "batch-wide top-k)"),
+    "entropy": Score("entropy", "the token's Shannon entropy (per response, unlike 20-Entropy's " "batch-wide top-k)"),
     "random": Score("noise", "uniform noise: a random top_fraction of each response"),
 }
 
 
 def loss_type_for(method: str, dense_loss_type: str = "dapo") -> str:
-    """The grpo loss_type a selection method trains with (a Python string, usable before jit).
+  """The grpo loss_type a selection method trains with (a Python string, usable before jit).
 
-    grpo -> dense_loss_type; entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
-    """
-    if method not in SELECTORS:
-        raise ValueError(f"selection: unknown method={method!r}; expected one of {sorted(SELECTORS)}")
-    if dense_loss_type not in LOSS_TYPES:
-        raise ValueError(
-            f"selection: dense_loss_type={dense_loss_type!r}; expected one of {sorted(LOSS_TYPES)}"
-        )
-    return SELECTORS[method].loss_type or dense_loss_type
+  grpo -> dense_loss_type; entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
+  """
+  if method not in SELECTORS:
+    raise ValueError(f"selection: unknown method={method!r}; expected one of {sorted(SELECTORS)}")
+  if dense_loss_type not in LOSS_TYPES:
+    raise ValueError(f"selection: dense_loss_type={dense_loss_type!r}; expected one of {sorted(LOSS_TYPES)}")
+  return SELECTORS[method].loss_type or dense_loss_type
 
 
 def select_tokens(
@@ -511,39 +515,38 @@ def select_tokens(
     ict_score: str = "js",
     ict_keep: str = "unique",
 ) -> tuple[jax.Array, str]:
-    """Selection mask bool [B, T] and the loss_type to train it with.
+  """Selection mask bool [B, T] and the loss_type to train it with.
 
-    grpo -> (mask, dense_loss_type); entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
-    With grpo.policy_loss_terms the "bnpo" and "dapo" terms are identical (sum L*M, sum M),
-    so "bnpo" here normalises over the selected tokens of the whole step when accumulated.
-    Call it inside the jitted step (the string is a trace-time value); ``loss_type_for``
-    gives the same string outside jit.
+  grpo -> (mask, dense_loss_type); entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
+  With grpo.policy_loss_terms the "bnpo" and "dapo" terms are identical (sum L*M, sum M),
+  so "bnpo" here normalises over the selected tokens of the whole step when accumulated.
+  Call it inside the jitted step (the string is a trace-time value); ``loss_type_for``
+  gives the same string outside jit.
 
-    ICT's ablations: ``ict_score`` (a key of ``SCORES``: js -> ``u``, kl -> ``kl``, entropy ->
-    ``entropy``, random -> ``noise``, uniform [B, T]) and ``ict_keep`` (a key of ``KEEPS``).
-    """
-    loss_type = loss_type_for(method, dense_loss_type)
-    if ict_score not in SCORES:
-        raise ValueError(f"selection: unknown ict_score={ict_score!r}; expected one of {sorted(SCORES)}")
-    if ict_keep not in KEEPS:
-        raise ValueError(f"selection: unknown ict_keep={ict_keep!r}; expected one of {sorted(KEEPS)}")
-    selector = SELECTORS[method]
-    needs = (SCORES[ict_score].input,) if method == "ict" else selector.needs
-    inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages,
-              "kl": kl, "noise": noise}
-    missing = [name for name in needs if inputs[name] is None]
-    if missing:
-        raise ValueError(f"selection: method {method!r} needs {missing} (got None)")
-    cfg = {
-        "ict_top_fraction": ict_top_fraction,
-        "entropy_top_fraction": entropy_top_fraction,
-        "stapo_tau_p": stapo_tau_p,
-        "stapo_tau_h_quantile": stapo_tau_h_quantile,
-        "ict_score": ict_score,
-        "ict_keep": ict_keep,
-    }
-    token_mask = selector.fn(mask=mask, cfg=cfg, **inputs)
-    return token_mask, loss_type
+  ICT's ablations: ``ict_score`` (a key of ``SCORES``: js -> ``u``, kl -> ``kl``, entropy ->
+  ``entropy``, random -> ``noise``, uniform [B, T]) and ``ict_keep`` (a key of ``KEEPS``).
+  """
+  loss_type = loss_type_for(method, dense_loss_type)
+  if ict_score not in SCORES:
+    raise ValueError(f"selection: unknown ict_score={ict_score!r}; expected one of {sorted(SCORES)}")
+  if ict_keep not in KEEPS:
+    raise ValueError(f"selection: unknown ict_keep={ict_keep!r}; expected one of {sorted(KEEPS)}")
+  selector = SELECTORS[method]
+  needs = (SCORES[ict_score].input,) if method == "ict" else selector.needs
+  inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages, "kl": kl, "noise": noise}
+  missing = [name for name in needs if inputs[name] is None]
+  if missing:
+    raise ValueError(f"selection: method {method!r} needs {missing} (got None)")
+  cfg = {
+      "ict_top_fraction": ict_top_fraction,
+      "entropy_top_fraction": entropy_top_fraction,
+      "stapo_tau_p": stapo_tau_p,
+      "stapo_tau_h_quantile": stapo_tau_h_quantile,
+      "ict_score": ict_score,
+      "ict_keep": ict_keep,
+  }
+  token_mask = selector.fn(mask=mask, cfg=cfg, **inputs)
+  return token_mask, loss_type
 
 
 def selection_metrics(
@@ -553,23 +556,23 @@ def selection_metrics(
     entropy: jax.Array | None = None,
     renyi2: jax.Array | None = None,
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """(sum, count) pairs over valid tokens; finalise with ``grpo.finalize_metrics``.
+  """(sum, count) pairs over valid tokens; finalise with ``grpo.finalize_metrics``.
 
-    js_selected / js_unselected: mean u of the selected / unselected valid tokens;
-    selected_frac: selected valid tokens / valid tokens; entropy, renyi2 (when given):
-    mean over valid tokens.
-    """
-    valid = mask.astype(bool)
-    sel = (valid & token_mask.astype(bool)).astype(jnp.float32)
-    unsel = (valid & ~token_mask.astype(bool)).astype(jnp.float32)
-    v = valid.astype(jnp.float32)
-    u = jax.lax.stop_gradient(u.astype(jnp.float32))
-    out = {
-        "js_selected": (jnp.sum(u * sel), sel.sum()),
-        "js_unselected": (jnp.sum(u * unsel), unsel.sum()),
-        "selected_frac": (sel.sum(), v.sum()),
-    }
-    for name, x in (("entropy", entropy), ("renyi2", renyi2)):
-        if x is not None:
-            out[name] = (jnp.sum(jax.lax.stop_gradient(x.astype(jnp.float32)) * v), v.sum())
-    return out
+  js_selected / js_unselected: mean u of the selected / unselected valid tokens;
+  selected_frac: selected valid tokens / valid tokens; entropy, renyi2 (when given):
+  mean over valid tokens.
+  """
+  valid = mask.astype(bool)
+  sel = (valid & token_mask.astype(bool)).astype(jnp.float32)
+  unsel = (valid & ~token_mask.astype(bool)).astype(jnp.float32)
+  v = valid.astype(jnp.float32)
+  u = jax.lax.stop_gradient(u.astype(jnp.float32))
+  out = {
+      "js_selected": (jnp.sum(u * sel), sel.sum()),
+      "js_unselected": (jnp.sum(u * unsel), unsel.sum()),
+      "selected_frac": (sel.sum(), v.sum()),
+  }
+  for name, x in (("entropy", entropy), ("renyi2", renyi2)):
+    if x is not None:
+      out[name] = (jnp.sum(jax.lax.stop_gradient(x.astype(jnp.float32)) * v), v.sum())
+  return out

@@ -1,6 +1,7 @@
 """Building the run's pieces from a validated `Config`: the mesh, the model config, the abstract
 parameters with their shardings. Shared by `train.py` and `eval/` (nothing may import train.py).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,9 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
   """The ("data", "fsdp", "tensor") mesh of `config.mesh` over `devices` (default: all; `aot`
   passes a target's compile-only devices)."""
   try:
-    return sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
-                              devices=devices)
+    return sharding.make_mesh(
+        {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}, devices=devices
+    )
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
 
@@ -44,9 +46,12 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None) -> Qwen2Con
   """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
   dtypes, the remat policy and the attention implementation from `config.model` ("auto"
   resolved for the devices of `mesh`, default jax.devices())."""
-  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-            remat_policy=cfg.model.remat_policy,
-            attention=resolve_attention(cfg.model.attention, mesh))
+  kw = dict(
+      dtype=cfg.model.dtype,
+      param_dtype=cfg.model.param_dtype,
+      remat_policy=cfg.model.remat_policy,
+      attention=resolve_attention(cfg.model.attention, mesh),
+  )
   try:
     if hf_dir:
       return read_config(hf_dir, **kw)
@@ -62,8 +67,9 @@ def abstract_params(mcfg: Qwen2Config, mesh: Mesh) -> tuple[Any, Any, Any]:
   graphdef, _ = nnx.split(abstract)
   param_state = nnx.state(abstract, nnx.Param)
   params_sharding = sharding.pure_shardings(param_state, mesh)
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        param_state.to_pure_dict(), params_sharding)
+  params = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), param_state.to_pure_dict(), params_sharding
+  )
   return graphdef, params, params_sharding
 
 
@@ -80,8 +86,9 @@ def rollout_dtype(cfg: Config, mesh: Mesh) -> str:
     return cfg.model.dtype if platform == "cpu" else "bfloat16"
   allowed = _PLATFORM_DTYPES.get(platform)
   if allowed is not None and name not in allowed:
-    raise ConfigError(f"config.rollout.dtype: {platform} has no {name} arithmetic; expected one "
-                      f"of {('auto',) + allowed}")
+    raise ConfigError(
+        f"config.rollout.dtype: {platform} has no {name} arithmetic; expected one " f"of {('auto',) + allowed}"
+    )
   return name
 
 

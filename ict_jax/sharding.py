@@ -4,6 +4,7 @@ Mesh axes are ("data", "fsdp", "tensor"). Parameters carry logical names (`axes`
 `models/axes.py` maps them to mesh axes. Everything here works the same on 1 CPU device,
 8 simulated CPU devices, a TPU pod slice, or a GPU node.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax.models.axes import (MESH_AXES, logical_to_spec, pure_shardings, spec_for,  # noqa: F401
-                                  state_shardings)
+from ict_jax.models.axes import (MESH_AXES, logical_to_spec, pure_shardings, spec_for, state_shardings)  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,14 @@ def resolve_mesh_shape(shape: Mapping[str, int] | tuple[int, ...], num_devices: 
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: {known} does not divide the "
-                       f"{num_devices} available devices")
+      raise ValueError(
+          f"mesh {dict(zip(MESH_AXES, sizes))}: {known} does not divide the " f"{num_devices} available devices"
+      )
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                     f"but {num_devices} are available")
+    raise ValueError(
+        f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, " f"but {num_devices} are available"
+    )
   return tuple(sizes)
 
 
@@ -88,13 +90,18 @@ def maybe_initialize_distributed() -> bool:
   env = os.environ
   kwargs: dict[str, Any] = {}
   if env.get("JAX_COORDINATOR_ADDRESS"):
-    kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                  num_processes=int(env.get("JAX_NUM_PROCESSES", "1")),
-                  process_id=int(env.get("JAX_PROCESS_ID", "0")))
+    kwargs = dict(
+        coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(env.get("JAX_NUM_PROCESSES", "1")),
+        process_id=int(env.get("JAX_PROCESS_ID", "0")),
+    )
     if kwargs["num_processes"] <= 1:
       return False
-  elif (env.get("ICT_JAX_DISTRIBUTED") == "1" or int(env.get("SLURM_NTASKS", "1")) > 1
-        or "," in env.get("TPU_WORKER_HOSTNAMES", "")):
+  elif (
+      env.get("ICT_JAX_DISTRIBUTED") == "1"
+      or int(env.get("SLURM_NTASKS", "1")) > 1
+      or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+  ):
     pass  # jax auto-detects SLURM and Cloud TPU pod topologies (launch/tpu_pod.sh sets the flag)
   else:
     return False

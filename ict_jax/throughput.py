@@ -7,6 +7,7 @@ benchmarks/step.py. Sampling and reward time are not in it (`tokens_per_s_per_ch
 whole iteration). Peaks are dense bf16 TFLOP/s per chip from the vendors' specifications; a CPU
 has none published, so it is measured once (a float32 matmul) and MFU there reads against that.
 """
+
 from __future__ import annotations
 
 import time
@@ -68,11 +69,15 @@ class Throughput:
     self.num_chips = num_chips or jax.device_count()
     self.chip, self.peak_tflops, self.peak_source = peak if peak is not None else chip_peak()
 
-  def step_metrics(self, *, rows: int, seq_len: int, passes: int, step_s: float, tokens: int,
-                   iteration_s: float) -> dict[str, float]:
+  def step_metrics(
+      self, *, rows: int, seq_len: int, passes: int, step_s: float, tokens: int, iteration_s: float
+  ) -> dict[str, float]:
     """rows x seq_len tokens through the train step `passes` times in `step_s` seconds;
     `tokens` completion tokens generated in an iteration of `iteration_s` seconds."""
     flops = self.model_config.flops_per_token(seq_len) * rows * seq_len * passes
     tflops = flops / max(step_s, 1e-9) / self.num_chips / 1e12
-    return {"model_tflops_per_chip": tflops, "mfu": tflops / self.peak_tflops,
-            "tokens_per_s_per_chip": tokens / max(iteration_s, 1e-9) / self.num_chips}
+    return {
+        "model_tflops_per_chip": tflops,
+        "mfu": tflops / self.peak_tflops,
+        "tokens_per_s_per_chip": tokens / max(iteration_s, 1e-9) / self.num_chips,
+    }

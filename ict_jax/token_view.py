@@ -13,6 +13,7 @@ cannot append; a resumed run that logs a step again replaces it):
 "random"), both computed by the same functions as the train step on whole groups, so they are the
 step's values. `dense_warmup` marks steps inside ICT's dense warm-up, where every token trained.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,75 +34,94 @@ class TokenView:
 
   def __init__(self, graphdef, step_cfg, *, groups: int = 2, mesh=None):
     from ict_jax.train_step import completion_logp_and_stats
+
     self.cfg, self.groups, self.mesh = step_cfg, groups, mesh
     score = step_cfg.score if step_cfg.score in ("js", "kl", "entropy") else "js"
 
     def fn(params, batch):
       model = nnx.merge(graphdef, params)
       logp, stats = completion_logp_and_stats(
-          model, batch, temperature=step_cfg.temperature, group_size=step_cfg.group_size,
-          chunk_size=step_cfg.chunk_size, reference=step_cfg.reference, kl=score == "kl")
+          model,
+          batch,
+          temperature=step_cfg.temperature,
+          group_size=step_cfg.group_size,
+          chunk_size=step_cfg.chunk_size,
+          reference=step_cfg.reference,
+          kl=score == "kl",
+      )
       mask = batch["completion_mask"]
-      sel, _ = selection.select_tokens("ict", mask=mask, u=stats["js"], kl=stats.get("kl"),
-                                       entropy=stats["entropy"], ict_top_fraction=step_cfg.top_fraction,
-                                       ict_score=score, ict_keep=step_cfg.keep)
-      return {"prob": jnp.exp(logp) * mask, "entropy": stats["entropy"], "js": stats["js"],
-              "selected": sel}
+      sel, _ = selection.select_tokens(
+          "ict",
+          mask=mask,
+          u=stats["js"],
+          kl=stats.get("kl"),
+          entropy=stats["entropy"],
+          ict_top_fraction=step_cfg.top_fraction,
+          ict_score=score,
+          ict_keep=step_cfg.keep,
+      )
+      return {"prob": jnp.exp(logp) * mask, "entropy": stats["entropy"], "js": stats["js"], "selected": sel}
 
     self._fn = jax.jit(fn)
 
   def __call__(self, params, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     rows = self.groups * self.cfg.group_size
-    sub = {k: np.asarray(batch[k])[:rows] for k in
-           ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    sub = {k: np.asarray(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     import contextlib
+
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       out = self._fn(params, sub)
     from ict_jax.rollout import host_array
+
     return {k: host_array(v) for k, v in out.items()}
 
 
-def records(step: int, view: dict[str, np.ndarray], batch, tokenizer, golds, rewards,
-            dense_warmup: bool) -> list[dict[str, Any]]:
+def records(
+    step: int, view: dict[str, np.ndarray], batch, tokenizer, golds, rewards, dense_warmup: bool
+) -> list[dict[str, Any]]:
   """One JSON-able dict per completion row of `view`."""
   out = []
   for i in range(view["prob"].shape[0]):
     m = np.asarray(batch["completion_mask"][i]).astype(bool)
     ids = [int(t) for t in np.asarray(batch["completion_ids"][i])[m]]
     prompt = [int(t) for t, k in zip(batch["prompt_ids"][i], batch["prompt_mask"][i]) if k]
-    out.append({
-        "step": step, "prompt": tokenizer.decode(prompt), "gold": str(golds[i]),
-        "reward": float(rewards[i]), "advantage": float(batch["advantages"][i]),
-        "dense_warmup": bool(dense_warmup),
-        "tokens": [tokenizer.decode([t]) for t in ids],
-        **{k: [round(float(x), 6) for x in view[k][i][m]] for k in ("prob", "entropy", "js")},
-        "selected": [bool(x) for x in view["selected"][i][m]],
-    })
+    out.append(
+        {
+            "step": step,
+            "prompt": tokenizer.decode(prompt),
+            "gold": str(golds[i]),
+            "reward": float(rewards[i]),
+            "advantage": float(batch["advantages"][i]),
+            "dense_warmup": bool(dense_warmup),
+            "tokens": [tokenizer.decode([t]) for t in ids],
+            **{k: [round(float(x), 6) for x in view[k][i][m]] for k in ("prob", "entropy", "js")},
+            "selected": [bool(x) for x in view["selected"][i][m]],
+        }
+    )
   return out
 
 
 def write(workdir: str, step: int, rows: list[dict[str, Any]]) -> None:
   """The rows of `step` as one object, written whole."""
   from etils import epath
+
   folder = epath.Path(workdir) / DIR
   folder.mkdir(parents=True, exist_ok=True)
-  (folder / f"{step:08d}.jsonl").write_text(
-      "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+  (folder / f"{step:08d}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def load(workdir: str, step: int | None = None) -> tuple[int, list[dict[str, Any]]]:
   """The rows of `step` (default: the latest step logged) -> (step, rows)."""
   from etils import epath
+
   folder = epath.Path(workdir) / DIR
   steps = sorted(int(f.name.split(".")[0]) for f in folder.glob("*.jsonl")) if folder.exists() else []
   if not steps:
-    raise FileNotFoundError(f"{folder}: no token statistics (the trainer writes them at checkpoint "
-                            "steps)")
+    raise FileNotFoundError(f"{folder}: no token statistics (the trainer writes them at checkpoint " "steps)")
   step = steps[-1] if step is None else step
   if step not in steps:
     raise KeyError(f"no token statistics for step {step}; steps with them: {steps}")
-  rows = [json.loads(line) for line in (folder / f"{step:08d}.jsonl").read_text().splitlines()
-          if line.strip()]
+  rows = [json.loads(line) for line in (folder / f"{step:08d}.jsonl").read_text().splitlines() if line.strip()]
   if not rows:
     raise ValueError(f"{folder / f'{step:08d}.jsonl'} is empty")
   return step, rows

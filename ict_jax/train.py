@@ -6,6 +6,7 @@ With no flags it runs the embedded default (tiny model, bundled tokenizer, synth
 `./runs/default`). Loop: prompts -> G samples each -> rewards -> advantages -> jitted step(s)
 -> logs -> Orbax checkpoint. Re-running the same command resumes from the latest checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,13 @@ from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
 from ict_jax.logs import MetricsLogger, import_wandb
 from ict_jax.models.config import Qwen2Config
-from ict_jax.setup import (abstract_params as make_abstract_params, decode_batch_size, make_mesh,
-                           model_config, rollout_dtype)
+from ict_jax.setup import (
+    abstract_params as make_abstract_params,
+    decode_batch_size,
+    make_mesh,
+    model_config,
+    rollout_dtype,
+)
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.preemption import Preemption
@@ -56,8 +62,10 @@ def _check_workdir(workdir: str) -> None:
 
 def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
   """Random parameters created directly in their shardings."""
+
   def init():
     return nnx.state(Qwen2(mcfg, rngs=nnx.Rngs(params=seed)), nnx.Param).to_pure_dict()
+
   with jax.set_mesh(mesh):
     return jax.jit(init, out_shardings=params_sharding)()
 
@@ -65,6 +73,7 @@ def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
 def load_examples(cfg: Config, split: str, workdir: str):
   """The split as a random-access source; on several hosts process 0 builds it first."""
   from ict_jax.data import load_split
+
   data_dir = cfg.data.data_dir or os.path.join(workdir, "data")
   manual_dir = os.path.expanduser(cfg.data.manual_dir) if cfg.data.manual_dir else None
 
@@ -72,8 +81,15 @@ def load_examples(cfg: Config, split: str, workdir: str):
     sources = []
     for name in cfg.data.name.split("+"):
       try:
-        sources.append(load_split(name, split, data_dir=data_dir, manual_dir=manual_dir,
-                                  config=(cfg.data.config or None) if name == cfg.data.name else None))
+        sources.append(
+            load_split(
+                name,
+                split,
+                data_dir=data_dir,
+                manual_dir=manual_dir,
+                config=(cfg.data.config or None) if name == cfg.data.name else None,
+            )
+        )
       except (FileNotFoundError, KeyError, ValueError) as e:
         raise ConfigError(f"config.data.name={name!r}: {e}") from None
     return sources[0] if len(sources) == 1 else _Concat(sources)
@@ -81,6 +97,7 @@ def load_examples(cfg: Config, split: str, workdir: str):
   if jax.process_count() == 1:
     return load()
   from jax.experimental import multihost_utils
+
   if jax.process_index() == 0:
     source = load()
   multihost_utils.sync_global_devices(f"ict_jax data {split}")
@@ -104,17 +121,25 @@ class _Concat:
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
   from ict_jax.data.prompts import encode_prompts
-  exs, _, encoded = encode_prompts([train_src[i] for i in range(len(train_src))], tok,
-                                   style=cfg.data.prompt_style)
+
+  exs, _, encoded = encode_prompts([train_src[i] for i in range(len(train_src))], tok, style=cfg.data.prompt_style)
   prompts, answers = [], []
   for e, prompt in zip(exs, encoded):
     for target in sft_targets(e):  # worked solutions when the task has them
       prompts.append(prompt)
       answers.append(tok.encode(target))
   arrays = build_sft_examples(prompts, answers, tok.pad_id, tok.pad_id)
-  return supervised_warm_start(graphdef, params, *arrays, steps=ws.sft_steps,
-                               batch_size=ws.sft_batch_size, learning_rate=ws.sft_learning_rate,
-                               seed=cfg.train.seed, mesh=mesh, log=log.info)
+  return supervised_warm_start(
+      graphdef,
+      params,
+      *arrays,
+      steps=ws.sft_steps,
+      batch_size=ws.sft_batch_size,
+      learning_rate=ws.sft_learning_rate,
+      seed=cfg.train.seed,
+      mesh=mesh,
+      log=log.info,
+  )
 
 
 # ---- the program ------------------------------------------------------------------------------
@@ -127,8 +152,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   sharding.maybe_initialize_distributed()
   mesh = make_mesh(cfg)
   try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
-    ts.check_micro_batch(cfg.train.micro_batch_size
-                         or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
+    ts.check_micro_batch(cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   roll_dtype = rollout_dtype(cfg, mesh)
@@ -155,13 +179,18 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     position = int(meta["data_position"])
     log.info("resumed from step %d of %s", start_step, workdir)
     for bad in [s for s in ckpt.all_steps() if s > start_step]:  # restore found these unreadable
-      log.warning("moved unreadable checkpoint step %d to %s; it will be saved again", bad,
-                  ckpt.set_aside(bad))
+      log.warning("moved unreadable checkpoint step %d to %s; it will be saved again", bad, ckpt.set_aside(bad))
   else:
     if hf_dir:
       try:
-        model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                mesh=mesh, remat_policy=mcfg.remat_policy, attention=mcfg.attention)
+        model = load_pretrained(
+            hf_dir,
+            jnp.dtype(cfg.model.dtype),
+            param_dtype=jnp.dtype(cfg.model.param_dtype),
+            mesh=mesh,
+            remat_policy=mcfg.remat_policy,
+            attention=mcfg.attention,
+        )
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily
         raise ConfigError(str(e)) from None
@@ -176,35 +205,52 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
 
   if jax.process_count() > 1:  # start the loop together: collectives time out on skewed hosts
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices("ict_jax train loop")
-  step_fn = ts.make_train_step(graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh,
-                               state_sharding=state_sharding)
+  step_fn = ts.make_train_step(
+      graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
+  )
   from ict_jax.data.iterator import PromptIterator
+
   it = PromptIterator(train_src, cfg.rollout.prompts_per_step, seed=cfg.train.seed, position=position)
   base_key = jax.random.key(cfg.train.seed)
-  logger = MetricsLogger(workdir, enabled=sharding.is_main_process(), progress=progress,
-                         total=cfg.train.steps, initial=start_step, config=config_lib.to_dict(cfg),
-                         wandb_project=cfg.log.wandb_project)
+  logger = MetricsLogger(
+      workdir,
+      enabled=sharding.is_main_process(),
+      progress=progress,
+      total=cfg.train.steps,
+      initial=start_step,
+      config=config_lib.to_dict(cfg),
+      wandb_project=cfg.log.wandb_project,
+  )
   history: list[dict] = []
   rc = cfg.rollout
   from ict_jax import token_view as tv
-  view = tv.TokenView(graphdef, ts.StepConfig.from_config(cfg), groups=max(1, SAMPLES_LOGGED // rc.group_size),
-                     mesh=mesh)
+
+  view = tv.TokenView(
+      graphdef, ts.StepConfig.from_config(cfg), groups=max(1, SAMPLES_LOGGED // rc.group_size), mesh=mesh
+  )
   periodic = None  # pass@k on held-out problems every train.eval_every steps
   if cfg.train.eval_every:
     from ict_jax.eval.periodic import PeriodicEval
-    periodic = PeriodicEval.from_config(cfg, tok, load_examples(cfg, cfg.data.eval_split, workdir),
-                                        mesh=mesh)
+
+    periodic = PeriodicEval.from_config(cfg, tok, load_examples(cfg, cfg.data.eval_split, workdir), mesh=mesh)
 
   def save(step: int, force: bool = False):
     tree = {"state": state}
     if with_ref:
       tree["ref_params"] = ref_params
-    ckpt.save(step, tree, {"data_position": it.position, "step": step, "seed": cfg.train.seed,
-                           "config": config_lib.to_dict(cfg)}, force=force)
+    ckpt.save(
+        step,
+        tree,
+        {"data_position": it.position, "step": step, "seed": cfg.train.seed, "config": config_lib.to_dict(cfg)},
+        force=force,
+    )
 
-  with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, \
-       Preemption(cfg.train.sigterm_grace_s) as preempt:
+  with (
+      RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool,
+      Preemption(cfg.train.sigterm_grace_s) as preempt,
+  ):
     last_step_s = None  # the previous train step + logging + save, in seconds
     tracing = False  # a jax.profiler trace is running (train.profile_steps)
 
@@ -228,20 +274,40 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           tracing = True
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
-        roll = collect((graphdef, state.params), examples, tok, pool, rng=key,
-                       group_size=rc.group_size, max_new_tokens=rc.max_new_tokens,
-                       temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                       prompt_style=cfg.data.prompt_style, max_prompt_len=cfg.data.max_prompt_len,
-                       reward_kind=cfg.reward.kind, format_weight=cfg.reward.format_weight,
-                       advantage_scale=cfg.loss.advantage_scale, mesh=mesh,
-                       rollout_dtype=roll_dtype, decode_batch_size=decode_batch_size(cfg))
+        roll = collect(
+            (graphdef, state.params),
+            examples,
+            tok,
+            pool,
+            rng=key,
+            group_size=rc.group_size,
+            max_new_tokens=rc.max_new_tokens,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            top_k=rc.top_k,
+            prompt_style=cfg.data.prompt_style,
+            max_prompt_len=cfg.data.max_prompt_len,
+            reward_kind=cfg.reward.kind,
+            format_weight=cfg.reward.format_weight,
+            advantage_scale=cfg.loss.advantage_scale,
+            mesh=mesh,
+            rollout_dtype=roll_dtype,
+            decode_batch_size=decode_batch_size(cfg),
+        )
         # the real length, bucketed (few compiled shapes); the longest completion comes from the
         # gathered lengths, so no host reads the other hosts' rows of the mask
         batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
         tokens = None  # per-token statistics of the logged samples, at checkpoint steps
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
-          tokens = tv.records(step + 1, view(state.params, batch), batch, tok, roll.golds, roll.rewards,
-                              dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps)
+          tokens = tv.records(
+              step + 1,
+              view(state.params, batch),
+              batch,
+              tok,
+              roll.golds,
+              roll.rewards,
+              dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps,
+          )
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
           stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
@@ -255,24 +321,36 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
         dt, step_s = time.perf_counter() - t0, time.perf_counter() - t1
         updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
-        record = {"step": step + 1, **roll.stats, **metrics, "step_s": step_s,
-                  "iteration_s": dt, "tokens_per_s": roll.stats["completion_tokens"] / dt,
-                  "learning_rate": float(learning_rate(updates - 1) if callable(learning_rate) else learning_rate),
-                  **throughput.step_metrics(rows=batch["completion_ids"].shape[0],
-                                            seq_len=batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1],
-                                            passes=cfg.train.num_iterations, step_s=step_s,
-                                            tokens=roll.stats["completion_tokens"], iteration_s=dt),
-                  "sample": roll.completions[0][:200]}
+        record = {
+            "step": step + 1,
+            **roll.stats,
+            **metrics,
+            "step_s": step_s,
+            "iteration_s": dt,
+            "tokens_per_s": roll.stats["completion_tokens"] / dt,
+            "learning_rate": float(learning_rate(updates - 1) if callable(learning_rate) else learning_rate),
+            **throughput.step_metrics(
+                rows=batch["completion_ids"].shape[0],
+                seq_len=batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1],
+                passes=cfg.train.num_iterations,
+                step_s=step_s,
+                tokens=roll.stats["completion_tokens"],
+                iteration_s=dt,
+            ),
+            "sample": roll.completions[0][:200],
+        }
         if periodic is not None and periodic.due(step + 1, cfg.train.steps):
           record.update(periodic((graphdef, state.params), pool))
         history.append(record)
         shown = roll.rows[:SAMPLES_LOGGED]  # rows this host scored (process 0 writes the logs)
-        prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown],
-                                                                roll.prompt_mask[shown])])
-        logger.write(record, samples=[{"prompt": p, "completion": c, "gold": str(gd),
-                                       "reward": float(roll.rewards[r])}
-                                      for p, r, c, gd in zip(prompts, shown, roll.completions,
-                                                             roll.golds)])
+        prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown], roll.prompt_mask[shown])])
+        logger.write(
+            record,
+            samples=[
+                {"prompt": p, "completion": c, "gold": str(gd), "reward": float(roll.rewards[r])}
+                for p, r, c, gd in zip(prompts, shown, roll.completions, roll.golds)
+            ],
+        )
         if tokens and sharding.is_main_process():
           tv.write(workdir, step + 1, tokens)
         done = step + 1
@@ -301,13 +379,15 @@ def main(argv=None) -> None:
   from ml_collections import config_flags
 
   fl = flags.FlagValues()
-  flags.DEFINE_string("workdir", "./runs/default", "Checkpoints, logs and metrics go here (local or gs://).",
-                      flag_values=fl)
+  flags.DEFINE_string(
+      "workdir", "./runs/default", "Checkpoints, logs and metrics go here (local or gs://).", flag_values=fl
+  )
   flags.DEFINE_string("init_from_hf", "", "Start from this local Hugging Face folder.", flag_values=fl)
   argv = sys.argv if argv is None else argv
   try:  # flag and --config.* override errors become one line, not a traceback
-    config_flags.DEFINE_config_file("config", config_lib.__file__, "An ml_collections config file.",
-                                    flag_values=fl, lock_config=True)
+    config_flags.DEFINE_config_file(
+        "config", config_lib.__file__, "An ml_collections config file.", flag_values=fl, lock_config=True
+    )
     fl(argv)
     cd = fl.config
   except (AttributeError, KeyError) as e:  # an override of a key the config does not have
@@ -316,8 +396,10 @@ def main(argv=None) -> None:
   except (flags.Error, TypeError, ValueError) as e:
     _error(str(e).replace("\n", " "))
   if type(cd).__name__ == "_ErrorConfig":  # ml_collections' stand-in for a file that failed to load
-    _error(f"--config {fl['config'].config_filename}: could not be loaded: "
-           + " ".join(str(object.__getattribute__(cd, "_error")).split()))
+    _error(
+        f"--config {fl['config'].config_filename}: could not be loaded: "
+        + " ".join(str(object.__getattribute__(cd, "_error")).split())
+    )
   # force: importing orbax already put a WARNING-level handler on the root logger, which would
   # make basicConfig a no-op and hide every INFO line (resume step, warm-start progress)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)

@@ -19,6 +19,7 @@ lr 1e-6 almost all of them), and a float32 copy beside bfloat16 weights would on
 Selection thresholds that look across rows (20-Entropy's top-k, STAPO's entropy quantile) are
 taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-batch invariant.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,14 +45,15 @@ _NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array          # int32 []
-  params: Any              # pure nested dict of arrays (nnx.State.to_pure_dict())
-  opt_state: Any           # optax state
+  step: jax.Array  # int32 []
+  params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict())
+  opt_state: Any  # optax state
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
   """Static hyper-parameters of the compiled step."""
+
   group_size: int = 8
   temperature: float = 1.0
   method: str = "ict"
@@ -68,23 +70,33 @@ class StepConfig:
   micro_batch_size: int = 0
   sparse_backward: bool = True
   max_completion_length: int = 0  # dr_grpo's T (rollout.max_new_tokens); 0: the batch's width
-  score: str = "js"               # ICT ablations: selection.SCORES / KEEPS / REFERENCES
+  score: str = "js"  # ICT ablations: selection.SCORES / KEEPS / REFERENCES
   keep: str = "unique"
   reference: str = "active_mean"
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
     return cfg_cls(
-        group_size=cfg.rollout.group_size, temperature=cfg.rollout.temperature or 1.0,
-        method=cfg.ict.method, top_fraction=cfg.ict.top_fraction,
-        warmup_steps=cfg.ict.warmup_steps, entropy_top_fraction=cfg.ict.entropy_top_fraction,
-        stapo_tau_p=cfg.ict.stapo_tau_p, stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
-        loss_type=cfg.loss.loss_type, beta=cfg.loss.beta, epsilon_low=cfg.loss.epsilon_low,
-        epsilon_high=cfg.loss.epsilon_high, chunk_size=cfg.ict.chunk_size,
-        sparse_backward=cfg.ict.sparse_backward, score=cfg.ict.score, keep=cfg.ict.keep,
+        group_size=cfg.rollout.group_size,
+        temperature=cfg.rollout.temperature or 1.0,
+        method=cfg.ict.method,
+        top_fraction=cfg.ict.top_fraction,
+        warmup_steps=cfg.ict.warmup_steps,
+        entropy_top_fraction=cfg.ict.entropy_top_fraction,
+        stapo_tau_p=cfg.ict.stapo_tau_p,
+        stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
+        loss_type=cfg.loss.loss_type,
+        beta=cfg.loss.beta,
+        epsilon_low=cfg.loss.epsilon_low,
+        epsilon_high=cfg.loss.epsilon_high,
+        chunk_size=cfg.ict.chunk_size,
+        sparse_backward=cfg.ict.sparse_backward,
+        score=cfg.ict.score,
+        keep=cfg.ict.keep,
         reference=cfg.ict.reference,
         micro_batch_size=cfg.train.micro_batch_size,
-        max_completion_length=cfg.rollout.max_new_tokens)
+        max_completion_length=cfg.rollout.max_new_tokens,
+    )
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -96,11 +108,15 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.ScalarOr
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warm, 0), max(total_steps, warm + 1))
   elif cfg.schedule == "linear":
     sched = optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, max(warm, 1)),
-         optax.linear_schedule(lr, 0.0, max(total_steps - warm, 1))], [warm])
+        [optax.linear_schedule(0.0, lr, max(warm, 1)), optax.linear_schedule(lr, 0.0, max(total_steps - warm, 1))],
+        [warm],
+    )
   else:
-    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, max(warm, 1)),
-                                  optax.constant_schedule(lr)], [warm]) if warm else lr
+    sched = (
+        optax.join_schedules([optax.linear_schedule(0.0, lr, max(warm, 1)), optax.constant_schedule(lr)], [warm])
+        if warm
+        else lr
+    )
   return sched
 
 
@@ -115,9 +131,17 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 
 # ---- per-token log-probs and statistics ------------------------------------------------------
-def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_size: int | None,
-                              chunk_size: int = 128, grad_rows: int = 0,
-                              reference: str = "active_mean", kl: bool = False):
+def completion_logp_and_stats(
+    model,
+    batch: Batch,
+    *,
+    temperature: float,
+    group_size: int | None,
+    chunk_size: int = 128,
+    grad_rows: int = 0,
+    reference: str = "active_mean",
+    kl: bool = False,
+):
   """log pi(y_t) [N, C] (differentiable) and no-grad stats [N, C]: entropy, renyi2, js.
 
   The logits of completion token j come from position P-1+j of prompt+completion; they are
@@ -128,14 +152,22 @@ def completion_logp_and_stats(model, batch: Batch, *, temperature: float, group_
   ids, cmask = batch["completion_ids"], batch["completion_mask"]
   p = prompt_ids.shape[1]
   c = ids.shape[1]
-  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1),
-                          jnp.concatenate([prompt_mask, cmask], 1))
-  h = h[:, p - 1: p + c - 1]  # [N, C, D]
+  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
+  h = h[:, p - 1 : p + c - 1]  # [N, C, D]
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
-  return lm_head.logp_and_stats(h, w, ids, cmask, temperature=temperature,
-                                group_size=group_size, chunk_size=chunk_size,
-                                grad_rows=grad_rows, vocab_major=vocab_major,
-                                reference=reference, kl=kl)
+  return lm_head.logp_and_stats(
+      h,
+      w,
+      ids,
+      cmask,
+      temperature=temperature,
+      group_size=group_size,
+      chunk_size=chunk_size,
+      grad_rows=grad_rows,
+      vocab_major=vocab_major,
+      reference=reference,
+      kl=kl,
+  )
 
 
 # ---- the batch at its real length -----------------------------------------------------------
@@ -143,8 +175,7 @@ COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logp")  # [N, C], r
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
 
 
-def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *,
-               completion_len: int | None = None) -> Batch:
+def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *, completion_len: int | None = None) -> Batch:
   """The batch cut to its real length, on the host, before the step (few compiled shapes).
 
   Completion columns [N, C] -> [N, C'], C' = min(C, sampling.bucket_length(longest completion,
@@ -170,7 +201,7 @@ def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *,
     if k in COMPLETION_KEYS:
       out[k] = x[:, :c_new]
     elif k in PROMPT_KEYS:
-      out[k] = x[:, p - p_new:]
+      out[k] = x[:, p - p_new :]
     else:
       out[k] = x
   return out
@@ -180,12 +211,21 @@ def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *,
 def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
   n, c = batch["completion_ids"].shape
-  grad_rows = lm_head.sparse_grad_rows(cfg.method, cfg.top_fraction, cfg.entropy_top_fraction,
-                                       n, c) if cfg.sparse_backward else 0
-  logp, stats = completion_logp_and_stats(model, batch, temperature=cfg.temperature,
-                                          group_size=cfg.group_size, chunk_size=cfg.chunk_size,
-                                          grad_rows=grad_rows, reference=cfg.reference,
-                                          kl=cfg.method == "ict" and cfg.score == "kl")
+  grad_rows = (
+      lm_head.sparse_grad_rows(cfg.method, cfg.top_fraction, cfg.entropy_top_fraction, n, c)
+      if cfg.sparse_backward
+      else 0
+  )
+  logp, stats = completion_logp_and_stats(
+      model,
+      batch,
+      temperature=cfg.temperature,
+      group_size=cfg.group_size,
+      chunk_size=cfg.chunk_size,
+      grad_rows=grad_rows,
+      reference=cfg.reference,
+      kl=cfg.method == "ict" and cfg.score == "kl",
+  )
   mask = batch["completion_mask"]
   adv = batch["advantages"]
   sg_logp = jax.lax.stop_gradient(logp)
@@ -193,24 +233,44 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
   ref_logp = None
   if cfg.beta > 0:
     ref_model = nnx.merge(graphdef, ref_params)
-    ref_logp, _ = completion_logp_and_stats(ref_model, batch, temperature=cfg.temperature,
-                                            group_size=None, chunk_size=cfg.chunk_size)
+    ref_logp, _ = completion_logp_and_stats(
+        ref_model, batch, temperature=cfg.temperature, group_size=None, chunk_size=cfg.chunk_size
+    )
     ref_logp = jax.lax.stop_gradient(ref_logp)
   token_mask, loss_type = selection.select_tokens(
-      cfg.method, mask=mask, u=stats["js"], entropy=stats["entropy"], token_prob=jnp.exp(sg_logp),
-      advantages=adv, ict_top_fraction=cfg.top_fraction,
-      entropy_top_fraction=cfg.entropy_top_fraction, stapo_tau_p=cfg.stapo_tau_p,
-      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile, dense_loss_type=cfg.loss_type,
-      kl=stats.get("kl"), noise=batch.get("score_noise"), ict_score=cfg.score, ict_keep=cfg.keep)
+      cfg.method,
+      mask=mask,
+      u=stats["js"],
+      entropy=stats["entropy"],
+      token_prob=jnp.exp(sg_logp),
+      advantages=adv,
+      ict_top_fraction=cfg.top_fraction,
+      entropy_top_fraction=cfg.entropy_top_fraction,
+      stapo_tau_p=cfg.stapo_tau_p,
+      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile,
+      dense_loss_type=cfg.loss_type,
+      kl=stats.get("kl"),
+      noise=batch.get("score_noise"),
+      ict_score=cfg.score,
+      ict_keep=cfg.keep,
+  )
   if cfg.method == "ict" and cfg.warmup_steps > 0:  # dense GRPO for the first steps
     token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
   terms = grpo.policy_loss_terms(
-      logp, old_logp, adv, mask, ref_logp=ref_logp, beta=cfg.beta, epsilon_low=cfg.epsilon_low,
-      epsilon_high=cfg.epsilon_high, loss_type=loss_type, token_mask=token_mask,
-      max_completion_length=cfg.max_completion_length or None)
+      logp,
+      old_logp,
+      adv,
+      mask,
+      ref_logp=ref_logp,
+      beta=cfg.beta,
+      epsilon_low=cfg.epsilon_low,
+      epsilon_high=cfg.epsilon_high,
+      loss_type=loss_type,
+      token_mask=token_mask,
+      max_completion_length=cfg.max_completion_length or None,
+  )
   metrics = dict(terms.metrics)
-  metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"],
-                                             stats["renyi2"]))
+  metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"], stats["renyi2"]))
   return terms.numerator, (terms.denominator, metrics, sg_logp)
 
 
@@ -222,30 +282,45 @@ def check_micro_batch(micro_batch: int, mesh) -> None:
     return
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   if micro_batch % rows:
-    raise ValueError(f"config.train.micro_batch_size: a micro-batch of {micro_batch} rows does not "
-                     f"divide over the mesh's data x fsdp = {mesh.shape['data']} x "
-                     f"{mesh.shape['fsdp']} = {rows} devices (mesh {dict(mesh.shape)}); use a "
-                     f"multiple of {rows} (0 = the whole batch of prompts_per_step x group_size)")
+    raise ValueError(
+        f"config.train.micro_batch_size: a micro-batch of {micro_batch} rows does not "
+        f"divide over the mesh's data x fsdp = {mesh.shape['data']} x "
+        f"{mesh.shape['fsdp']} = {rows} devices (mesh {dict(mesh.shape)}); use a "
+        f"multiple of {rows} (0 = the whole batch of prompts_per_step x group_size)"
+    )
 
 
-def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
-                    mesh: Mesh | None = None, state_sharding=None, donate: bool = True):
+def make_train_step(
+    graphdef,
+    cfg: StepConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh | None = None,
+    state_sharding=None,
+    donate: bool = True,
+):
   """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`.
 
   batch: prompt_ids/prompt_mask [N, P] (left-padded), completion_ids/completion_mask [N, C],
   advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy)."""
 
   def step_fn(state: TrainState, batch: Batch, ref_params=None):
-    low = [(jax.tree_util.keystr(path), x.dtype)
-           for path, x in jax.tree_util.tree_leaves_with_path(state.params) if x.dtype != jnp.float32]
+    low = [
+        (jax.tree_util.keystr(path), x.dtype)
+        for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+        if x.dtype != jnp.float32
+    ]
     if low:
-      raise ValueError(f"train step: parameters must be float32 master weights (compute runs in "
-                       f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)")
+      raise ValueError(
+          f"train step: parameters must be float32 master weights (compute runs in "
+          f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)"
+      )
     n = batch["completion_ids"].shape[0]
     mb = cfg.micro_batch_size or n
     if n % mb or mb % cfg.group_size:
-      raise ValueError(f"micro_batch_size {mb} must divide the batch ({n} rows) and be a "
-                       f"multiple of group_size {cfg.group_size}")
+      raise ValueError(
+          f"micro_batch_size {mb} must divide the batch ({n} rows) and be a " f"multiple of group_size {cfg.group_size}"
+      )
     check_micro_batch(mb, jax.sharding.get_abstract_mesh())
     if cfg.method == "ict" and cfg.score == "random":  # the "random" ablation's scores
       key = jax.random.fold_in(jax.random.key(0), state.step)
@@ -256,24 +331,24 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     # one is spread over every device (not micro-batch i on device i): a device's share of a
     # micro-batch is mb / (data x fsdp) consecutive rows, whole groups when it has >= G of them.
     micro = jax.tree.map(
-        lambda x: constrain(x.reshape(n // mb, mb, *x.shape[1:]),
-                            (None, "act_batch") + (None,) * (x.ndim - 1)), batch)
+        lambda x: constrain(x.reshape(n // mb, mb, *x.shape[1:]), (None, "act_batch") + (None,) * (x.ndim - 1)), batch
+    )
 
     def accumulate(carry, mbatch):
       grads, num, den, metrics = carry
-      (num_i, (den_i, metrics_i, logp_i)), g_i = grad_fn(state.params, graphdef, mbatch,
-                                                         state.step, cfg, ref_params)
+      (num_i, (den_i, metrics_i, logp_i)), g_i = grad_fn(state.params, graphdef, mbatch, state.step, cfg, ref_params)
       add = lambda a, b: a + b
-      return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i,
-              jax.tree.map(add, metrics, metrics_i)), logp_i
+      return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i, jax.tree.map(add, metrics, metrics_i)), logp_i
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(
-        lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params)[1][1])
+        lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params)[1][1]
+    )
     init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
     (grads, num, den, msum), logp = jax.lax.scan(
-        accumulate, (zeros, jnp.float32(0), jnp.float32(0), init_metrics), micro)
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0), init_metrics), micro
+    )
     scale = 1.0 / jnp.maximum(den, 1.0)
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     loss = num * scale
@@ -282,8 +357,9 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     params = optax.apply_updates(state.params, updates)
     metrics = grpo.finalize_metrics(msum)
     finite = opt_state.last_finite
-    metrics.update(loss=loss, grad_norm=grad_norm, skipped=1 - finite.astype(jnp.int32),
-                   total_skipped=opt_state.total_notfinite)
+    metrics.update(
+        loss=loss, grad_norm=grad_norm, skipped=1 - finite.astype(jnp.int32), total_skipped=opt_state.total_notfinite
+    )
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics, logp.reshape(n, -1)
 
@@ -302,6 +378,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     batch = {k: put_global(v, rows_sharding) for k, v in batch.items()}  # multi-host: global arrays
     with jax.set_mesh(mesh):
       return jitted(state, batch, ref_params)
+
   run.jitted = jitted
   return run
 
@@ -311,17 +388,19 @@ def train_state_shardings(optimizer, params_abstract, params_sharding, mesh: Mes
   """Shardings of TrainState: optimizer moments follow their parameters, scalars replicated."""
   repl = NamedSharding(mesh, P())
   opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
-  opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, params_sharding,
-                                       transform_non_params=lambda _: repl)
+  opt_sharding = optax.tree_map_params(
+      optimizer, lambda _, s: s, opt_abstract, params_sharding, transform_non_params=lambda _: repl
+  )
   return TrainState(step=repl, params=params_sharding, opt_state=opt_sharding)
 
 
-def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_sharding=None,
-                     step: int = 0) -> TrainState:
+def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_sharding=None, step: int = 0) -> TrainState:
   """TrainState with the optimizer state created by a jitted init with `out_shardings`, so
   AdamW moments are born sharded (never whole on one device)."""
+
   def init(p):
     return TrainState(step=jnp.asarray(step, jnp.int32), params=p, opt_state=optimizer.init(p))
+
   if mesh is None:
     return jax.jit(init)(params)
   shardings = train_state_shardings(optimizer, jax.eval_shape(lambda: params), params_sharding, mesh)
@@ -334,5 +413,4 @@ def abstract_train_state(optimizer, params_abstract, state_sharding) -> TrainSta
   `state_sharding` (no array allocated): a checkpoint restore target, and what `ict_jax.aot`
   compiles the step for."""
   shapes = jax.eval_shape(lambda p: TrainState(jnp.int32(0), p, optimizer.init(p)), params_abstract)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      shapes, state_sharding)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, state_sharding)

@@ -5,6 +5,7 @@ does. This teacher-forces `prompt + answer + EOS` on the training split for a fe
 starts from a partly competent policy (the reward then has room to rise). Real runs start from a
 pretrained Hugging Face checkpoint and skip this.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,7 @@ def sft_targets(example) -> list[str]:
   return [s for s in solutions.split("\n") if s] or [str(example["answer"])]
 
 
-def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                       eos_id: int, pad_id: int):
+def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], eos_id: int, pad_id: int):
   """Right-padded [B, T] ids and attention mask, and the answer+EOS positions [B, K] + mask."""
   seqs = [list(p) + list(a) + [eos_id] for p, a in zip(prompts, answers)]
   width = max(len(s) for s in seqs)
@@ -55,17 +55,28 @@ def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Seque
   pos = np.zeros((len(seqs), k), np.int32)
   pos_mask = np.zeros_like(pos)
   for i, (p, s) in enumerate(zip(prompts, seqs)):
-    ids[i, :len(s)] = s
-    mask[i, :len(s)] = 1
-    pos[i, :len(s) - len(p)] = np.arange(len(p), len(s))
-    pos_mask[i, :len(s) - len(p)] = 1
+    ids[i, : len(s)] = s
+    mask[i, : len(s)] = 1
+    pos[i, : len(s) - len(p)] = np.arange(len(p), len(s))
+    pos_mask[i, : len(s) - len(p)] = 1
   return ids, mask, pos, pos_mask
 
 
-def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-                          pos_mask: np.ndarray,
-                          *, steps: int, batch_size: int, learning_rate: float, seed: int,
-                          mesh=None, log=None):
+def supervised_warm_start(
+    graphdef,
+    params,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    pos: np.ndarray,
+    pos_mask: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    mesh=None,
+    log=None,
+):
   """`steps` Adam steps of teacher forcing on random batches of the examples -> params."""
   opt = optax.adam(learning_rate)
 
@@ -89,4 +100,3 @@ def supervised_warm_start(graphdef, params, ids: np.ndarray, mask: np.ndarray, p
       if log is not None and (i + 1) % max(1, steps // 4) == 0:
         log(f"warm-start step {i + 1}/{steps}: loss {float(loss):.3f}")
   return params
-

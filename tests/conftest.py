@@ -1,9 +1,8 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported anywhere."""
+
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,7 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Compiled programs are cached on disk across test processes and runs (the suite compiles the
 # same small steps many times); set before JAX is imported.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.environ.get("TMPDIR", "/tmp"), "ict_jax_test_jax_cache"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "ict_jax_test_jax_cache")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -1,5 +1,6 @@
 """The token-level view: tokens/<step>.jsonl reading, the selected tokens' statistics against hand
 counts, the page's content and the command line."""
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,41 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(step, prompt, tokens, js, ent, prob, sel, reward=1.0):
-  return {"step": step, "prompt": prompt, "gold": "9", "reward": reward, "advantage": 0.5,
-          "dense_warmup": False, "tokens": tokens, "js": js, "entropy": ent, "prob": prob,
-          "selected": sel}
+  return {
+      "step": step,
+      "prompt": prompt,
+      "gold": "9",
+      "reward": reward,
+      "advantage": 0.5,
+      "dense_warmup": False,
+      "tokens": tokens,
+      "js": js,
+      "entropy": ent,
+      "prob": prob,
+      "selected": sel,
+  }
 
 
 ROWS = [
-    _row(20, "1+4+4=", ["1", "+", "4", "=", "5"], [0.0, 0.1, 0.2, 0.0, 0.6],
-         [0.1, 0.2, 1.5, 0.3, 2.0], [0.9, 0.8, 0.3, 0.9, 0.2], [False, False, False, False, True]),
-    _row(20, "1+4+4=", ["4", "+", "4", "=", "8"], [0.0, 0.0, 0.4, 0.0, 0.1],
-         [0.4, 0.1, 0.05, 0.2, 0.9], [0.6, 0.9, 0.95, 0.9, 0.5], [False, False, True, False, False], 0.0),
+    _row(
+        20,
+        "1+4+4=",
+        ["1", "+", "4", "=", "5"],
+        [0.0, 0.1, 0.2, 0.0, 0.6],
+        [0.1, 0.2, 1.5, 0.3, 2.0],
+        [0.9, 0.8, 0.3, 0.9, 0.2],
+        [False, False, False, False, True],
+    ),
+    _row(
+        20,
+        "1+4+4=",
+        ["4", "+", "4", "=", "8"],
+        [0.0, 0.0, 0.4, 0.0, 0.1],
+        [0.4, 0.1, 0.05, 0.2, 0.9],
+        [0.6, 0.9, 0.95, 0.9, 0.5],
+        [False, False, True, False, False],
+        0.0,
+    ),
 ]
 
 
@@ -65,8 +91,13 @@ def test_selection_stats_by_hand():
 def test_page_and_command_line(tmp_path):
   w = str(tmp_path / "run")
   _write(w, ROWS)
-  proc = subprocess.run([sys.executable, "-m", "ict_jax.analyze", "--workdir", w, "--no-png"],
-                        capture_output=True, text=True, cwd=REPO, timeout=300)
+  proc = subprocess.run(
+      [sys.executable, "-m", "ict_jax.analyze", "--workdir", w, "--no-png"],
+      capture_output=True,
+      text=True,
+      cwd=REPO,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   page = open(os.path.join(w, "analysis", "step_20.html")).read()
   assert page.count('class="tok sel"') == 2 and page.count('class="tok') == 10
@@ -74,7 +105,12 @@ def test_page_and_command_line(tmp_path):
     assert needle in page
   stats = json.load(open(os.path.join(w, "analysis", "step_20.json")))
   assert stats["selected"] == 2
-  bad = subprocess.run([sys.executable, "-m", "ict_jax.analyze", "--workdir", w, "--step", "3", "--no-png"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+  bad = subprocess.run(
+      [sys.executable, "-m", "ict_jax.analyze", "--workdir", w, "--step", "3", "--no-png"],
+      capture_output=True,
+      text=True,
+      cwd=REPO,
+      timeout=300,
+  )
   assert bad.returncode == 2 and "no token statistics for step 3" in bad.stderr
   assert "Traceback" not in bad.stderr

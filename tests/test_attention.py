@@ -1,6 +1,7 @@
 """Attention implementations against the einsum reference: values and gradients on real tokens,
 GQA, left- and right-padded rows; "auto" resolved once in set-up; the splash kernel in the Pallas
 interpreter (CPU) and compiled for a TPU v5e topology this machine does not have (libtpu)."""
+
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def _qkv(b, t, n, k, h, seed=0):
   q, kk, v = (jnp.asarray(rng.randn(b, t, heads, h), jnp.float32) for heads in (n, k, k))
   seg = np.ones((b, t), np.int32)
   seg[0, : t // 3] = 0
-  seg[1, t - t // 4:] = 0
+  seg[1, t - t // 4 :] = 0
   return q, kk, v, jnp.asarray(seg)
 
 
@@ -76,13 +77,20 @@ def test_splash_pads_lengths_off_the_lane_width():
   got = attn.splash_attention(q, k, v, seg, interpret=True)
   assert got.shape == q.shape
   real = np.asarray(seg) > 0
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, k, v, seg))[real],
-                             atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, k, v, seg))[real], atol=2e-5)
 
 
 def _small(**kw):
-  return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, **kw)
+  return Qwen2Config(
+      vocab_size=128,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      rope_theta=10000.0,
+      **kw,
+  )
 
 
 def test_model_with_dot_product_attention_matches_einsum():
@@ -153,12 +161,20 @@ _TPU_COMPILE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")),
-                    reason=f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)")
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")),
+    reason=f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)",
+)
 def test_splash_model_compiles_for_a_tpu_topology(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  proc = subprocess.run([sys.executable, "-c", _TPU_COMPILE, LIBS_DIR], env=env, cwd=str(tmp_path),
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+      [sys.executable, "-c", _TPU_COMPILE, LIBS_DIR],
+      env=env,
+      cwd=str(tmp_path),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "compiled" in proc.stdout

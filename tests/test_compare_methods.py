@@ -1,5 +1,6 @@
 """benchmarks/compare_methods.py's bookkeeping: variants, the seed statistics and the paired
 difference to ICT against numpy, the table (the runs themselves are train() calls)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def cm():
-  spec = importlib.util.spec_from_file_location("compare_methods", os.path.join(ROOT, "benchmarks",
-                                                                                 "compare_methods.py"))
+  spec = importlib.util.spec_from_file_location(
+      "compare_methods", os.path.join(ROOT, "benchmarks", "compare_methods.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -22,8 +24,11 @@ def cm():
 
 def test_variants(cm):
   assert cm.parse_variant("stapo") == {"method": "stapo"}
-  assert cm.parse_variant("top_fraction=0.9+keep=frequent") == {"method": "ict", "top_fraction": 0.9,
-                                                                "keep": "frequent"}
+  assert cm.parse_variant("top_fraction=0.9+keep=frequent") == {
+      "method": "ict",
+      "top_fraction": 0.9,
+      "keep": "frequent",
+  }
   for v in cm.ABLATIONS:
     cm.parse_variant(v)
   with pytest.raises(ValueError, match="bad variant"):
@@ -33,8 +38,7 @@ def test_variants(cm):
 def test_summary_and_paired_difference(cm):
   rng = np.random.default_rng(0)
   p1 = {(v, s): float(rng.random()) for v in ("ict", "grpo") for s in range(5)}
-  runs = [{"variant": v, "seed": s, "pass@1": p1[v, s], "pass@4": min(1.0, 2 * p1[v, s])}
-          for (v, s) in p1]
+  runs = [{"variant": v, "seed": s, "pass@1": p1[v, s], "pass@4": min(1.0, 2 * p1[v, s])} for (v, s) in p1]
   runs.append({"variant": "score=kl", "seed": 7, "pass@1": 0.5, "pass@4": 0.5})  # no ICT seed 7
   summary = cm.summarize(runs)
   g = np.array([p1["grpo", s] for s in range(5)])

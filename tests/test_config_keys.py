@@ -1,14 +1,19 @@
 """Every config key is read by the code: a short training run records which keys it reads; a key
 that nothing reads (a dead setting) fails here, naming it."""
+
 import dataclasses
 import sys
 
 from ict_jax import config as config_lib
 from ict_jax.train import train
 
+
 def _all_keys() -> set[str]:
-  return {f"{s.name}.{f.name}" for s in dataclasses.fields(config_lib.Config)
-          for f in dataclasses.fields(s.type if isinstance(s.type, type) else getattr(config_lib, s.type))}
+  return {
+      f"{s.name}.{f.name}"
+      for s in dataclasses.fields(config_lib.Config)
+      for f in dataclasses.fields(s.type if isinstance(s.type, type) else getattr(config_lib, s.type))
+  }
 
 
 def _recording(cfg: config_lib.Config, read: set[str]) -> config_lib.Config:

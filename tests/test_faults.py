@@ -7,6 +7,7 @@ What the sibling files already check in-process (message texts of bad model fold
 keys, checkpoint fallback on one Checkpointer, the reward guards) is not repeated: these tests
 check what only the whole program shows (exit codes, stderr, resume, metrics across processes).
 """
+
 import importlib.util
 import json
 import math
@@ -47,8 +48,15 @@ def test_compare_detects_a_difference():
 
 
 def test_kill9_in_step_and_in_async_save_resumes_exactly(root, reference):
-  out = faults.kill_resume(root / "kill", kills=2, steps=STEPS, every=EVERY, data_dir=str(root / "data"),
-                           ref=reference, phases=("step", "save"))
+  out = faults.kill_resume(
+      root / "kill",
+      kills=2,
+      steps=STEPS,
+      every=EVERY,
+      data_dir=str(root / "data"),
+      ref=reference,
+      phases=("step", "save"),
+  )
   cycles = out["cycles"]
   assert [c["phase"] for c in cycles] == ["step", "save"], cycles
   for c in cycles:
@@ -63,8 +71,14 @@ def test_kill9_in_step_and_in_async_save_resumes_exactly(root, reference):
 
 
 def test_sigterm_during_sampling_drops_a_step_that_cannot_fit_the_grace(root, reference):
-  out = faults.sigterm(root / "term", data_dir=str(root / "data"), ref=reference, steps=STEPS, every=EVERY,
-                       cases=(("sample", 8.0, "sample=1,step=12"),))
+  out = faults.sigterm(
+      root / "term",
+      data_dir=str(root / "data"),
+      ref=reference,
+      steps=STEPS,
+      every=EVERY,
+      cases=(("sample", 8.0, "sample=1,step=12"),),
+  )
   (c,) = out["cases"]
   assert c["rc"] == 0 and c["exit_s"] <= c["grace_s"], c  # an 8 s step was not started
   assert c["saved"][-1] == c["last_logged"] == 1 and c["temp_dirs"] == [], c
@@ -87,8 +101,9 @@ def test_nonfinite_updates_are_skipped_counted_and_training_continues(root):
 
 
 def test_truncated_newest_checkpoint_falls_back_then_is_replaced(root, reference):
-  out = faults.truncated_checkpoint(root / "trunc", data_dir=str(root / "data"), ref=reference,
-                                    steps=STEPS, every=EVERY)
+  out = faults.truncated_checkpoint(
+      root / "trunc", data_dir=str(root / "data"), ref=reference, steps=STEPS, every=EVERY
+  )
   assert out["passed"], out["observed"]
 
 

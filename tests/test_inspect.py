@@ -5,6 +5,7 @@ meta with the run config) on an 8-device (1, 4, 2) mesh. Step 2 is step 1 with l
 every stacked decoder tensor ([L, ...] under "layers/") scaled by 1.5, so the expected update sizes
 are known exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,11 +55,14 @@ def run(tmp_path_factory):
       placed = jax.device_put(p, params_sharding)
       state = ts.init_train_state(placed, optimizer, mesh=mesh, params_sharding=params_sharding, step=step)
       tree = {"state": state, "ref_params": jax.device_put(p1, params_sharding)}
-      ck.save(step, tree, {"data_position": 4 * step, "step": step, "seed": 0,
-                           "config": config_lib.to_dict(run_cfg)}, force=True)
+      ck.save(
+          step,
+          tree,
+          {"data_position": 4 * step, "step": step, "seed": 0, "config": config_lib.to_dict(run_cfg)},
+          force=True,
+      )
       host[step] = jax.tree.map(lambda x: np.asarray(x, np.float64), p)
-  return dict(workdir=workdir, mesh=mesh, mcfg=mcfg, params=host, optimizer=optimizer,
-              params_sharding=params_sharding)
+  return dict(workdir=workdir, mesh=mesh, mcfg=mcfg, params=host, optimizer=optimizer, params_sharding=params_sharding)
 
 
 @pytest.fixture()
@@ -68,8 +72,7 @@ def ckpt(run):
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
-  return {"/".join(str(getattr(k, "key", k)) for k in kp): v
-          for kp, v in jax.tree_util.tree_leaves_with_path(tree)}
+  return {"/".join(str(getattr(k, "key", k)) for k in kp): v for kp, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 # ---- metadata --------------------------------------------------------------------------------
@@ -87,6 +90,7 @@ def test_steps_and_meta(ckpt, run, monkeypatch):
 def test_tree_is_metadata_only(run, monkeypatch):
   def no_restore(*a, **k):
     raise AssertionError("tree() must not restore arrays")
+
   monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", no_restore)
   with ins.open_checkpoint(run["workdir"]) as c:
     tree = c.tree()
@@ -94,8 +98,10 @@ def test_tree_is_metadata_only(run, monkeypatch):
     text = c.render_text()
   mcfg = run["mcfg"]
   # the same paths, shapes and dtypes as the model's own parameter tree
-  want = {p: (tuple(v.shape), np.dtype(v.dtype))
-          for p, v in _flat(nnx.to_pure_dict(nnx.state(abstract_model(mcfg), nnx.Param))).items()}
+  want = {
+      p: (tuple(v.shape), np.dtype(v.dtype))
+      for p, v in _flat(nnx.to_pure_dict(nnx.state(abstract_model(mcfg), nnx.Param))).items()
+  }
   assert {p: (t.shape, t.dtype) for p, t in tensors.items()} == want
   assert isinstance(tree["layers"]["attn"]["q_proj"]["kernel"], ins.TensorInfo)  # stacked layers
   assert sum(t.nbytes for t in tensors.values()) == mcfg.num_params() * 4 == c.nbytes()
@@ -118,6 +124,7 @@ def test_tree_is_metadata_only(run, monkeypatch):
 
 def test_treescope_rendering(ckpt):
   import treescope
+
   text = treescope.render_to_text(ckpt.tree())
   assert "float32[2, 64, 4, 16]" in text and "P(None, 'fsdp', 'tensor', None)" in text
 
@@ -126,13 +133,17 @@ def test_treescope_rendering(ckpt):
 def _restore_full(run, step):
   """The whole state the way train.py restores it (an independent path through Orbax)."""
   mcfg, mesh = run["mcfg"], run["mesh"]
-  params_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            nnx.to_pure_dict(nnx.state(abstract_model(mcfg), nnx.Param)))
+  params_abs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(abstract_model(mcfg), nnx.Param))
+  )
   shardings = ts.train_state_shardings(run["optimizer"], params_abs, run["params_sharding"], mesh)
   state_abs = jax.eval_shape(lambda p: ts.TrainState(jnp.int32(0), p, run["optimizer"].init(p)), params_abs)
-  tree = {"state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, shardings),
-          "ref_params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                     params_abs, run["params_sharding"])}
+  tree = {
+      "state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, shardings),
+      "ref_params": jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params_abs, run["params_sharding"]
+      ),
+  }
   with Checkpointer(run["workdir"], async_save=False) as ck:
     _, restored, _ = ck.restore(tree, step=step)
   return restored
@@ -190,8 +201,7 @@ def test_param_stats_match_numpy(ckpt, run):
     np.testing.assert_allclose(stats.tensor_norms[p], np.sqrt(np.sum(x * x)), rtol=1e-5, err_msg=p)
   assert list(stats.layer_norms) == ["embed", "layers/0", "layers/1", "final_norm"]
   layer1 = [x[1] for p, x in ref.items() if p.startswith("layers/")]  # layer 1's slices
-  np.testing.assert_allclose(stats.layer_norms["layers/1"], np.sqrt(sum(np.sum(x * x) for x in layer1)),
-                             rtol=1e-5)
+  np.testing.assert_allclose(stats.layer_norms["layers/1"], np.sqrt(sum(np.sum(x * x) for x in layer1)), rtol=1e-5)
   assert stats.layer_norms["final_norm"] == pytest.approx(math.sqrt(64))  # RMSNorm scales start at 1
   assert "layers/1" in stats.render_text()
 
@@ -207,11 +217,11 @@ def test_diff_across_steps(ckpt, run):
   ref1 = _flat(run["params"][1])
   for p, x in ref1.items():
     if p.startswith("layers/"):  # stacked [L, ...]: only layer 1's slice moved
-      np.testing.assert_allclose(d.tensor_delta[p], (SCALE - 1) * np.sqrt(np.sum(x[1] * x[1])), rtol=1e-5,
-                                 err_msg=p)
+      np.testing.assert_allclose(d.tensor_delta[p], (SCALE - 1) * np.sqrt(np.sum(x[1] * x[1])), rtol=1e-5, err_msg=p)
       if np.any(x):  # (biases start at zero: 0 / 0 counts as no update)
-        np.testing.assert_allclose(d.tensor_relative[p], d.tensor_delta[p] / np.sqrt(np.sum(x * x)),
-                                   rtol=1e-5, err_msg=p)
+        np.testing.assert_allclose(
+            d.tensor_relative[p], d.tensor_delta[p] / np.sqrt(np.sum(x * x)), rtol=1e-5, err_msg=p
+        )
       else:
         assert d.tensor_relative[p] == 0.0, p
     else:
@@ -237,15 +247,32 @@ def test_to_hf_round_trip_with_transformers(ckpt, run, tmp_path):
   # and the exported weights are the saved ones (layer 1 scaled at step 2)
   sd = hf.state_dict()
   q = run["params"][2]["layers"]["attn"]["q_proj"]["kernel"][1]  # [D, N, H] -> HF [N*H, D]
-  np.testing.assert_allclose(sd["model.layers.1.self_attn.q_proj.weight"].numpy(),
-                             q.reshape(q.shape[0], -1).T, rtol=1e-6)
+  np.testing.assert_allclose(
+      sd["model.layers.1.self_attn.q_proj.weight"].numpy(), q.reshape(q.shape[0], -1).T, rtol=1e-6
+  )
 
 
 def test_export_cli(run, tmp_path, capsys):
   from safetensors.numpy import load_file
   from ict_jax import export
-  assert export.main(["--workdir", run["workdir"], "--step", "1", "--out", str(tmp_path / "a"),
-                      "--dtype", "bfloat16", "--mesh", "1,-1,1"]) == 0
+
+  assert (
+      export.main(
+          [
+              "--workdir",
+              run["workdir"],
+              "--step",
+              "1",
+              "--out",
+              str(tmp_path / "a"),
+              "--dtype",
+              "bfloat16",
+              "--mesh",
+              "1,-1,1",
+          ]
+      )
+      == 0
+  )
   assert "wrote step 1" in capsys.readouterr().out
   tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
   emb = run["params"][1]["embed"]["embedding"]
@@ -259,7 +286,15 @@ def test_export_cli(run, tmp_path, capsys):
 
 def test_old_per_layer_checkpoint_layout_is_one_clear_error():
   """Checkpoints written before the scanned layers held layers/<i>/...; say so, not 'missing'."""
-  old = {p: None for p in ("embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel",
-                           "layers/0/mlp/gate_proj/kernel", "final_norm/scale")}
+  old = {
+      p: None
+      for p in (
+          "embed/embedding",
+          "layers/0/attn/q_proj/kernel",
+          "layers/0/attn/k_proj/kernel",
+          "layers/0/mlp/gate_proj/kernel",
+          "final_norm/scale",
+      )
+  }
   with pytest.raises(CheckpointError, match=r"ckpt/2: saved with one tensor per decoder layer \(layers/0/\.\.\.\)"):
     ins._shape_dims(old, "ckpt/2")

@@ -6,6 +6,7 @@ by the dry run are parsed back with `shlex` (what a shell would hand to gcloud),
 scripts inside them are executed in a sandbox HOME with a fake venv python that records its
 argv and environment. The SLURM script is also run for real against fake `scontrol`/`srun`.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,11 @@ def fakes(tmp_path):
   bin_dir.mkdir()
   calls = tmp_path / "calls.log"
   for name in FAILING:
-    _write_exe(bin_dir / name,
-               f'#!/bin/sh\necho "FAKE {name} CALLED: $*" >> "{calls}"\n'
-               f'echo "fake {name} must not run in a test" >&2\nexit 97\n')
+    _write_exe(
+        bin_dir / name,
+        f'#!/bin/sh\necho "FAKE {name} CALLED: $*" >> "{calls}"\n'
+        f'echo "fake {name} must not run in a test" >&2\nexit 97\n',
+    )
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "XLA_"))}
   env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
   return dict(bin=bin_dir, calls=calls, env=env, tmp=tmp_path)
@@ -54,10 +57,20 @@ def _no_calls(fakes) -> None:
 
 # ------------------------------------------------------------------------------------ TPU
 
-BASE = {"--name": "ict-test", "--zone": "us-east5-a", "--accelerator-type": "v5p-32",
-        "--config": "configs/qwen2_5_7b_math.py", "--workdir": "gs://bkt/runs/r1"}
-PASSTHROUGH = ["--config.ict.method=ict", "--config.note=two words", "--config.quote=it's",
-               "--config.path=$HOME/not-expanded", "--config.mesh.fsdp=-1"]
+BASE = {
+    "--name": "ict-test",
+    "--zone": "us-east5-a",
+    "--accelerator-type": "v5p-32",
+    "--config": "configs/qwen2_5_7b_math.py",
+    "--workdir": "gs://bkt/runs/r1",
+}
+PASSTHROUGH = [
+    "--config.ict.method=ict",
+    "--config.note=two words",
+    "--config.quote=it's",
+    "--config.path=$HOME/not-expanded",
+    "--config.mesh.fsdp=-1",
+]
 
 
 def run_tpu(fakes, *args, flags=None, extra=()):
@@ -68,8 +81,7 @@ def run_tpu(fakes, *args, flags=None, extra=()):
   argv += list(args)
   if extra:
     argv += ["--", *extra]
-  return subprocess.run(argv, cwd=REPO, env=fakes["env"], capture_output=True, text=True,
-                        timeout=60)
+  return subprocess.run(argv, cwd=REPO, env=fakes["env"], capture_output=True, text=True, timeout=60)
 
 
 def commands(stdout: str) -> list[list[str]]:
@@ -136,11 +148,13 @@ def _sandbox_home(tmp: Path) -> Path:
   (home / "ict-jax").mkdir(parents=True)
   venv_bin = home / "ict-jax-venv" / "bin"
   venv_bin.mkdir(parents=True)
-  _write_exe(venv_bin / "python",
-             # the run is backgrounded: write then rename, so a file the test sees is complete
-             '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv.part"\nmv "$HOME/argv.part" "$HOME/argv"\n'
-             'env -0 > "$HOME/env.part"\nmv "$HOME/env.part" "$HOME/env"\n'
-             'echo "training output $PWD"\n')
+  _write_exe(
+      venv_bin / "python",
+      # the run is backgrounded: write then rename, so a file the test sees is complete
+      '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv.part"\nmv "$HOME/argv.part" "$HOME/argv"\n'
+      'env -0 > "$HOME/env.part"\nmv "$HOME/env.part" "$HOME/env"\n'
+      'echo "training output $PWD"\n',
+  )
   return home
 
 
@@ -176,8 +190,7 @@ def test_tpu_remote_scripts_run_train_with_exact_args_and_log(fakes):
   assert out.returncode == 0, out.stderr
   _wait_for(home / "env")
   argv = (home / "argv").read_bytes().decode().split("\0")[:-1]
-  assert argv == ["-m", "ict_jax.train", "--config", BASE["--config"],
-                  "--workdir", BASE["--workdir"], *PASSTHROUGH]
+  assert argv == ["-m", "ict_jax.train", "--config", BASE["--config"], "--workdir", BASE["--workdir"], *PASSTHROUGH]
   child_env = dict(kv.split("=", 1) for kv in (home / "env").read_bytes().decode().split("\0") if kv)
   assert child_env["PYTHONUNBUFFERED"] == "1" and child_env["ICT_JAX_DISTRIBUTED"] == "1"
   pid = int((home / "ict-jax-logs" / "train.pid").read_text())
@@ -189,8 +202,7 @@ def test_tpu_remote_scripts_run_train_with_exact_args_and_log(fakes):
   assert len(logs) == 1
   _wait_for_text(logs[0], "training output")
   assert f"training output {home / 'ict-jax'}" in logs[0].read_text()
-  followed = subprocess.run(["timeout", "2", "bash", "-c", tail], env=env, capture_output=True,
-                            text=True, timeout=30)
+  followed = subprocess.run(["timeout", "2", "bash", "-c", tail], env=env, capture_output=True, text=True, timeout=30)
   assert "training output" in followed.stdout
 
 
@@ -214,14 +226,12 @@ def test_tpu_remote_guard_protects_a_live_run_and_stop_ends_it(fakes):
     assert out.returncode == 1 and "still going" in out.stderr and "--stop" in out.stderr
     assert (home / "ict-jax" / "keep.txt").read_text() == "live"
 
-    stop = run_tpu(fakes, "--stop", "--dry-run",
-                   flags={"--name": "ict-test", "--zone": "us-east5-a"})
+    stop = run_tpu(fakes, "--stop", "--dry-run", flags={"--name": "ict-test", "--zone": "us-east5-a"})
     assert stop.returncode == 0, stop.stderr
     (cmd,) = commands(stop.stdout)
     assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "ict-test"]
     assert option(cmd, "--worker") == "all"
-    out = subprocess.run(["bash", "-c", option(cmd, "--command")], env=env, capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(["bash", "-c", option(cmd, "--command")], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "stopped" in out.stdout
     assert live.wait(timeout=10) != 0  # killed by the signal
     assert not (home / "ict-jax-logs" / "train.pid").exists()
@@ -240,15 +250,27 @@ def test_tpu_repo_clone_replaces_archive_and_scp(fakes):
   fetch = option(gcloud_tpu(cmds, "ssh")[0], "--command")
   words = shlex.split(fetch.replace(";", " "))
   i = words.index("clone")
-  assert words[i - 1:i + 5] == ["git", "clone", "--depth=1", "--branch=v1",
-                                "https://example.com/ict-jax.git", "$HOME/ict-jax"]
+  assert words[i - 1 : i + 5] == [
+      "git",
+      "clone",
+      "--depth=1",
+      "--branch=v1",
+      "https://example.com/ict-jax.git",
+      "$HOME/ict-jax",
+  ]
   _no_calls(fakes)
 
 
-@pytest.mark.parametrize("accel,version,multi_host", [
-    ("v5litepod-8", "v2-alpha-tpuv5-lite", False), ("v5litepod-16", "v2-alpha-tpuv5-lite", True),
-    ("v5p-8", "v2-alpha-tpuv5", False), ("v6e-8", "v2-alpha-tpuv6e", False),
-    ("v4-32", "tpu-ubuntu2204-base", True)])
+@pytest.mark.parametrize(
+    "accel,version,multi_host",
+    [
+        ("v5litepod-8", "v2-alpha-tpuv5-lite", False),
+        ("v5litepod-16", "v2-alpha-tpuv5-lite", True),
+        ("v5p-8", "v2-alpha-tpuv5", False),
+        ("v6e-8", "v2-alpha-tpuv6e", False),
+        ("v4-32", "tpu-ubuntu2204-base", True),
+    ],
+)
 def test_tpu_runtime_version_default_and_multi_host_warning(fakes, accel, version, multi_host):
   flags = dict(BASE, **{"--accelerator-type": accel, "--workdir": "/tmp/local-run"})
   res = run_tpu(fakes, "--dry-run", flags=flags)
@@ -276,14 +298,17 @@ def test_tpu_missing_required_flag_is_named(fakes, missing):
   _no_calls(fakes)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--bogus"], "unknown flag '--bogus'"),
-    (["--spot", "--reserved"], "--spot and --reserved exclude each other"),
-    (["--branch", "main"], "--branch needs --repo"),
-    (["--zone"], "--zone needs a value"),
-    (["--project", "--spot"], "--project needs a value, got the flag '--spot'"),
-    (["--dry-run=yes"], "--dry-run takes no value"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bogus"], "unknown flag '--bogus'"),
+        (["--spot", "--reserved"], "--spot and --reserved exclude each other"),
+        (["--branch", "main"], "--branch needs --repo"),
+        (["--zone"], "--zone needs a value"),
+        (["--project", "--spot"], "--project needs a value, got the flag '--spot'"),
+        (["--dry-run=yes"], "--dry-run takes no value"),
+    ],
+)
 def test_tpu_bad_flags_fail_clearly(fakes, args, message):
   res = run_tpu(fakes, "--dry-run", *args)
   assert res.returncode != 0 and message in res.stderr, res.stderr
@@ -291,12 +316,15 @@ def test_tpu_bad_flags_fail_clearly(fakes, args, message):
   _no_calls(fakes)
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("--name", "Bad_Name", "--name 'Bad_Name'"),
-    ("--accelerator-type", "v5p", "--accelerator-type 'v5p'"),
-    ("--accelerator-type", "tpu7-16", "--version is required"),
-    ("--config", "/abs/config.py", "relative to the repository root"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("--name", "Bad_Name", "--name 'Bad_Name'"),
+        ("--accelerator-type", "v5p", "--accelerator-type 'v5p'"),
+        ("--accelerator-type", "tpu7-16", "--version is required"),
+        ("--config", "/abs/config.py", "relative to the repository root"),
+    ],
+)
 def test_tpu_bad_values_fail_clearly(fakes, key, value, message):
   res = run_tpu(fakes, "--dry-run", flags=dict(BASE, **{key: value}))
   assert res.returncode != 0 and message in res.stderr, res.stderr
@@ -316,8 +344,19 @@ def test_tpu_equals_form_and_missing_config_warning(fakes):
 def test_tpu_help_lists_every_flag(fakes):
   res = run_tpu(fakes, "--help", flags={})
   assert res.returncode == 0
-  for flag in [*BASE, "--version", "--project", "--spot", "--reserved", "--repo", "--branch",
-               "--python", "--stop", "--dry-run", "--help"]:
+  for flag in [
+      *BASE,
+      "--version",
+      "--project",
+      "--spot",
+      "--reserved",
+      "--repo",
+      "--branch",
+      "--python",
+      "--stop",
+      "--dry-run",
+      "--help",
+  ]:
     assert flag in res.stdout, flag
   _no_calls(fakes)
 
@@ -326,13 +365,15 @@ def test_tpu_help_lists_every_flag(fakes):
 def test_tpu_real_mode_runs_what_dry_run_prints(fakes, exists):
   """Without --dry-run, against recording fakes: the same commands, describe deciding create."""
   log = fakes["tmp"] / "recorded.jsonl"
-  recorder = (f"#!{sys.executable}\nimport json, os, sys\n"
-              f"argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]\n"
-              f"open({str(log)!r}, 'a').write(json.dumps(argv) + '\\n')\n"
-              "if argv[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'describe']:\n"
-              "  if os.environ['FAKE_TPU_EXISTS'] != '1':\n"
-              "    sys.exit(1)\n"
-              "  print('READY')\n")
+  recorder = (
+      f"#!{sys.executable}\nimport json, os, sys\n"
+      f"argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]\n"
+      f"open({str(log)!r}, 'a').write(json.dumps(argv) + '\\n')\n"
+      "if argv[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'describe']:\n"
+      "  if os.environ['FAKE_TPU_EXISTS'] != '1':\n"
+      "    sys.exit(1)\n"
+      "  print('READY')\n"
+  )
   for name in ("gcloud", "git"):
     _write_exe(fakes["bin"] / name, recorder)
   env = dict(fakes["env"], FAKE_TPU_EXISTS="1" if exists else "0", TMPDIR=str(fakes["tmp"]))
@@ -340,8 +381,9 @@ def test_tpu_real_mode_runs_what_dry_run_prints(fakes, exists):
   argv = ["bash", str(TPU)] + [x for kv in flags.items() for x in kv] + ["--", *PASSTHROUGH]
   real = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
   assert real.returncode == 0, real.stderr
-  dry = subprocess.run(argv[:2] + ["--dry-run"] + argv[2:], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=60)
+  dry = subprocess.run(
+      argv[:2] + ["--dry-run"] + argv[2:], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+  )
 
   def norm(cmds):
     return [[re.sub(r"train-\d{8}-\d{6}\.log", "train-T.log", a) for a in c] for c in cmds]
@@ -372,14 +414,14 @@ def test_readme_tpu_commands_are_valid(fakes):
   assert len(cmds) >= 3
   for cmd in cmds:
     cmd = cmd.replace("bash launch/tpu_pod.sh", "bash launch/tpu_pod.sh --dry-run", 1)
-    res = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=fakes["env"], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=fakes["env"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, (cmd, res.stderr)
     assert commands(res.stdout), cmd
   _no_calls(fakes)
 
 
 # ------------------------------------------------------------------------------------ SLURM
+
 
 @pytest.fixture
 def slurm(fakes):
@@ -389,20 +431,31 @@ def slurm(fakes):
   (repo / "ict_jax" / "__init__.py").write_text("")
   (repo / "configs").mkdir()
   (repo / "configs" / "c.py").write_text("")
-  _write_exe(fakes["bin"] / "scontrol",
-             '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
-             'case "$3" in\n  "gpu-[07-10]") printf "gpu-07\\ngpu-08\\ngpu-09\\ngpu-10\\n" ;;\n'
-             '  *) echo "fake scontrol: unknown nodelist $3" >&2; exit 1 ;;\nesac\n')
-  env = dict(fakes["env"], SLURM_JOB_NODELIST="gpu-[07-10]", SLURM_NNODES="4", SLURM_PROCID="2",
-             SLURM_JOB_ID="4242", SLURM_JOB_NAME="ict", SLURM_SUBMIT_DIR=str(repo),
-             CONFIG="configs/c.py", WORKDIR="/shared/runs/r 1")
+  _write_exe(
+      fakes["bin"] / "scontrol",
+      '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
+      'case "$3" in\n  "gpu-[07-10]") printf "gpu-07\\ngpu-08\\ngpu-09\\ngpu-10\\n" ;;\n'
+      '  *) echo "fake scontrol: unknown nodelist $3" >&2; exit 1 ;;\nesac\n',
+  )
+  env = dict(
+      fakes["env"],
+      SLURM_JOB_NODELIST="gpu-[07-10]",
+      SLURM_NNODES="4",
+      SLURM_PROCID="2",
+      SLURM_JOB_ID="4242",
+      SLURM_JOB_NAME="ict",
+      SLURM_SUBMIT_DIR=str(repo),
+      CONFIG="configs/c.py",
+      WORKDIR="/shared/runs/r 1",
+  )
   return dict(fakes, repo=repo, env=env)
 
 
 def run_slurm(slurm, *args, **env):
   full = dict(slurm["env"], **env)
-  return subprocess.run(["bash", str(SLURM), *args], cwd=slurm["tmp"], env=full,
-                        capture_output=True, text=True, timeout=60)
+  return subprocess.run(
+      ["bash", str(SLURM), *args], cwd=slurm["tmp"], env=full, capture_output=True, text=True, timeout=60
+  )
 
 
 def parse_dry_run(stdout: str):
@@ -430,39 +483,58 @@ def test_slurm_dry_run_env_and_srun(slurm):
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"].split()
   assert srun[0] == "srun" and "--ntasks-per-node=1" in srun and "--nodes=4" in srun
   i = srun.index("-m")
-  assert srun[i - 1:] == ["python", "-m", "ict_jax.train", "--config", "configs/c.py",
-                          "--workdir", "/shared/runs/r 1", "--config.ict.method=ict",
-                          "--config.note=a b"]
+  assert srun[i - 1 :] == [
+      "python",
+      "-m",
+      "ict_jax.train",
+      "--config",
+      "configs/c.py",
+      "--workdir",
+      "/shared/runs/r 1",
+      "--config.ict.method=ict",
+      "--config.note=a b",
+  ]
 
 
 def test_slurm_overrides(slurm):
-  res = run_slurm(slurm, DRY_RUN="1", JAX_COORDINATOR_PORT="4321",
-                  XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false")
+  res = run_slurm(
+      slurm, DRY_RUN="1", JAX_COORDINATOR_PORT="4321", XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false"
+  )
   env, _, _ = parse_dry_run(res.stdout)
   assert env["JAX_COORDINATOR_ADDRESS"] == "gpu-07:4321"
   assert env["XLA_FLAGS"].split()[-1] == "--xla_gpu_enable_latency_hiding_scheduler=false"
-  ports = {parse_dry_run(run_slurm(slurm, DRY_RUN="1", SLURM_JOB_ID=j).stdout)[0]
-           ["JAX_COORDINATOR_ADDRESS"] for j in ("100", "101")}
+  ports = {
+      parse_dry_run(run_slurm(slurm, DRY_RUN="1", SLURM_JOB_ID=j).stdout)[0]["JAX_COORDINATOR_ADDRESS"]
+      for j in ("100", "101")
+  }
   assert len(ports) == 2  # jobs sharing a head node get different ports
 
 
 def test_slurm_default_workdir_and_plain_nodelist_without_scontrol(slurm):
   (slurm["bin"] / "scontrol").unlink()
   env = {k: v for k, v in slurm["env"].items() if k != "WORKDIR"}
-  res = subprocess.run(["bash", str(SLURM)], cwd=slurm["tmp"], capture_output=True, text=True,
-                       env=dict(env, DRY_RUN="1", SLURM_JOB_NODELIST="n1,n2", SLURM_NNODES="2"))
+  res = subprocess.run(
+      ["bash", str(SLURM)],
+      cwd=slurm["tmp"],
+      capture_output=True,
+      text=True,
+      env=dict(env, DRY_RUN="1", SLURM_JOB_NODELIST="n1,n2", SLURM_NNODES="2"),
+  )
   assert res.returncode == 0, res.stderr
   env_out, srun, _ = parse_dry_run(res.stdout)
   assert env_out["JAX_COORDINATOR_ADDRESS"].startswith("n1:")
   assert srun[srun.index("--workdir") + 1] == f"{slurm['repo']}/runs/ict-4242"
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set"),
-    ({"SLURM_NNODES": "3"}, "lists 4 hosts but SLURM_NNODES=3"),
-    ({"CONFIG": "configs/missing.py"}, "CONFIG=configs/missing.py"),
-    ({"SLURM_SUBMIT_DIR": "/"}, "is not the ict-jax repository root"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set"),
+        ({"SLURM_NNODES": "3"}, "lists 4 hosts but SLURM_NNODES=3"),
+        ({"CONFIG": "configs/missing.py"}, "CONFIG=configs/missing.py"),
+        ({"SLURM_SUBMIT_DIR": "/"}, "is not the ict-jax repository root"),
+    ],
+)
 def test_slurm_errors(slurm, env, message):
   res = run_slurm(slurm, DRY_RUN="1", **env)
   assert res.returncode != 0 and message in res.stderr, res.stderr
@@ -473,12 +545,16 @@ def test_slurm_real_path_with_fake_srun_starts_one_process_per_node(slurm):
   """Not a dry run: fake srun runs the task command once per rank; fake python records."""
   out = slurm["tmp"] / "tasks"
   out.mkdir()
-  _write_exe(slurm["bin"] / "srun",
-             '#!/bin/bash\nwhile [[ $1 == --* ]]; do echo "$1" >> "$FAKE_OUT/srun-options"; shift; done\n'
-             'for ((r = 0; r < SLURM_NNODES; r++)); do SLURM_PROCID=$r "$@" || exit $?; done\n')
-  _write_exe(slurm["bin"] / "python",
-             '#!/bin/bash\nd="$FAKE_OUT/rank-$SLURM_PROCID"; mkdir -p "$d"\n'
-             'printf "%s\\0" "$@" > "$d/argv"; env -0 > "$d/env"; echo "cwd=$PWD" > "$d/cwd"\n')
+  _write_exe(
+      slurm["bin"] / "srun",
+      '#!/bin/bash\nwhile [[ $1 == --* ]]; do echo "$1" >> "$FAKE_OUT/srun-options"; shift; done\n'
+      'for ((r = 0; r < SLURM_NNODES; r++)); do SLURM_PROCID=$r "$@" || exit $?; done\n',
+  )
+  _write_exe(
+      slurm["bin"] / "python",
+      '#!/bin/bash\nd="$FAKE_OUT/rank-$SLURM_PROCID"; mkdir -p "$d"\n'
+      'printf "%s\\0" "$@" > "$d/argv"; env -0 > "$d/env"; echo "cwd=$PWD" > "$d/cwd"\n',
+  )
   res = run_slurm(slurm, "--config.x=1", FAKE_OUT=str(out))
   assert res.returncode == 0, res.stderr
   assert "coordinator gpu-07:" in res.stdout
@@ -491,8 +567,7 @@ def test_slurm_real_path_with_fake_srun_starts_one_process_per_node(slurm):
     assert env["JAX_NUM_PROCESSES"] == "4"
     assert env["JAX_COORDINATOR_ADDRESS"].startswith("gpu-07:")
     argv = (d / "argv").read_bytes().decode().split("\0")[:-1]
-    assert argv == ["-m", "ict_jax.train", "--config", "configs/c.py", "--workdir",
-                    "/shared/runs/r 1", "--config.x=1"]
+    assert argv == ["-m", "ict_jax.train", "--config", "configs/c.py", "--workdir", "/shared/runs/r 1", "--config.x=1"]
     assert (d / "cwd").read_text().strip() == f"cwd={slurm['repo']}"
   assert "--ntasks-per-node=1" in (out / "srun-options").read_text().split()
 
@@ -502,16 +577,21 @@ def test_slurm_xla_flags_are_known_to_the_installed_jaxlib(slurm):
   probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
   base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   base["JAX_PLATFORMS"] = "cpu"
-  ok = subprocess.run(probe, env=dict(base, XLA_FLAGS=env["XLA_FLAGS"]), capture_output=True,
-                      text=True, timeout=120)
+  ok = subprocess.run(probe, env=dict(base, XLA_FLAGS=env["XLA_FLAGS"]), capture_output=True, text=True, timeout=120)
   assert ok.returncode == 0, ok.stderr[-2000:]
   # the probe can fail: XLA aborts on a flag it does not know
-  bad = subprocess.run(probe, env=dict(base, XLA_FLAGS="--xla_gpu_no_such_flag_for_test=true"),
-                       capture_output=True, text=True, timeout=120)
+  bad = subprocess.run(
+      probe,
+      env=dict(base, XLA_FLAGS="--xla_gpu_no_such_flag_for_test=true"),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert bad.returncode != 0 and "xla_gpu_no_such_flag_for_test" in bad.stderr
 
 
 # ------------------------------------------------------------------------------------ lint
+
 
 @pytest.mark.parametrize("script", [TPU, SLURM], ids=lambda p: p.name)
 def test_bash_syntax(script):

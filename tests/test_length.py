@@ -1,5 +1,6 @@
 """No wasted length: the step on the trimmed batch equals the step on the padded one, only a few
 widths compile, and prefill attends over the prompt only."""
+
 import dataclasses
 
 import jax
@@ -16,9 +17,16 @@ from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
 
 G, N, V = 4, 8, 128
-CFG = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                  max_position_embeddings=128)
+CFG = Qwen2Config(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
 LENGTHS = np.array([11, 7, 3, 9, 1, 5, 10, 6])  # longest 11 -> bucket 16
 
 
@@ -32,16 +40,23 @@ def padded_batch(p_pad: int, c_width: int, seed=0):
   cmask = (np.arange(c_width)[None] < LENGTHS[:, None]).astype(np.int32)
   cids = (rng.integers(1, V, (N, c_width)) * cmask).astype(np.int32)
   adv = np.tile([1.0, -0.5, 0.7, -1.2], N // G).astype(np.float32)
-  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask,
-              advantages=adv)
+  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
 
 
 def make_step(method, loss_type):
   graphdef, state = nnx.split(init_model(CFG, seed=0))
   # b1 = 0: Adam's first moment is the gradient
   opt = ts.make_optimizer(OptimConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=0.0), 10)
-  cfg = ts.StepConfig(group_size=G, method=method, loss_type=loss_type, warmup_steps=0,
-                      chunk_size=8, micro_batch_size=G, temperature=0.7, max_completion_length=64)
+  cfg = ts.StepConfig(
+      group_size=G,
+      method=method,
+      loss_type=loss_type,
+      warmup_steps=0,
+      chunk_size=8,
+      micro_batch_size=G,
+      temperature=0.7,
+      max_completion_length=64,
+  )
   step = ts.make_train_step(graphdef, cfg, opt, donate=False)
   return step, ts.init_train_state(state.to_pure_dict(), opt)
 
@@ -56,8 +71,7 @@ def test_trimmed_batch_gives_the_padded_batch_results(method, loss_type):
   s_small, m_small, lp_small = step(state, small)
   for k in m_big:
     np.testing.assert_allclose(m_small[k], m_big[k], rtol=2e-6, atol=1e-7, err_msg=k)
-  np.testing.assert_allclose(np.asarray(lp_small), np.asarray(lp_big)[:, :16], rtol=1e-6,
-                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lp_small), np.asarray(lp_big)[:, :16], rtol=1e-6, atol=1e-6)
   mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
   for a, b in zip(jax.tree.leaves(mu(s_small)), jax.tree.leaves(mu(s_big))):
     b = np.asarray(b)  # float rounding only: summation order differs with the width
@@ -87,8 +101,12 @@ def test_few_widths_compile():
   for longest in range(1, 2049):
     cmask = np.zeros((1, 2048), np.int32)
     cmask[0, :longest] = 1
-    b = dict(prompt_ids=np.ones((1, 4), np.int32), prompt_mask=np.ones((1, 4), np.int32),
-             completion_ids=cmask, completion_mask=cmask)
+    b = dict(
+        prompt_ids=np.ones((1, 4), np.int32),
+        prompt_mask=np.ones((1, 4), np.int32),
+        completion_ids=cmask,
+        completion_mask=cmask,
+    )
     width = ts.trim_batch(b)["completion_ids"].shape[1]
     assert width >= longest
     widths.add(width)
@@ -133,21 +151,21 @@ def test_prefill_attends_over_the_prompt_only():
   def run(prefill):
     cache = model.init_cache(b, p + extra)
     kw = dict(prefill=True) if prefill else dict(kv_mask=kv_mask)
-    return model.hidden_states(ids, mask, positions=positions, cache=cache,
-                               cache_index=jnp.int32(0), **kw)
+    return model.hidden_states(ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), **kw)
 
   (h_full, c_full), (h_pre, c_pre) = run(False), run(True)
   real = np.asarray(mask, bool)  # padding queries see no key: their (unused) values differ
-  np.testing.assert_allclose(np.asarray(h_pre)[real], np.asarray(h_full)[real], rtol=1e-5,
-                             atol=1e-6)
-  np.testing.assert_allclose(np.asarray(h_pre)[real],
-                             np.asarray(model.hidden_states(ids, mask))[real], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(h_pre)[real], np.asarray(h_full)[real], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(h_pre)[real], np.asarray(model.hidden_states(ids, mask))[real], rtol=1e-5, atol=1e-6
+  )
   for a, c in zip(jax.tree.leaves(c_pre), jax.tree.leaves(c_full)):  # [L, B, K, S, H]
     a, c = (np.moveaxis(np.asarray(x)[:, :, :, :p], 3, 2) for x in (a, c))  # [L, B, P, K, H]
     np.testing.assert_allclose(a[:, real], c[:, real], rtol=1e-5, atol=1e-6)
 
   def score_shapes(prefill):  # shapes of the attention scores [B, K, G, T, S] in the jaxpr
     return _score_shapes(jax.make_jaxpr(lambda: run(prefill)[0])().jaxpr)
+
   assert any(p + extra in shape for shape in score_shapes(False))
   assert not any(p + extra in shape for shape in score_shapes(True))
 
@@ -156,8 +174,9 @@ def test_generate_uses_the_prompt_only_prefill():
   model = init_model(CFG, seed=1)
   ids = np.random.default_rng(0).integers(1, V, (2, 5)).astype(np.int32)
   graphdef, state = nnx.split(model)
-  jaxpr = jax.make_jaxpr(lambda s: sampling.sample_fn(graphdef, s, ids, np.ones_like(ids),
-                                                      jax.random.key(0), max_new_tokens=32))(state)
+  jaxpr = jax.make_jaxpr(
+      lambda s: sampling.sample_fn(graphdef, s, ids, np.ones_like(ids), jax.random.key(0), max_new_tokens=32)
+  )(state)
   # outside the while loop: the prefill (the decode steps, [.., 1, P + N], are inside it)
   shapes = _score_shapes(jaxpr.jaxpr, into_while=False)
   assert shapes and not any(5 + 32 in s for s in shapes)  # no prompt x (prompt + new) scores

@@ -1,4 +1,5 @@
 """The fused LM head's custom VJP (dense and sparse-row backward) against plain autodiff."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -42,19 +43,23 @@ def cotangent(nonzero: int, seed=1):
 
 
 @pytest.mark.parametrize("chunk", [3, 4, C])  # 3 and 4 do not divide C = 11
-@pytest.mark.parametrize("nonzero,grad_rows", [
-    (9, 12),    # sparse path: 9 rows <= capacity 12
-    (12, 12),   # exactly at capacity
-    (30, 12),   # overflow: dense fallback
-    (N * C, 0),  # dense only (GRPO)
-])
+@pytest.mark.parametrize(
+    "nonzero,grad_rows",
+    [
+        (9, 12),  # sparse path: 9 rows <= capacity 12
+        (12, 12),  # exactly at capacity
+        (30, 12),  # overflow: dense fallback
+        (N * C, 0),  # dense only (GRPO)
+    ],
+)
 def test_gradients_equal_autodiff(chunk, nonzero, grad_rows):
   h, w, ids, mask = inputs()
   g = cotangent(nonzero)
 
   def fused(h, w):
-    return lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G,
-                                  chunk_size=chunk, grad_rows=grad_rows)[0]
+    return lm_head.logp_and_stats(
+        h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=chunk, grad_rows=grad_rows
+    )[0]
 
   got = grads(fused, g, h, w)
   want = grads(lambda h, w: plain_logp(h, w, ids), g, h, w)
@@ -76,16 +81,16 @@ def test_vocab_major_weight_gives_the_same_values_and_gradients(grad_rows):
   (lp1, st1), (lp2, st2) = jax.jit(dv)(h, w), jax.jit(vd)(h, w.T)
   np.testing.assert_allclose(np.asarray(lp2), np.asarray(lp1), rtol=1e-6, atol=1e-6)
   chex.assert_trees_all_close(st2, st1, atol=1e-5)
-  (dh1, dw1), (dh2, de2) = grads(lambda h, w: dv(h, w)[0], g, h, w), grads(
-      lambda h, e: vd(h, e)[0], g, h, w.T)
+  (dh1, dw1), (dh2, de2) = grads(lambda h, w: dv(h, w)[0], g, h, w), grads(lambda h, e: vd(h, e)[0], g, h, w.T)
   np.testing.assert_allclose(np.asarray(dh2), np.asarray(dh1), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(de2).T, np.asarray(dw1), rtol=1e-5, atol=1e-6)
 
 
 def test_forward_values_and_stats():
   h, w, ids, mask = inputs(3)
-  logp, stats = jax.jit(lambda h, w: lm_head.logp_and_stats(
-      h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=10))(h, w)
+  logp, stats = jax.jit(
+      lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=10)
+  )(h, w)
   np.testing.assert_allclose(np.asarray(logp), np.asarray(plain_logp(h, w, ids)), atol=1e-5)
   logits = jnp.einsum("NCD,DV->NCV", h, w) / TEMP
   ref = selection.sequence_stats(logits, mask, G, chunk_size=C)
@@ -111,16 +116,23 @@ def test_non_finite_cotangent_propagates():
   """NaN gradients (e.g. NaN advantages) must reach the parameters so the step is skipped."""
   h, w, ids, mask = inputs()
   g = cotangent(5).at[0, 0].set(jnp.nan)
-  dh, dw = grads(lambda h, w: lm_head.logp_and_stats(
-      h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=12)[0], g, h, w)
+  dh, dw = grads(
+      lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=12)[
+          0
+      ],
+      g,
+      h,
+      w,
+  )
   assert not np.isfinite(np.asarray(dw)).all()
 
 
 def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32():
   h, w, ids, mask = inputs(4)
   g = cotangent(9)
-  fn = lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G,
-                                           chunk_size=4, grad_rows=12)[0]
+  fn = lambda h, w: lm_head.logp_and_stats(h, w, ids, mask, temperature=TEMP, group_size=G, chunk_size=4, grad_rows=12)[
+      0
+  ]
   dh16, dw16 = grads(fn, g, h.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
   assert dh16.dtype == dw16.dtype == jnp.bfloat16
   dh, dw = grads(lambda h, w: plain_logp(h, w, ids), g, h, w)

@@ -1,5 +1,6 @@
 """Run logs on an object store: a fake gs:// (fsspec's in-memory filesystem behind `epath`, with
 append refused, as Cloud Storage refuses it) and on local disk."""
+
 import json
 
 from fsspec.registry import _registry as fsspec_implementations
@@ -13,6 +14,7 @@ from ict_jax import logs
 
 class NoAppendFS(MemoryFileSystem):
   """An object store: objects are written whole, never appended to."""
+
   protocol = ("gs", "gcs")
   store: dict = {}  # its own objects, not the shared memory:// ones
   pseudo_dirs = [""]
@@ -41,11 +43,9 @@ def gs(monkeypatch):
 
 
 def _run(workdir, steps, initial=0, **kw):
-  logger = logs.MetricsLogger(workdir, progress=False, tensorboard=False, initial=initial,
-                              config={"x": 1})
+  logger = logs.MetricsLogger(workdir, progress=False, tensorboard=False, initial=initial, config={"x": 1})
   for step in steps:
-    logger.write({"step": step, "loss": float(step)},
-                 samples=[{"completion": f"c{step}.{i}"} for i in range(2)])
+    logger.write({"step": step, "loss": float(step)}, samples=[{"completion": f"c{step}.{i}"} for i in range(2)])
   logger.close()
 
 

@@ -1,4 +1,5 @@
 """Qwen2 port: logits equal transformers' `Qwen2ForCausalLM`, HF folders load and save, sizes."""
+
 import json
 import os
 
@@ -18,9 +19,17 @@ from ict_jax.models.config import Qwen2Config  # noqa: E402
 def _hf_model(tmp_path, *, tied, heads=4, kv_heads=2, name="m", vocab=128, layers=2):
   torch.manual_seed(0)
   cfg = transformers.Qwen2Config(
-      vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-      rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256)
+      vocab_size=vocab,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=layers,
+      num_attention_heads=heads,
+      num_key_value_heads=kv_heads,
+      tie_word_embeddings=tied,
+      rope_theta=10000.0,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=256,
+  )
   model = transformers.Qwen2ForCausalLM(cfg).eval()
   with torch.no_grad():
     for p in model.parameters():  # non-trivial norms and biases too
@@ -119,6 +128,7 @@ def _corrupt(tmp_path, fn):
 
 def _rewrite(path, mutate):
   from safetensors.numpy import load_file, save_file
+
   f = os.path.join(path, "model.safetensors")
   tensors = load_file(f)
   mutate(tensors)
@@ -140,8 +150,12 @@ def test_extra_tensor_is_named(tmp_path):
 def test_wrong_shape_is_named(tmp_path):
   def mutate(t):
     t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 31), np.float32)
+
   path = _corrupt(tmp_path, lambda p: _rewrite(p, mutate))
-  with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(8, 31\), expected \(16, 32\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(8, 31\), expected \(16, 32\)",
+  ):
     load_pretrained(path)
 
 
@@ -150,6 +164,7 @@ def test_unsupported_model_type(tmp_path):
     cfg = json.load(open(os.path.join(p, "config.json")))
     cfg["model_type"] = "llama"
     json.dump(cfg, open(os.path.join(p, "config.json"), "w"))
+
   path = _corrupt(tmp_path, fn)
   with pytest.raises(ValueError, match=r"config\.json: unsupported model_type 'llama'"):
     load_pretrained(path)
@@ -166,19 +181,22 @@ def test_truncated_safetensors(tmp_path):
     f = os.path.join(p, "model.safetensors")
     data = open(f, "rb").read()
     open(f, "wb").write(data[: len(data) // 2])
+
   path = _corrupt(tmp_path, fn)
   with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
     load_pretrained(path)
 
 
 # ---- sizes -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,count", [("qwen2_5_0_5b", 494_032_768), ("qwen2_5_1_5b", 1_543_714_304),
-                                        ("qwen2_5_7b", 7_615_616_512)])
+@pytest.mark.parametrize(
+    "name,count", [("qwen2_5_0_5b", 494_032_768), ("qwen2_5_1_5b", 1_543_714_304), ("qwen2_5_7b", 7_615_616_512)]
+)
 def test_published_parameter_counts(name, count):
   cfg = Qwen2Config.preset(name)
   assert cfg.num_params() == count
   from ict_jax.models.qwen2 import abstract_model
   from flax import nnx
+
   abstract = abstract_model(cfg)  # shapes only, no memory
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))) == count
 
@@ -186,14 +204,18 @@ def test_published_parameter_counts(name, count):
 def test_parameter_count_matches_transformers_meta_model():
   cfg = Qwen2Config.preset("qwen2_5_0_5b")
   with torch.device("meta"):
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{
-        k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}))
+    hf = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+        )
+    )
   assert sum(p.numel() for p in hf.parameters()) == cfg.num_params()
 
 
 def test_every_parameter_has_logical_axes():
   from flax import nnx
   from ict_jax.models.qwen2 import abstract_model
+
   for path, var in nnx.to_flat_state(nnx.state(abstract_model(Qwen2Config.preset("tiny")), nnx.Param)):
     axes = var.get_metadata().get("axes")
     assert axes is not None and len(axes) == len(var.get_value().shape), path
@@ -201,13 +223,22 @@ def test_every_parameter_has_logical_axes():
 
 # ---- scanned layers, remat policies ------------------------------------------------------------
 def _small(**kw):
-  return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, **kw)
+  return Qwen2Config(
+      vocab_size=128,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=3,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      rope_theta=10000.0,
+      **kw,
+  )
 
 
 def _loss_and_grads(cfg, ids, mask):
   from flax import nnx
   from ict_jax.models.qwen2 import init_model
+
   graphdef, params = nnx.split(init_model(cfg, seed=1), nnx.Param)
 
   def loss(params):
@@ -220,6 +251,7 @@ def _loss_and_grads(cfg, ids, mask):
 def test_layers_are_stacked_with_a_layers_axis():
   from flax import nnx
   from ict_jax.models.qwen2 import abstract_model
+
   flat = nnx.to_flat_state(nnx.state(abstract_model(_small()), nnx.Param))
   stacked = [(path, var) for path, var in flat if path[0] == "layers"]
   assert len(stacked) == 12  # 2 norms + q/k/v kernels and biases + o + 3 MLP, once each

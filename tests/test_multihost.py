@@ -2,6 +2,7 @@
 and train the tiny model together; their losses equal a one-process run on the same number of
 devices, a SIGTERM to one of them makes both save the same step and exit 0, and a rollout where
 one host's verifier is slow on one row gives both hosts the same rewards and advantages."""
+
 import importlib.util
 import json
 import os
@@ -91,31 +92,44 @@ def _free_port():
 
 def _env(devices, **extra):
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO, **extra)
+  env.update(
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **extra
+  )
   return env
 
 
 def _result(out: str) -> dict:
   lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
   assert lines, out[-3000:]
-  return json.loads(lines[-1][len("RESULT "):])
+  return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_two_processes_train_like_one(tmp_path):
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "multi")], cwd=REPO,
-                            env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, "-c", SCRIPT, str(tmp_path / "multi")],
+          cwd=REPO,
+          env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
   outs = []
   for p in procs:
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     outs.append(_result(out))
-  single = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "single")], cwd=REPO,
-                          env=_env(4), capture_output=True, text=True, timeout=900)
+  single = subprocess.run(
+      [sys.executable, "-c", SCRIPT, str(tmp_path / "single")],
+      cwd=REPO,
+      env=_env(4),
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert single.returncode == 0, (single.stdout + single.stderr)[-3000:]
   one = _result(single.stdout)
   assert [o["processes"] for o in outs] == [2, 2] and one["processes"] == 1
@@ -142,10 +156,21 @@ def _two_processes(workdir, steps, *, shim_dir=None, markers=()):
     extra = dict(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
     env = _env(2, **extra)
     if shim_dir:  # benchmarks/faults.py's phase markers, and a slowed train step
-      env.update(PYTHONPATH=os.pathsep.join([str(shim_dir), REPO]), ICT_FAULTS_MARKERS=str(markers[i]),
-                 ICT_FAULTS_SLEEP="step=1.5")
-    procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, str(workdir), str(steps)], cwd=REPO,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+      env.update(
+          PYTHONPATH=os.pathsep.join([str(shim_dir), REPO]),
+          ICT_FAULTS_MARKERS=str(markers[i]),
+          ICT_FAULTS_SLEEP="step=1.5",
+      )
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(workdir), str(steps)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    )
   return procs
 
 
@@ -165,8 +190,9 @@ def _rows(workdir):
 def _wait_marker(path, event, proc, timeout=900):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    if os.path.exists(path) and any(json.loads(line)["event"] == event
-                                    for line in open(path).read().splitlines() if line.strip()):
+    if os.path.exists(path) and any(
+        json.loads(line)["event"] == event for line in open(path).read().splitlines() if line.strip()
+    ):
       return
     assert proc.poll() is None, proc.communicate()[0][-3000:]
     time.sleep(0.05)
@@ -205,11 +231,17 @@ def test_each_host_scores_its_rows_and_all_see_the_same_rewards(tmp_path):
   overruns the timeout on one row, which scores 0 on both hosts; rewards, advantages and the
   timeout count are identical on both."""
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", ROLLOUT_SCRIPT], cwd=REPO,
-                            env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, "-c", ROLLOUT_SCRIPT],
+          cwd=REPO,
+          env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
   outs = []
   for p in procs:
     out, _ = p.communicate(timeout=600)

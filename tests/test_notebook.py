@@ -1,5 +1,6 @@
 """notebooks/inspect_checkpoint.ipynb runs top to bottom in a fresh kernel without an error,
 and draws its pictures (PNG outputs) and the treescope tree (HTML output)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ def test_notebook_executes(tmp_path, monkeypatch):
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
   monkeypatch.setenv("TMPDIR", str(tmp_path))
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
-                                   resources={"metadata": {"path": str(REPO / "notebooks")}})
+  client = nbclient.NotebookClient(
+      nb,
+      timeout=600,
+      kernel_name="python3",
+      allow_errors=False,
+      resources={"metadata": {"path": str(REPO / "notebooks")}},
+  )
   client.execute()  # raises CellExecutionError naming the cell on any error
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]

@@ -1,6 +1,7 @@
 """The package: `pip install .` builds a wheel holding `ict_jax` (and nothing else), the
 requirements.txt pins as its dependencies and the ict-jax-* commands; configs load without
 sys.path edits."""
+
 import configparser
 import importlib
 import importlib.util
@@ -13,8 +14,12 @@ import zipfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = {"ict-jax-train": "ict_jax.train:main", "ict-jax-eval": "ict_jax.eval.__main__:cli",
-            "ict-jax-export": "ict_jax.export:main", "ict-jax-aot": "ict_jax.aot:main"}
+COMMANDS = {
+    "ict-jax-train": "ict_jax.train:main",
+    "ict-jax-eval": "ict_jax.eval.__main__:cli",
+    "ict-jax-export": "ict_jax.export:main",
+    "ict-jax-aot": "ict_jax.aot:main",
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +28,14 @@ def wheel(tmp_path_factory):
   src = tmp_path_factory.mktemp("src")
   for name in ("pyproject.toml", "README.md", "requirements.txt"):
     shutil.copy(os.path.join(REPO, name), src / name)
-  shutil.copytree(os.path.join(REPO, "ict_jax"), src / "ict_jax",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(os.path.join(REPO, "ict_jax"), src / "ict_jax", ignore=shutil.ignore_patterns("__pycache__"))
   out = tmp_path_factory.mktemp("wheel")
-  proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                         "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+      [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (path,) = out.glob("ict_jax-*.whl")
   return zipfile.ZipFile(path)
@@ -42,8 +50,14 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
   names = wheel.namelist()
   top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
   assert top == {"ict_jax"}
-  for module in ("ict_jax/train.py", "ict_jax/paper_config.py", "ict_jax/eval/__main__.py",
-                 "ict_jax/models/qwen2.py", "ict_jax/rewards/worker.py", "ict_jax/data/synthetic.py"):
+  for module in (
+      "ict_jax/train.py",
+      "ict_jax/paper_config.py",
+      "ict_jax/eval/__main__.py",
+      "ict_jax/models/qwen2.py",
+      "ict_jax/rewards/worker.py",
+      "ict_jax/data/synthetic.py",
+  ):
     assert module in names, module
 
 

@@ -5,6 +5,7 @@ float32: the parameter change (not just the loss) must agree, nearly every weigh
 lr 1e-6, and the state must stay float32. A bfloat16 copy of the weights, by contrast, loses
 almost every such update (checked directly with numpy), which is why training refuses it.
 """
+
 import dataclasses
 
 import jax
@@ -23,9 +24,16 @@ from ict_jax.models.qwen2 import init_model
 G, N, P, C, V = 4, 8, 4, 12, 128
 LR = 1e-6
 STEPS = 3
-CFG = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                  max_position_embeddings=64)
+CFG = Qwen2Config(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)
 
 
 def batch():
@@ -34,9 +42,13 @@ def batch():
   cmask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
   prompt = np.repeat(rng.integers(1, V, (N // G, P)), G, 0).astype(np.int32)
   adv = np.tile([1.0, -0.5, 0.7, -1.2], N // G).astype(np.float32)
-  return dict(prompt_ids=prompt, prompt_mask=np.ones((N, P), np.int32),
-              completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),
-              completion_mask=cmask, advantages=adv)
+  return dict(
+      prompt_ids=prompt,
+      prompt_mask=np.ones((N, P), np.int32),
+      completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),
+      completion_mask=cmask,
+      advantages=adv,
+  )
 
 
 def run(dtype: str):
@@ -44,8 +56,9 @@ def run(dtype: str):
   graphdef, state = nnx.split(init_model(dataclasses.replace(CFG, dtype=dtype), seed=0))
   params = state.to_pure_dict()
   opt = ts.make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=0.0), total_steps=10)
-  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method="grpo", chunk_size=4,
-                                                    micro_batch_size=G), opt, donate=False)
+  step = ts.make_train_step(
+      graphdef, ts.StepConfig(group_size=G, method="grpo", chunk_size=4, micro_batch_size=G), opt, donate=False
+  )
   st = ts.init_train_state(params, opt)
   for _ in range(STEPS):
     st, metrics, _ = step(st, batch())
@@ -99,7 +112,6 @@ def test_training_refuses_non_float32_parameters():
 def test_step_refuses_bf16_parameters():
   graphdef, state = nnx.split(init_model(dataclasses.replace(CFG, param_dtype="bfloat16"), seed=0))
   opt = ts.make_optimizer(OptimConfig(), total_steps=10)
-  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method="grpo"), opt,
-                            donate=False)
+  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method="grpo"), opt, donate=False)
   with pytest.raises(ValueError, match="float32 master weights"):
     step(ts.init_train_state(state.to_pure_dict(), opt), batch())

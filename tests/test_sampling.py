@@ -1,4 +1,5 @@
 """sampling.py against transformers' generate / logits warpers and a full forward pass."""
+
 import functools
 import os
 
@@ -25,9 +26,17 @@ def hf_and_model(tmp_path_factory):
   greedy decoding does not collapse into repeating one token."""
   torch.manual_seed(0)
   cfg = transformers.Qwen2Config(
-      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-      rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=64)
+      vocab_size=VOCAB,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      tie_word_embeddings=True,
+      rope_theta=10000.0,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=64,
+  )
   hf = transformers.Qwen2ForCausalLM(cfg).eval()
   with torch.no_grad():
     for name, p in hf.named_parameters():
@@ -63,7 +72,7 @@ def _full_logits(model, prompt_ids, prompt_mask, ids, mask):
   full_mask = np.concatenate([prompt_mask, np.asarray(mask)], axis=1)
   logits = np.asarray(_forward(*nnx.split(model), jnp.asarray(full_ids), jnp.asarray(full_mask)))
   p = prompt_ids.shape[1]
-  return logits[:, p - 1:p - 1 + ids.shape[1]]  # [B, N, V]
+  return logits[:, p - 1 : p - 1 + ids.shape[1]]  # [B, N, V]
 
 
 def _check_layout(ids, mask, logprobs, eos):
@@ -73,7 +82,7 @@ def _check_layout(ids, mask, logprobs, eos):
   for row_ids, row_mask, row_lp in zip(ids, mask, logprobs):
     n = int(row_mask.sum())
     assert n >= 1 and (row_mask[:n] == 1).all() and (row_mask[n:] == 0).all()
-    assert not np.isin(row_ids[:n - 1], eos).any()
+    assert not np.isin(row_ids[: n - 1], eos).any()
     if n < len(row_ids):
       assert row_ids[n - 1] in eos
     assert (row_ids[n:] == PAD).all() and (row_lp[n:] == 0).all()
@@ -82,6 +91,7 @@ def _check_layout(ids, mask, logprobs, eos):
 def _hf_warped_logprobs(logits, temperature, top_k, top_p):
   """log-probs of transformers' sampling distribution (Temperature -> TopK -> TopP warpers)."""
   from transformers.generation import logits_process as lp
+
   scores = torch.tensor(np.asarray(logits, np.float32))
   scores = lp.TemperatureLogitsWarper(temperature)(None, scores)
   if top_k:
@@ -95,21 +105,26 @@ def _hf_warped_logprobs(logits, temperature, top_k, top_p):
 def test_greedy_matches_transformers_generate(hf_and_model):
   hf, model = hf_and_model
   ids, mask = _prompts()
-  free, free_mask, _ = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,
-                                eos_token_ids=(), pad_id=PAD)
+  free, free_mask, _ = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(), pad_id=PAD)
   free = np.asarray(free)
   assert len(set(free.ravel().tolist())) > 6, "degenerate greedy tokens: test is not meaningful"
   assert (np.asarray(free_mask) == 1).all()
   eos = int(free[0, 4])  # a token row 0 emits: both rows must stop on it identically
-  out, out_mask, lp = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,
-                               eos_token_ids=(eos,), pad_id=PAD)
+  out, out_mask, lp = generate(
+      model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(eos,), pad_id=PAD
+  )
   _check_layout(out, out_mask, lp, (eos,))
   assert np.asarray(out_mask)[0].sum() <= 5
   for eos_ids, ours in (([], free), ([eos], np.asarray(out))):
     with torch.no_grad():
-      ref = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                        max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos_ids or None,
-                        pad_token_id=PAD).numpy()[:, ids.shape[1]:]
+      ref = hf.generate(
+          input_ids=torch.tensor(ids),
+          attention_mask=torch.tensor(mask),
+          max_new_tokens=N_NEW,
+          do_sample=False,
+          eos_token_id=eos_ids or None,
+          pad_token_id=PAD,
+      ).numpy()[:, ids.shape[1] :]
     ref = np.pad(ref, ((0, 0), (0, N_NEW - ref.shape[1])), constant_values=PAD)
     np.testing.assert_array_equal(ours, ref)
 
@@ -120,8 +135,19 @@ def test_cache_logits_and_logprobs_match_full_forward(model, temperature, top_k,
   ids, mask = _prompts()
   eos = (7, 8)
   out, out_mask, lp, logits = generate(
-      model, ids, mask, max_new_tokens=N_NEW, temperature=temperature, top_k=top_k, top_p=top_p,
-      rng=jax.random.key(3), eos_token_ids=eos, pad_id=PAD, num_samples=2, return_logits=True)
+      model,
+      ids,
+      mask,
+      max_new_tokens=N_NEW,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      rng=jax.random.key(3),
+      eos_token_ids=eos,
+      pad_id=PAD,
+      num_samples=2,
+      return_logits=True,
+  )
   _check_layout(out, out_mask, lp, eos)
   rep_ids, rep_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
   ref = _full_logits(model, rep_ids, rep_mask, out, out_mask)
@@ -140,16 +166,24 @@ def test_cache_logits_and_logprobs_match_full_forward(model, temperature, top_k,
 
 
 # ---- the sampler's distribution ----------------------------------------------------------------
-@pytest.mark.parametrize("vocab,scale,temperature,top_k,top_p",
-                         [(64, 2.0, 0.8, 0, 1.0), (64, 2.0, 1.0, 10, 1.0), (64, 2.0, 1.5, 0, 0.7),
-                          (64, 2.0, 1.0, 20, 0.9), (2500, 2.0, 1.0, 0, 1.0),
-                          (2500, 0.3, 0.9, 0, 0.85)])  # flat: nucleus > 256 tokens, bisection
+@pytest.mark.parametrize(
+    "vocab,scale,temperature,top_k,top_p",
+    [
+        (64, 2.0, 0.8, 0, 1.0),
+        (64, 2.0, 1.0, 10, 1.0),
+        (64, 2.0, 1.5, 0, 0.7),
+        (64, 2.0, 1.0, 20, 0.9),
+        (2500, 2.0, 1.0, 0, 1.0),
+        (2500, 0.3, 0.9, 0, 0.85),
+    ],
+)  # flat: nucleus > 256 tokens, bisection
 def test_sampler_frequencies_match_transformers_warpers(vocab, scale, temperature, top_k, top_p):
   logits = np.random.RandomState(vocab + top_k).randn(1, vocab).astype(np.float32) * scale
   draws = 20000 if vocab <= 64 else 6000
   keys = jax.random.split(jax.random.key(0), draws)
-  fn = jax.jit(jax.vmap(lambda k: sample_logits(jnp.asarray(logits), k, temperature=temperature,
-                                                top_k=top_k, top_p=top_p)))
+  fn = jax.jit(
+      jax.vmap(lambda k: sample_logits(jnp.asarray(logits), k, temperature=temperature, top_k=top_k, top_p=top_p))
+  )
   tok, lp = (np.asarray(x)[:, 0] for x in fn(keys))
   ref_lp = _hf_warped_logprobs(logits, temperature, top_k, top_p)[0]
   np.testing.assert_allclose(lp, ref_lp[tok], atol=1e-5)  # also: every draw has probability > 0
@@ -171,7 +205,7 @@ def test_top_p_threshold_is_the_smallest_nucleus(scale):
     desc = np.sort(row)[::-1].astype(np.float64)
     n = int(np.searchsorted(np.cumsum(desc), top_p * desc.sum()) + 1)  # smallest prefix
     assert (n > 256) == (scale < 1.0)  # both code paths are exercised
-    assert thr == np.float32(desc[n - 1]), (thr, desc[n - 2:n + 1])
+    assert thr == np.float32(desc[n - 1]), (thr, desc[n - 2 : n + 1])
 
 
 def test_sample_logits_greedy_is_argmax():
@@ -184,29 +218,24 @@ def test_sample_logits_greedy_is_argmax():
 
 # ---- generate: keys, top_k=1, group layout, sharding, bucketing --------------------------------
 def _greedy(model, ids, mask):
-  return generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8),
-                  pad_id=PAD)
+  return generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8), pad_id=PAD)
 
 
 def test_keys_top_k_1_and_group_layout(model):
   ids, mask = _prompts()
-  kw = dict(max_new_tokens=N_NEW, eos_token_ids=(7, 8), pad_id=PAD, num_samples=2,
-            return_logits=True)
+  kw = dict(max_new_tokens=N_NEW, eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True)
   greedy = np.asarray(_greedy(model, ids, mask)[0])
-  top1, _, top1_lp, _ = generate(model, ids, mask, temperature=1.0, top_k=1,
-                                 rng=jax.random.key(5), **kw)
+  top1, _, top1_lp, _ = generate(model, ids, mask, temperature=1.0, top_k=1, rng=jax.random.key(5), **kw)
   np.testing.assert_array_equal(np.asarray(top1), np.repeat(greedy, 2, axis=0))  # g*G.. = prompt g
   np.testing.assert_allclose(np.asarray(top1_lp), 0.0, atol=1e-6)  # one candidate: probability 1
-  sample = lambda seed: np.asarray(generate(model, ids, mask, temperature=0.7,
-                                            rng=jax.random.key(seed), **kw)[0])
+  sample = lambda seed: np.asarray(generate(model, ids, mask, temperature=0.7, rng=jax.random.key(seed), **kw)[0])
   a, b, c = sample(0), sample(0), sample(1)
   np.testing.assert_array_equal(a, b)
   assert (a != c).any()
   assert (a[0] != a[1]).any()  # the G samples of one prompt differ
   # every row stops at its first token, so the decode loop exits at once: no logits after step 0
   stop = tuple(sorted(set(a[:, 0].tolist())))
-  _, m, _, lg = generate(model, ids, mask, temperature=0.7, rng=jax.random.key(0),
-                         **dict(kw, eos_token_ids=stop))
+  _, m, _, lg = generate(model, ids, mask, temperature=0.7, rng=jax.random.key(0), **dict(kw, eos_token_ids=stop))
   m, lg = np.asarray(m), np.asarray(lg)
   assert (m[:, 0] == 1).all() and (m[:, 1:] == 0).all()
   assert (lg[:, 0] != 0).any() and (lg[:, 1:] == 0).all()
@@ -237,8 +266,9 @@ def test_sample_fn_inside_jit_matches_generate(model):
 
   @jax.jit
   def run(state, ids, mask, key):
-    return sample_fn(graphdef, state, ids, mask, key, max_new_tokens=N_NEW, temperature=0.0,
-                     eos_token_ids=(7, 8), pad_id=PAD)
+    return sample_fn(
+        graphdef, state, ids, mask, key, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(7, 8), pad_id=PAD
+    )
 
   got = run(state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
@@ -255,8 +285,7 @@ def test_bucket_length():
 
 def test_bucketed_shapes_reuse_one_compilation(model):
   ids, mask = _prompts()
-  kw = dict(rng=jax.random.key(0), eos_token_ids=(7, 8), pad_id=PAD, num_samples=2,
-            return_logits=True)
+  kw = dict(rng=jax.random.key(0), eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True)
   generate(model, ids, mask, max_new_tokens=5, temperature=0.7, **kw)
   before = sampling._generate_jit._cache_size()
   out = generate(model, ids[:, 2:], mask[:, 2:], max_new_tokens=9, temperature=0.7, **kw)
@@ -266,31 +295,33 @@ def test_bucketed_shapes_reuse_one_compilation(model):
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
-@pytest.mark.parametrize("change,match", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=60), "context"),  # 9 prompt tokens + 60 > 64 positions
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_k=-1), "top_k"),
-    (dict(num_samples=0), "num_samples"),
-    (dict(rng=None), "rng"),
-    (dict(prompt_mask=np.ones((2, 8), np.int32)), "shape"),
-    (dict(prompt_ids=np.ones((2, 70), np.int32), prompt_mask=np.ones((2, 70), np.int32)), "context"),
-    (dict(prompt_mask=np.zeros((2, 9), np.int32)), "no tokens"),
-    (dict(prompt_mask=np.full((2, 9), 2)), "only 0"),
-    (dict(prompt_ids=np.ones((2, 9), np.float32)), "integers"),
-    (dict(eos_token_ids=("<eos>",)), "eos_token_ids"),
-    (dict(prompt_mask=np.tile([1, 1, 1, 1, 1, 0, 0, 0, 0], (2, 1))), "left-padded"),
-    (dict(prompt_ids=np.full((2, 9), VOCAB)), "token ids"),
-    (dict(decode_batch_size=3), "does not divide"),  # 2 rows
-    (dict(decode_batch_size=0), "decode_batch_size"),
-    (dict(rollout_dtype="float64"), "rollout_dtype"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=60), "context"),  # 9 prompt tokens + 60 > 64 positions
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(rng=None), "rng"),
+        (dict(prompt_mask=np.ones((2, 8), np.int32)), "shape"),
+        (dict(prompt_ids=np.ones((2, 70), np.int32), prompt_mask=np.ones((2, 70), np.int32)), "context"),
+        (dict(prompt_mask=np.zeros((2, 9), np.int32)), "no tokens"),
+        (dict(prompt_mask=np.full((2, 9), 2)), "only 0"),
+        (dict(prompt_ids=np.ones((2, 9), np.float32)), "integers"),
+        (dict(eos_token_ids=("<eos>",)), "eos_token_ids"),
+        (dict(prompt_mask=np.tile([1, 1, 1, 1, 1, 0, 0, 0, 0], (2, 1))), "left-padded"),
+        (dict(prompt_ids=np.full((2, 9), VOCAB)), "token ids"),
+        (dict(decode_batch_size=3), "does not divide"),  # 2 rows
+        (dict(decode_batch_size=0), "decode_batch_size"),
+        (dict(rollout_dtype="float64"), "rollout_dtype"),
+    ],
+)
 def test_bad_inputs_raise_before_compiling(model, change, match):
   ids, mask = _prompts()
-  kw = dict(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, temperature=1.0,
-            rng=jax.random.key(0))
+  kw = dict(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, temperature=1.0, rng=jax.random.key(0))
   kw.update(change)
   before = sampling._generate_jit._cache_size()
   with pytest.raises(ValueError, match=match):
@@ -301,6 +332,7 @@ def test_bad_inputs_raise_before_compiling(model, change, match):
 def test_first_argmax_equals_numpy_argmax_with_ties_nan_and_inf():
   """The greedy path's two-reduction argmax keeps numpy's semantics: first maximum, first NaN."""
   from ict_jax.sampling import _first_argmax
+
   rng = np.random.default_rng(0)
   x = rng.integers(0, 5, (64, 37)).astype(np.float32)  # many ties
   x[3, 7] = np.nan
@@ -315,6 +347,7 @@ def test_plain_step_greedy_is_first_argmax_with_log_softmax(vocab):
   """The two-level greedy step on vocabulary-major logits [V, B]: numpy's argmax (first maximum,
   first NaN) and scipy's log_softmax at that token, with ties spread over different blocks."""
   from scipy.special import log_softmax
+
   rng = np.random.default_rng(vocab)
   x = rng.integers(0, 6, (vocab, 9)).astype(np.float32)  # many ties, in many blocks
   x[:, 1] = rng.standard_normal(vocab)
@@ -334,9 +367,18 @@ def test_plain_step_greedy_is_first_argmax_with_log_softmax(vocab):
 def test_next_token_logits_is_the_transposed_head(batch):
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
-  model = init_model(Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1), seed=1)
+
+  model = init_model(
+      Qwen2Config(
+          vocab_size=1000,
+          hidden_size=128,
+          intermediate_size=64,
+          num_hidden_layers=1,
+          num_attention_heads=2,
+          num_key_value_heads=1,
+      ),
+      seed=1,
+  )
   h = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, 128)), jnp.float32)
   got = jax.jit(lambda h: model.next_token_logits(h))(h)
   assert got.shape == (1000, batch)
@@ -351,24 +393,34 @@ def test_generate_with_a_128_wide_model_matches_full_forward():
   a full forward over the same sequence and log-probs its log_softmax."""
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
-  model = init_model(Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=64), seed=2)
+
+  model = init_model(
+      Qwen2Config(
+          vocab_size=VOCAB,
+          hidden_size=128,
+          intermediate_size=96,
+          num_hidden_layers=2,
+          num_attention_heads=4,
+          num_key_value_heads=2,
+          max_position_embeddings=64,
+      ),
+      seed=2,
+  )
   graphdef, state = nnx.split(model)
+
   def scale(path, x):  # the matrices (per layer: [L, ...] stacked) and biases: not near-uniform
     stacked = getattr(path[0], "key", None) == "layers"
     return x * 10.0 if x.ndim - stacked == 2 else x
+
   state = jax.tree_util.tree_map_with_path(scale, state)
   model = nnx.merge(graphdef, state)
   ids, mask = _prompts()
-  out, out_mask, lp = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0,
-                               eos_token_ids=(), pad_id=PAD)
+  out, out_mask, lp = generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(), pad_id=PAD)
   ref = _full_logits(model, ids, mask, out, out_mask)
   out = np.asarray(out)
   assert len(set(out.ravel().tolist())) > 4, "degenerate greedy tokens: test is not meaningful"
   np.testing.assert_array_equal(out, ref.argmax(-1))
-  ref_lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(jnp.asarray(ref))), out[..., None],
-                              axis=-1)[..., 0]
+  ref_lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(jnp.asarray(ref))), out[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(np.asarray(lp), ref_lp, atol=1e-4)
 
 
@@ -391,8 +443,18 @@ def test_decode_sub_batches_match_one_batch(model):
 def test_sampled_sub_batches_match_full_forward(model):
   ids, mask = _prompts()
   out, out_mask, lp, logits = generate(
-      model, ids, mask, max_new_tokens=N_NEW, temperature=0.8, rng=jax.random.key(1),
-      eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True, decode_batch_size=1)
+      model,
+      ids,
+      mask,
+      max_new_tokens=N_NEW,
+      temperature=0.8,
+      rng=jax.random.key(1),
+      eos_token_ids=(7, 8),
+      pad_id=PAD,
+      num_samples=2,
+      return_logits=True,
+      decode_batch_size=1,
+  )
   _check_layout(out, out_mask, lp, (7, 8))
   rep_ids, rep_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
   ref = _full_logits(model, rep_ids, rep_mask, out, out_mask)
@@ -418,8 +480,10 @@ def test_auto_decode_batch_size():
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   assert sampling.free_device_bytes(mesh.devices.flat) is None  # XLA:CPU reports none
   from ict_jax.models.config import Qwen2Config
-  resolve = functools.partial(sampling.resolve_decode_batch_size, cfg=Qwen2Config.preset("tiny"),
-                              cache_len=64, mesh=mesh, dtype="float32")
+
+  resolve = functools.partial(
+      sampling.resolve_decode_batch_size, cfg=Qwen2Config.preset("tiny"), cache_len=64, mesh=mesh, dtype="float32"
+  )
   assert resolve("auto", 24) == 24 and resolve(None, 24) == 24 and resolve(6, 24) == 6
   # 64 rows over 4 row shards, 1 MB a row, 5 MB free: 0.8 x 5 MB holds 4 rows a device -> 16
   assert auto(64, 4, 10**6, 5 * 10**6) == 16
@@ -447,15 +511,26 @@ def test_rollout_policy_casts_and_lays_out_for_decoding(model):
   q = policy.state["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]: stacked layers
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
   ids, mask = _prompts()
-  out, out_mask, logits = generate(policy, ids, mask, max_new_tokens=N_NEW, temperature=1.0,
-                                   rng=jax.random.key(0), eos_token_ids=(), pad_id=PAD,
-                                   return_logits=True, return_logprobs=False, mesh=mesh)
+  out, out_mask, logits = generate(
+      policy,
+      ids,
+      mask,
+      max_new_tokens=N_NEW,
+      temperature=1.0,
+      rng=jax.random.key(0),
+      eos_token_ids=(),
+      pad_id=PAD,
+      return_logits=True,
+      return_logprobs=False,
+      mesh=mesh,
+  )
   ref = _full_logits(model, ids, mask, out, out_mask)
   np.testing.assert_allclose(np.asarray(logits), ref, atol=0.05 * np.abs(ref).max())
 
 
 def _all_gather_shapes(hlo: str) -> list[str]:
   import re
+
   return re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
 
 
@@ -471,16 +546,17 @@ def test_decode_program_gathers_no_weights(model):
   f32 = lambda shape: f"f32[{','.join(map(str, shape))}]"
   # as a gather over fsdp makes them: the whole stacked [L, ...] array, or one layer's slice of it
   # (inside the scanned decoder stack)
-  weights = [{f32(s.shard_shape(x.shape))} | ({f32(s.shard_shape(x.shape)[1:])} if x.ndim > 2 else set())
-             for x, s in zip(jax.tree.leaves(train), jax.tree.leaves(layout))
-             if "fsdp" in jax.tree.leaves(tuple(x.sharding.spec))]
+  weights = [
+      {f32(s.shard_shape(x.shape))} | ({f32(s.shard_shape(x.shape)[1:])} if x.ndim > 2 else set())
+      for x, s in zip(jax.tree.leaves(train), jax.tree.leaves(layout))
+      if "fsdp" in jax.tree.leaves(tuple(x.sharding.spec))
+  ]
   assert len(weights) >= 4  # q/k/v/o, MLP and embedding matrices
   hlo = sampling.lower_generate(policy, 8, 16, 16, mesh=mesh).compile().as_text()
   assert "while" in hlo
   gathered = set(_all_gather_shapes(hlo))
   assert not any(w & gathered for w in weights), gathered
-  hlo = sampling.lower_generate(sampling.RolloutPolicy(graphdef, train), 8, 16, 16,
-                                mesh=mesh).compile().as_text()
+  hlo = sampling.lower_generate(sampling.RolloutPolicy(graphdef, train), 8, 16, 16, mesh=mesh).compile().as_text()
   gathered = set(_all_gather_shapes(hlo))
   assert all(w & gathered for w in weights), (weights, gathered)
 
@@ -490,8 +566,16 @@ def test_sub_batches_shrink_the_compiled_programs_memory():
   sub-batches of 8 keeps one sub-batch's KV cache live, so the compiled program's temporaries
   shrink by ~4x, and its arguments are the bfloat16 weights, whole on each device."""
   from ict_jax.models.config import Qwen2Config
-  cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+
+  cfg = Qwen2Config(
+      vocab_size=256,
+      hidden_size=64,
+      intermediate_size=128,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=2048,
+  )
   policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16")
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(policy.state))
   mem = {}

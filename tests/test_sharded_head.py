@@ -4,6 +4,7 @@ the JS group mean moves no [k, V] block when a chip holds whole groups (and one 
 does not), the ICT step has no more collectives than the GRPO step, and a micro-batch that does
 not split over data x fsdp is refused. Numerics on these meshes are checked against the
 single-device step in tests/test_train_step.py (test_sharded_step_equals_single_device)."""
+
 import collections
 import dataclasses
 import re
@@ -21,9 +22,17 @@ from ict_jax.models.qwen2 import init_model
 
 G, N, P, C, K = 4, 16, 4, 15, 5  # K: the LM-head chunk (C = 3 chunks of 5)
 D, V = 48, 512  # sizes no other dimension of the step has
-CFG = Qwen2Config(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                  max_position_embeddings=32, tie_word_embeddings=False)
+CFG = Qwen2Config(
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -32,10 +41,13 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 def batch():
   rng = np.random.default_rng(0)
   cmask = (np.arange(C)[None] < rng.integers(1, C + 1, N)[:, None]).astype(np.int32)
-  return dict(prompt_ids=np.repeat(rng.integers(1, V, (N // G, P)), G, 0).astype(np.int32),
-              prompt_mask=np.ones((N, P), np.int32),
-              completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),
-              completion_mask=cmask, advantages=rng.normal(size=N).astype(np.float32))
+  return dict(
+      prompt_ids=np.repeat(rng.integers(1, V, (N // G, P)), G, 0).astype(np.int32),
+      prompt_mask=np.ones((N, P), np.int32),
+      completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),
+      completion_mask=cmask,
+      advantages=rng.normal(size=N).astype(np.float32),
+  )
 
 
 def compiled_text(mesh_shape, method="ict", micro_batch=N, tied=False, sparse_backward=True) -> str:
@@ -45,13 +57,18 @@ def compiled_text(mesh_shape, method="ict", micro_batch=N, tied=False, sparse_ba
   opt = ts.make_optimizer(OptimConfig(), 10)
   params_sharding = sharding.pure_shardings(params, mesh)
   params = jax.device_put(params.to_pure_dict(), params_sharding)
-  state_sharding = ts.train_state_shardings(opt, jax.eval_shape(lambda: params), params_sharding,
-                                            mesh)
+  state_sharding = ts.train_state_shardings(opt, jax.eval_shape(lambda: params), params_sharding, mesh)
   state = ts.init_train_state(params, opt, mesh=mesh, params_sharding=params_sharding)
-  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method=method, chunk_size=K,
-                                                    micro_batch_size=micro_batch,
-                                                    sparse_backward=sparse_backward),
-                            opt, mesh=mesh, state_sharding=state_sharding, donate=False)
+  step = ts.make_train_step(
+      graphdef,
+      ts.StepConfig(
+          group_size=G, method=method, chunk_size=K, micro_batch_size=micro_batch, sparse_backward=sparse_backward
+      ),
+      opt,
+      mesh=mesh,
+      state_sharding=state_sharding,
+      donate=False,
+  )
   b = {k: sharding.put_global(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in batch().items()}
   with jax.set_mesh(mesh):
     return step.jitted.lower(state, b, None).compile().as_text()
@@ -63,8 +80,7 @@ def collectives(text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]
   for line in text.splitlines():
     m = _OP.search(line)
     if m:
-      shapes = [(t, tuple(int(x) for x in dims.split(",") if x))
-                for t, dims in _SHAPE.findall(m.group(1))]
+      shapes = [(t, tuple(int(x) for x in dims.split(",") if x)) for t, dims in _SHAPE.findall(m.group(1))]
       out.append((m.group(2), shapes))
   return out
 
@@ -91,8 +107,7 @@ def test_lm_head_stays_sharded(mesh_shape):
 
 def test_tied_head_is_not_gathered_whole_in_float32():
   text = compiled_text((1, 8, 1), tied=True)
-  assert not [s for kind, shapes in collectives(text) for s in shapes
-              if kind == "all-gather" and s == ("f32", (V, D))]
+  assert not [s for kind, shapes in collectives(text) for s in shapes if kind == "all-gather" and s == ("f32", (V, D))]
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2), (2, 4, 1)])

@@ -1,5 +1,6 @@
 """What a user watches: learning rate, model TFLOP/s per chip, MFU and tokens/s per chip in the
 metrics (and so TensorBoard / W&B), a jax.profiler trace of chosen steps, the W&B logger."""
+
 import math
 import os
 import sys
@@ -16,10 +17,18 @@ from ict_jax.models.config import Qwen2Config
 from ict_jax.train import train
 
 
-@pytest.mark.parametrize("kind,name,peak", [
-    ("TPU v4", "TPU v4", 275), ("TPU v5 lite", "TPU v5e", 197), ("TPU v5", "TPU v5p", 459),
-    ("TPU v5p", "TPU v5p", 459), ("TPU v6 lite", "TPU v6e", 918),
-    ("NVIDIA H100 80GB HBM3", "NVIDIA H100", 989), ("NVIDIA H200", "NVIDIA H200", 989)])
+@pytest.mark.parametrize(
+    "kind,name,peak",
+    [
+        ("TPU v4", "TPU v4", 275),
+        ("TPU v5 lite", "TPU v5e", 197),
+        ("TPU v5", "TPU v5p", 459),
+        ("TPU v5p", "TPU v5p", 459),
+        ("TPU v6 lite", "TPU v6e", 918),
+        ("NVIDIA H100 80GB HBM3", "NVIDIA H100", 989),
+        ("NVIDIA H200", "NVIDIA H200", 989),
+    ],
+)
 def test_peak_table(kind, name, peak):
   assert throughput.table_peak(kind) == (name, peak)
 
@@ -41,6 +50,7 @@ def test_step_metrics_arithmetic():
 
 
 class _FakeWandb(types.ModuleType):
+
   def __init__(self):
     super().__init__("wandb")
     self.calls = []

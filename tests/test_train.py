@@ -1,4 +1,5 @@
 """The training program: learning, logs, checkpoints, resume, meshes, HF init, bad input."""
+
 import json
 import os
 import subprocess
@@ -42,11 +43,9 @@ def default_run(tmp_path_factory):
   cwd = str(tmp_path_factory.mktemp("default"))
   workdir = os.path.join(cwd, "runs", "default")  # the default --workdir, a relative path
   env = dict(os.environ)
-  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-      "--xla_force_host_platform_device_count=8", "").strip()
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
-  cmd = [sys.executable, "-m", "ict_jax.train",
-         "--config.train.steps=48", "--config.train.checkpoint_every=24"]
+  cmd = [sys.executable, "-m", "ict_jax.train", "--config.train.steps=48", "--config.train.checkpoint_every=24"]
   proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, _metrics(workdir)
@@ -67,8 +66,19 @@ def test_default_run_reward_rises(default_run):
 def test_default_run_writes_metrics_events_checkpoints(default_run):
   workdir, rows = default_run
   assert [r["step"] for r in rows] == list(range(1, 49))
-  for key in ("step", "reward_mean", "reward_std", "response_len", "entropy", "renyi2",
-              "js_selected", "selected_frac", "kl", "grad_norm", "tokens_per_s"):
+  for key in (
+      "step",
+      "reward_mean",
+      "reward_std",
+      "response_len",
+      "entropy",
+      "renyi2",
+      "js_selected",
+      "selected_frac",
+      "kl",
+      "grad_norm",
+      "tokens_per_s",
+  ):
     assert all(np.isfinite(r[key]) for r in rows), key
   # ICT: dense for the 10 warm-up steps, then ~10% of each response's tokens
   assert all(r["selected_frac"] == 1.0 for r in rows[:10])
@@ -82,8 +92,13 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   # held-out pass@1 / pass@4 every 20 steps and after the last
   assert [r["step"] for r in rows if "eval_pass_at_4" in r] == [20, 40, 48]
   # the token-level view of the checkpoint steps' logged samples
-  proc = subprocess.run([sys.executable, "-m", "ict_jax.analyze", "--workdir", workdir, "--no-png"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+      [sys.executable, "-m", "ict_jax.analyze", "--workdir", workdir, "--no-png"],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   stats = json.load(open(os.path.join(workdir, "analysis", "step_48.json")))
   assert stats["tokens"] >= 2 * 16 and 16 <= stats["selected"] < stats["tokens"]
@@ -108,11 +123,13 @@ def test_periodic_eval_logs_pass_at_k(tmp_path):
   """train.eval_every / eval_samples / eval_prompts: pass@1 and pass@k on held-out problems after
   every eval_every steps and the last, in metrics.jsonl and TensorBoard."""
   workdir = str(tmp_path / "eval")
-  out = train(_quick(**{"train.steps": 3, "train.eval_every": 2, "train.eval_samples": 3,
-                        "train.eval_prompts": 5}), workdir, progress=False)
+  out = train(
+      _quick(**{"train.steps": 3, "train.eval_every": 2, "train.eval_samples": 3, "train.eval_prompts": 5}),
+      workdir,
+      progress=False,
+  )
   rows = _metrics(workdir)
-  assert [("eval_pass_at_1" in r, "eval_pass_at_3" in r) for r in rows] == [(False, False), (True, True),
-                                                                       (True, True)]
+  assert [("eval_pass_at_1" in r, "eval_pass_at_3" in r) for r in rows] == [(False, False), (True, True), (True, True)]
   for r in rows[1:]:
     assert 0.0 <= r["eval_pass_at_1"] <= r["eval_pass_at_3"] <= 1.0 and r["eval_s"] > 0
     # pass@1 over 5 problems x 3 samples is a multiple of 1/15
@@ -121,6 +138,7 @@ def test_periodic_eval_logs_pass_at_k(tmp_path):
   assert _tb_steps(os.path.join(workdir, "tb"), "eval_pass_at_1") == [2, 3]
   # per-token statistics of the logged samples at the checkpoint steps (2 and the last, 3)
   from ict_jax import token_view
+
   tokens = [t for s in (2, 3) for t in token_view.load(workdir, s)[1]]
   assert sorted({t["step"] for t in tokens}) == [2, 3] and len(tokens) == 2 * 16
   for t in tokens:
@@ -135,13 +153,14 @@ def _tb_steps(tb_dir, tag):
   """Steps of scalar `tag` in a TensorBoard events directory (TFRecord framing, read by hand)."""
   import struct
   from tensorboardX.proto import event_pb2
+
   steps = []
   for name in sorted(os.listdir(tb_dir)):
     data = open(os.path.join(tb_dir, name), "rb").read()
     at = 0
     while at < len(data):
-      (length,) = struct.unpack("<Q", data[at:at + 8])
-      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
       at += 16 + length
       steps += [event.step for v in event.summary.value if v.tag == tag]
   return steps
@@ -164,10 +183,20 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
   from ict_jax.data.iterator import PromptIterator
   from ict_jax.rewards import RewardPool
   from ict_jax.rollout import collect
+
   torch.manual_seed(0)
-  hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-      vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256))
+  hf = transformers.Qwen2ForCausalLM(
+      transformers.Qwen2Config(
+          vocab_size=151936,
+          hidden_size=16,
+          intermediate_size=32,
+          num_hidden_layers=1,
+          num_attention_heads=2,
+          num_key_value_heads=1,
+          tie_word_embeddings=True,
+          max_position_embeddings=256,
+      )
+  )
   hf_dir = str(tmp_path / "hf")
   hf.save_pretrained(hf_dir)
   c = _quick(**{"train.steps": 1, "warm_start.sft_steps": 0, "loss.beta": 0.05})
@@ -178,24 +207,37 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
   src = __import__("ict_jax.train", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
   examples = next(PromptIterator(src, cfg.rollout.prompts_per_step, seed=cfg.train.seed))
   with RewardPool(num_workers=0) as pool:
-    roll = collect(load_pretrained(hf_dir), examples, Tokenizer(), pool,
-                   rng=jax.random.fold_in(jax.random.key(cfg.train.seed), 0),
-                   group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-                   temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, prompt_style="plain",
-                   max_prompt_len=cfg.data.max_prompt_len, reward_kind="answer")
+    roll = collect(
+        load_pretrained(hf_dir),
+        examples,
+        Tokenizer(),
+        pool,
+        rng=jax.random.fold_in(jax.random.key(cfg.train.seed), 0),
+        group_size=cfg.rollout.group_size,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=1.0,
+        top_k=0,
+        prompt_style="plain",
+        max_prompt_len=cfg.data.max_prompt_len,
+        reward_kind="answer",
+    )
   logged = read_log(workdir, "samples")
-  assert [s["completion"] for s in logged] == roll.completions[:len(logged)]
+  assert [s["completion"] for s in logged] == roll.completions[: len(logged)]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--config.train.stepz=3"], "stepz"),
-    (["--config.train.steps=abc"], "steps"),
-    (["--config.train.steps=-1"], "config.train.steps: expected > 0"),
-    (["--config.ict.top_fraction=1.5"], "config.ict.top_fraction"),
-    (["--config.mesh.fsdp=3"], "mesh"),
-    (["--config.rollout.decode_batch_size=5"], "config.rollout.decode_batch_size: 5 does not divide"),
-    (["--workdir=/proc/forbidden/run"], "/proc/forbidden/run"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--config.train.stepz=3"], "stepz"),
+        (["--config.train.steps=abc"], "steps"),
+        (["--config.train.steps=-1"], "config.train.steps: expected > 0"),
+        (["--config.ict.top_fraction=1.5"], "config.ict.top_fraction"),
+        (["--config.mesh.fsdp=3"], "mesh"),
+        (["--config.rollout.decode_batch_size=5"], "config.rollout.decode_batch_size: 5 does not divide"),
+        (["--workdir=/proc/forbidden/run"], "/proc/forbidden/run"),
+    ],
+)
 def test_bad_input_is_one_clear_error(args, needle, tmp_path):
   cmd = [sys.executable, "-m", "ict_jax.train", f"--workdir={tmp_path}/w", *args]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -210,6 +252,7 @@ def test_rollout_dtype_and_decode_batch_size_keys():
   from types import SimpleNamespace
   from ict_jax.config import ConfigError
   from ict_jax.setup import decode_batch_size, rollout_dtype
+
   mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
   cfg = lambda **kw: config_lib.validate(_quick(**kw))
   assert rollout_dtype(cfg(), mesh("cpu")) == "float32"  # auto keeps the CPU's model.dtype
@@ -219,7 +262,6 @@ def test_rollout_dtype_and_decode_batch_size_keys():
     rollout_dtype(cfg(**{"rollout.dtype": "float16"}), mesh("tpu"))
   with pytest.raises(ConfigError, match="config.rollout.dtype: expected one of"):
     cfg(**{"rollout.dtype": "float64"})
-  assert [decode_batch_size(cfg(**{"rollout.decode_batch_size": v})) for v in ("auto", "all", "8")] \
-      == ["auto", None, 8]
+  assert [decode_batch_size(cfg(**{"rollout.decode_batch_size": v})) for v in ("auto", "all", "8")] == ["auto", None, 8]
   with pytest.raises(ConfigError, match="decode_batch_size: expected 'auto', 'all'"):
     cfg(**{"rollout.decode_batch_size": "half"})

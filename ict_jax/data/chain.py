@@ -31,6 +31,7 @@ its held-out problems are new combinations of facts the training problems teach)
   3: a + b + c + d, operands 0..9, two orders                  (10,000)
   4: a +/- b +/- c, operands 0..9, every running result >= 0, left to right   (2,605)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,11 @@ import tensorflow_datasets as tfds
 
 # level -> (operand count, operators, largest operand)
 LEVELS: dict[int, tuple[int, tuple[str, ...], int]] = {
-    1: (3, ("+",), 4), 2: (3, ("+",), 9), 3: (4, ("+",), 9), 4: (3, ("+", "-"), 9)}
+    1: (3, ("+",), 4),
+    2: (3, ("+",), 9),
+    3: (4, ("+",), 9),
+    4: (3, ("+", "-"), 9),
+}
 
 
 def level_problems(level: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -91,8 +96,9 @@ def make_example(operands: tuple[int, ...], operators: tuple[str, ...], level: i
   solutions = worked_solutions(operands, operators)
   return {
       "id": f"L{level}:{expr}",
-      "question": "What is " + " ".join([str(operands[0])] + [f"{op} {b}" for op, b in
-                                                              zip(operators, operands[1:])]) + "?",
+      "question": "What is "
+      + " ".join([str(operands[0])] + [f"{op} {b}" for op, b in zip(operators, operands[1:])])
+      + "?",
       "prompt": f"{expr}=",
       "answer": str(_running(operands, operators)[-1]),
       "solution": solutions[0],
@@ -139,7 +145,8 @@ class SyntheticChain(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     text = ("id", "question", "prompt", "answer", "solution", "solutions")
     return self.dataset_info_from_configs(
         features=tfds.features.FeaturesDict(
-            {**{k: tfds.features.Text() for k in text}, "level": tfds.features.Scalar(dtype=np.int32)}),
+            {**{k: tfds.features.Text() for k in text}, "level": tfds.features.Scalar(dtype=np.int32)}
+        ),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):

@@ -4,6 +4,7 @@
 instruction ``Please reason step by step, and put your final answer within \\boxed{}.``
 ``plain``: the example's short ``prompt`` field as is (``"3+5="``), for tiny models with tiny context.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,7 +15,9 @@ STYLES = ("chat", "plain")
 
 
 class ChatTokenizer(Protocol):
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False) -> Any: ...
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False) -> Any:
+    ...
 
 
 def format_prompt(
@@ -24,12 +27,12 @@ def format_prompt(
     instruction: str = MATH_INSTRUCTION,
     system: str | None = None,
 ) -> str:
-    """Chat prompt ending in ``<|im_start|>assistant\\n``; ``system=None`` keeps Qwen's default."""
-    content = f"{question}\n{instruction}" if instruction else question
-    messages = [{"role": "user", "content": content}]
-    if system is not None:
-        messages.insert(0, {"role": "system", "content": system})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  """Chat prompt ending in ``<|im_start|>assistant\\n``; ``system=None`` keeps Qwen's default."""
+  content = f"{question}\n{instruction}" if instruction else question
+  messages = [{"role": "user", "content": content}]
+  if system is not None:
+    messages.insert(0, {"role": "system", "content": system})
+  return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def build_prompt(
@@ -40,14 +43,14 @@ def build_prompt(
     instruction: str = MATH_INSTRUCTION,
     system: str | None = None,
 ) -> str:
-    """Prompt text of a dataset example (a dict with ``question`` and ``prompt``) in ``style``."""
-    if style == "plain":
-        return str(example["prompt"])
-    if style != "chat":
-        raise ValueError(f"unknown prompt style {style!r}; expected one of {STYLES}")
-    if tokenizer is None:
-        raise ValueError("prompt style 'chat' needs a tokenizer with apply_chat_template")
-    return format_prompt(str(example["question"]), tokenizer, instruction=instruction, system=system)
+  """Prompt text of a dataset example (a dict with ``question`` and ``prompt``) in ``style``."""
+  if style == "plain":
+    return str(example["prompt"])
+  if style != "chat":
+    raise ValueError(f"unknown prompt style {style!r}; expected one of {STYLES}")
+  if tokenizer is None:
+    raise ValueError("prompt style 'chat' needs a tokenizer with apply_chat_template")
+  return format_prompt(str(example["question"]), tokenizer, instruction=instruction, system=system)
 
 
 def encode_prompts(
@@ -58,18 +61,18 @@ def encode_prompts(
     instruction: str = MATH_INSTRUCTION,
     max_len: int | None = None,
 ) -> tuple[list, list[str], list[list[int]]]:
-    """-> (kept examples, their prompt texts, their token ids), the one prompt encoding of training,
-    rollouts and evaluation. Prompts over ``max_len`` tokens are left out (the caller counts them);
-    KeyError naming the example when a field the style needs is missing."""
-    kept, texts, ids = [], [], []
-    for i, ex in enumerate(examples):
-        for field in ("answer", "prompt" if style == "plain" else "question"):
-            if field not in ex:
-                raise KeyError(f"example {i} has no {field!r} field (it has {sorted(ex)})")
-        text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
-        toks = tokenizer.encode(text)
-        if max_len is None or len(toks) <= max_len:
-            kept.append(ex)
-            texts.append(text)
-            ids.append(toks)
-    return kept, texts, ids
+  """-> (kept examples, their prompt texts, their token ids), the one prompt encoding of training,
+  rollouts and evaluation. Prompts over ``max_len`` tokens are left out (the caller counts them);
+  KeyError naming the example when a field the style needs is missing."""
+  kept, texts, ids = [], [], []
+  for i, ex in enumerate(examples):
+    for field in ("answer", "prompt" if style == "plain" else "question"):
+      if field not in ex:
+        raise KeyError(f"example {i} has no {field!r} field (it has {sorted(ex)})")
+    text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
+    toks = tokenizer.encode(text)
+    if max_len is None or len(toks) <= max_len:
+      kept.append(ex)
+      texts.append(text)
+      ids.append(toks)
+  return kept, texts, ids

@@ -11,6 +11,7 @@ Levels (a curriculum moves up them; config ``mixed`` holds all, tagged by ``leve
   3: a + b, a, b in 0..99                     (10,000)
   4: a + b and a - b (a >= b) in 0..99, a * b in 0..12   (15,219)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,79 +33,73 @@ _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a 
 
 
 def level_problems(level: int) -> list[tuple[int, str, int]]:
-    """All ``(a, op, b)`` of a level in a fixed order; subtraction keeps ``a >= b``."""
-    if level not in LEVELS:
-        raise ValueError(f"synthetic_arith: unknown level {level}; known {sorted(LEVELS)}")
-    return [
-        (a, op, b)
-        for op, hi in LEVELS[level]
-        for a in range(hi + 1)
-        for b in range(hi + 1)
-        if op != "-" or a >= b
-    ]
+  """All ``(a, op, b)`` of a level in a fixed order; subtraction keeps ``a >= b``."""
+  if level not in LEVELS:
+    raise ValueError(f"synthetic_arith: unknown level {level}; known {sorted(LEVELS)}")
+  return [(a, op, b) for op, hi in LEVELS[level] for a in range(hi + 1) for b in range(hi + 1) if op != "-" or a >= b]
 
 
 def make_example(a: int, op: str, b: int, level: int) -> dict[str, Any]:
-    return {
-        "id": f"L{level}:{a}{op}{b}",
-        "question": f"What is {a} {op} {b}?",
-        "prompt": f"{a}{op}{b}=",
-        "answer": str(_APPLY[op](a, b)),
-        "level": level,
-    }
+  return {
+      "id": f"L{level}:{a}{op}{b}",
+      "question": f"What is {a} {op} {b}?",
+      "prompt": f"{a}{op}{b}=",
+      "answer": str(_APPLY[op](a, b)),
+      "level": level,
+  }
 
 
 def split_examples(levels: tuple[int, ...], test_fraction: float, seed: int, split: str) -> list[dict[str, Any]]:
-    """Examples of ``split`` ("train" or "test"): per level, the first ceil(test_fraction * n) of a
-    seeded permutation are the test set, the rest the train set."""
-    if split not in ("train", "test"):
-        raise ValueError(f"synthetic_arith: unknown split {split!r}; expected 'train' or 'test'")
-    out = []
-    for level in levels:
-        problems = level_problems(level)
-        order = np.random.default_rng([seed, level]).permutation(len(problems))
-        n_test = math.ceil(test_fraction * len(problems))
-        chosen = order[:n_test] if split == "test" else order[n_test:]
-        out.extend(make_example(*problems[i], level) for i in chosen)
-    return out
+  """Examples of ``split`` ("train" or "test"): per level, the first ceil(test_fraction * n) of a
+  seeded permutation are the test set, the rest the train set."""
+  if split not in ("train", "test"):
+    raise ValueError(f"synthetic_arith: unknown split {split!r}; expected 'train' or 'test'")
+  out = []
+  for level in levels:
+    problems = level_problems(level)
+    order = np.random.default_rng([seed, level]).permutation(len(problems))
+    n_test = math.ceil(test_fraction * len(problems))
+    chosen = order[:n_test] if split == "test" else order[n_test:]
+    out.extend(make_example(*problems[i], level) for i in chosen)
+  return out
 
 
 @dataclasses.dataclass
 class SyntheticArithConfig(tfds.core.BuilderConfig):
-    levels: tuple[int, ...] = (1,)
-    test_fraction: float = 0.2
-    seed: int = 0
+  levels: tuple[int, ...] = (1,)
+  test_fraction: float = 0.2
+  seed: int = 0
 
 
 class SyntheticArith(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Generated arithmetic problems with integer answers."""
+  """Generated arithmetic problems with integer answers."""
 
-    name = "synthetic_arith"
-    VERSION = tfds.core.Version("1.0.0")
-    BUILDER_CONFIGS = [
-        SyntheticArithConfig(name=f"level{k}", description=f"level {k} only", levels=(k,)) for k in sorted(LEVELS)
-    ] + [SyntheticArithConfig(name="mixed", description="all levels", levels=tuple(sorted(LEVELS)))]
+  name = "synthetic_arith"
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [
+      SyntheticArithConfig(name=f"level{k}", description=f"level {k} only", levels=(k,)) for k in sorted(LEVELS)
+  ] + [SyntheticArithConfig(name="mixed", description="all levels", levels=tuple(sorted(LEVELS)))]
 
-    def __init__(self, *, file_format: str = "array_record", **kwargs: Any):
-        super().__init__(file_format=file_format, **kwargs)
+  def __init__(self, *, file_format: str = "array_record", **kwargs: Any):
+    super().__init__(file_format=file_format, **kwargs)
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            features=tfds.features.FeaturesDict(
-                {
-                    "id": tfds.features.Text(),
-                    "question": tfds.features.Text(),
-                    "prompt": tfds.features.Text(),
-                    "answer": tfds.features.Text(),
-                    "level": tfds.features.Scalar(dtype=np.int32),
-                }
-            ),
-        )
+  def _info(self) -> tfds.core.DatasetInfo:
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict(
+            {
+                "id": tfds.features.Text(),
+                "question": tfds.features.Text(),
+                "prompt": tfds.features.Text(),
+                "answer": tfds.features.Text(),
+                "level": tfds.features.Scalar(dtype=np.int32),
+            }
+        ),
+    )
 
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-        return {split: self._generate_examples(split) for split in ("train", "test")}
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+    return {split: self._generate_examples(split) for split in ("train", "test")}
 
-    def _generate_examples(self, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        cfg = self.builder_config
-        for example in split_examples(tuple(cfg.levels), cfg.test_fraction, cfg.seed, split):
-            yield example["id"], example
+  def _generate_examples(self, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    cfg = self.builder_config
+    for example in split_examples(tuple(cfg.levels), cfg.test_fraction, cfg.seed, split):
+      yield example["id"], example

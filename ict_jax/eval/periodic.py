@@ -8,6 +8,7 @@ first `train.eval_prompts` problems of `data.eval_split`, `train.eval_samples` s
 rollout's temperature / top-p / top-k and length. The key is the same at every evaluation, so
 successive evaluations differ by the policy only (common random numbers), not by sampling noise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,13 +44,22 @@ class PeriodicEval:
   def from_config(cls, cfg, tokenizer, source, *, mesh=None) -> "PeriodicEval":
     """`source`: the eval split (random access); its first `train.eval_prompts` problems are used."""
     n = min(len(source), cfg.train.eval_prompts)
-    return cls(examples=[source[i] for i in range(n)], tokenizer=tokenizer,
-               every=cfg.train.eval_every, samples=cfg.train.eval_samples,
-               answer_type={"math": "math_boxed"}.get(cfg.reward.kind, cfg.reward.kind),
-               prompt_style=cfg.data.prompt_style, max_new_tokens=cfg.rollout.max_new_tokens,
-               max_prompt_len=cfg.data.max_prompt_len, temperature=cfg.rollout.temperature,
-               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-               batch_size=max(1, min(n, cfg.rollout.prompts_per_step)), seed=cfg.train.seed, mesh=mesh)
+    return cls(
+        examples=[source[i] for i in range(n)],
+        tokenizer=tokenizer,
+        every=cfg.train.eval_every,
+        samples=cfg.train.eval_samples,
+        answer_type={"math": "math_boxed"}.get(cfg.reward.kind, cfg.reward.kind),
+        prompt_style=cfg.data.prompt_style,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_prompt_len=cfg.data.max_prompt_len,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        batch_size=max(1, min(n, cfg.rollout.prompts_per_step)),
+        seed=cfg.train.seed,
+        mesh=mesh,
+    )
 
   @property
   def ks(self) -> tuple[int, ...]:
@@ -62,12 +72,25 @@ class PeriodicEval:
   def __call__(self, model, reward_pool=None) -> dict[str, float]:
     """`model`: a `Qwen2` or `(graphdef, params)` -> {"eval_pass_at_k": ..., "eval_s": seconds}."""
     key = jax.random.fold_in(jax.random.key(self.seed), zlib.crc32(b"periodic eval") & 0x7FFFFFFF)
-    res = evaluate(model, self.tokenizer, self.examples, answer_type=self.answer_type, n=self.samples,
-                   ks=self.ks, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                   top_p=self.top_p, top_k=self.top_k, prompt_style=self.prompt_style,
-                   instruction=MATH_INSTRUCTION,  # as the rollouts' chat prompts
-                   rng=key, mesh=self.mesh, reward_pool=reward_pool, batch_size=self.batch_size,
-                   max_prompt_len=self.max_prompt_len)
+    res = evaluate(
+        model,
+        self.tokenizer,
+        self.examples,
+        answer_type=self.answer_type,
+        n=self.samples,
+        ks=self.ks,
+        max_new_tokens=self.max_new_tokens,
+        temperature=self.temperature,
+        top_p=self.top_p,
+        top_k=self.top_k,
+        prompt_style=self.prompt_style,
+        instruction=MATH_INSTRUCTION,  # as the rollouts' chat prompts
+        rng=key,
+        mesh=self.mesh,
+        reward_pool=reward_pool,
+        batch_size=self.batch_size,
+        max_prompt_len=self.max_prompt_len,
+    )
     out = {f"{PREFIX}pass_at_{k}": float(res[f"pass@{k}"]) for k in self.ks}
     out[f"{PREFIX}s"] = float(res["seconds"])
     return out

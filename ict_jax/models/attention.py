@@ -17,6 +17,7 @@ so no row is empty), the others give them a uniform or arbitrary finite mix.
 Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
 devices); nothing here looks at the backend.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ from ict_jax.models.axes import logical_to_spec
 
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
+
 SPLASH_BLOCKS = (512, 256, 128)  # splash tile along T (queries and keys): the largest dividing T
 SPLASH_LANES = 128  # T is padded up to a multiple of this (the TPU lane width)
 
@@ -37,7 +39,7 @@ def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * h ** -0.5
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * h**-0.5
   pos = jnp.arange(t)
   allowed = (pos[None, :] <= pos[:, None])[None] & (segment_ids[:, None, :] > 0)  # [B, T, S]
   bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B, 1, 1, T, S]
@@ -46,12 +48,10 @@ def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
   return out.reshape(b, t, n, h)
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, segment_ids: Array, *,
-                          implementation: str = "xla") -> Array:
+def dot_product_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, implementation: str = "xla") -> Array:
   """`jax.nn.dot_product_attention`, causal, keys masked by `segment_ids` [B, 1, 1, S]."""
   mask = (segment_ids > 0)[:, None, None, :]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                      implementation=implementation)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
 @functools.lru_cache(maxsize=32)
@@ -60,26 +60,33 @@ def _splash_kernel(groups: int, t: int, interpret: bool):
   q [G, T, H], k and v [T, H], segment ids [T] -> [G, T, H]."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
   block = next(b for b in SPLASH_BLOCKS if t % b == 0)  # t is padded to a multiple of 128
   mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(groups)])
-  sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                        block_q_dq=block, block_kv_dq=block)
-  return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  sizes = sk.BlockSizes(
+      block_q=block,
+      block_kv=block,
+      block_kv_compute=block,
+      block_q_dkv=block,
+      block_kv_dkv=block,
+      block_kv_dkv_compute=block,
+      block_q_dq=block,
+      block_kv_dq=block,
+  )
+  return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash_local(q: Array, k: Array, v: Array, segment_ids: Array, *, interpret: bool) -> Array:
   """One shard: q [B, K, G, T, H] (scaled), k/v [B, K, T, H], segment_ids [B, T] -> [B, K, G, T, H]."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
   kernel = _splash_kernel(q.shape[2], q.shape[3], interpret)
   per_head = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over K, sharing the row's segments
   per_row = jax.vmap(lambda q, k, v, s: per_head(q, k, v, sk.SegmentIds(q=s, kv=s)))
   return per_row(q, k, v, segment_ids.astype(jnp.int32))
 
 
-def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *,
-                     interpret: bool = False) -> Array:
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, interpret: bool = False) -> Array:
   """The Pallas TPU splash kernel. Under a mesh (`jax.set_mesh`) it runs per shard of the batch
   (act_batch) and KV heads (act_kv_heads) by `shard_map`, as a Pallas kernel is not partitioned
   by XLA. T is padded up to a multiple of 128 with padding tokens (segment 0, after the row's
@@ -92,7 +99,7 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *,
     widen = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     out = splash_attention(widen(q), widen(k), widen(v), widen(segment_ids), interpret=interpret)
     return out[:, :t]
-  qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv_heads, n // kv_heads, h)
+  qg = (q * jnp.asarray(h**-0.5, q.dtype)).reshape(b, t, kv_heads, n // kv_heads, h)
   qg = qg.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
   local = functools.partial(_splash_local, interpret=interpret)
@@ -103,8 +110,7 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *,
     q_spec = spec(("act_batch", "act_kv_heads", None, None, None), qg)
     kv_spec = spec(("act_batch", "act_kv_heads", None, None), kh)
     seg_spec = jax.sharding.PartitionSpec(q_spec[0], None)
-    local = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                          check_vma=False)
+    local = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False)
   out = local(qg, kh, vh, segment_ids)  # [B, K, G, T, H]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 

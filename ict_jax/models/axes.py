@@ -9,6 +9,7 @@ so the same model runs on any mesh shape.
 This module is the leaf of the sharding stack: models import it; `ict_jax.sharding` builds
 meshes and placements on top of it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,7 @@ def current_rules():
   return _RULES_STACK[-1]
 
 
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh_shape: dict[str, int],
-                    rules=None) -> P:
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh_shape: dict[str, int], rules=None) -> P:
   """PartitionSpec for an array of `shape` whose dims have logical `names` on a mesh.
 
   A mesh axis is used at most once, and only while the product of the chosen axes divides
@@ -122,8 +122,9 @@ def spec_for(variable: nnx.Variable, mesh: Mesh) -> P:
 
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
   """A State of `NamedSharding`s, one per variable, from its logical `axes` metadata."""
-  return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, spec_for(v, mesh))), state,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(
+      lambda v: v.replace(NamedSharding(mesh, spec_for(v, mesh))), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
 
 
 def pure_shardings(state: nnx.State, mesh: Mesh) -> dict:

@@ -1,4 +1,5 @@
 """Qwen2 architecture hyper-parameters, the published presets, and parameter/FLOP counts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,20 +39,29 @@ class Qwen2Config:
   attention: str = "einsum"
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"Qwen2Config.{name}: expected a positive int, got {value!r}")
     if self.hidden_size % self.num_attention_heads:
-      raise ValueError(f"Qwen2Config: hidden_size {self.hidden_size} is not divisible by "
-                       f"num_attention_heads {self.num_attention_heads}")
+      raise ValueError(
+          f"Qwen2Config: hidden_size {self.hidden_size} is not divisible by "
+          f"num_attention_heads {self.num_attention_heads}"
+      )
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"Qwen2Config: num_attention_heads {self.num_attention_heads} is not "
-                       f"divisible by num_key_value_heads {self.num_key_value_heads}")
+      raise ValueError(
+          f"Qwen2Config: num_attention_heads {self.num_attention_heads} is not "
+          f"divisible by num_key_value_heads {self.num_key_value_heads}"
+      )
     if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"Qwen2Config.remat_policy: expected one of {REMAT_POLICIES}, "
-                       f"got {self.remat_policy!r}")
+      raise ValueError(f"Qwen2Config.remat_policy: expected one of {REMAT_POLICIES}, " f"got {self.remat_policy!r}")
     if self.attention not in ATTENTION:
       raise ValueError(f"Qwen2Config.attention: expected one of {ATTENTION}, got {self.attention!r}")
     for name in ("dtype", "param_dtype"):
@@ -81,10 +91,10 @@ class Qwen2Config:
   def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json", **overrides) -> "Qwen2Config":
     model_type = d.get("model_type")
     if model_type != "qwen2":
-      raise ValueError(f"{source}: unsupported model_type {model_type!r}; expected 'qwen2' "
-                       "(Qwen2 / Qwen2.5 checkpoints)")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads")
+      raise ValueError(
+          f"{source}: unsupported model_type {model_type!r}; expected 'qwen2' " "(Qwen2 / Qwen2.5 checkpoints)"
+      )
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in d]
     if missing:
       raise ValueError(f"{source}: missing required key(s) {missing}")
@@ -92,18 +102,23 @@ class Qwen2Config:
     if rope_theta is None:  # transformers 5 nests it under rope_parameters
       rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     kw = dict(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
         num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        rope_theta=float(rope_theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
     )
     head_dim = d.get("head_dim")
     if head_dim is not None and head_dim != kw["hidden_size"] // kw["num_attention_heads"]:
-      raise ValueError(f"{source}: head_dim {head_dim} != hidden_size/num_attention_heads; "
-                       "only the standard Qwen2 head size is supported")
+      raise ValueError(
+          f"{source}: head_dim {head_dim} != hidden_size/num_attention_heads; "
+          "only the standard Qwen2 head size is supported"
+      )
     kw.update(overrides)
     try:
       return cls(**kw)
@@ -112,16 +127,27 @@ class Qwen2Config:
 
   def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
         "num_attention_heads": self.num_attention_heads,
-        "num_key_value_heads": self.num_key_value_heads, "hidden_act": "silu",
-        "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
-        "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_word_embeddings,
-        "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "use_cache": True, "bos_token_id": 151643,
-        "eos_token_id": 151643, "torch_dtype": torch_dtype or self.param_dtype,
+        "num_key_value_heads": self.num_key_value_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": self.max_position_embeddings,
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": torch_dtype or self.param_dtype,
     }
 
   # ---- sizes ---------------------------------------------------------------------------------
@@ -149,20 +175,52 @@ class Qwen2Config:
 PRESETS: dict[str, Qwen2Config] = {
     # A tiny Qwen2 for tests and the CPU default (real Qwen2.5 vocabulary, so the bundled
     # tokenizer's ids are valid).
-    "tiny": Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=176,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        rope_theta=10000.0, max_position_embeddings=1024),
-    "qwen2_5_0_5b": Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                tie_word_embeddings=True),
-    "qwen2_5_1_5b": Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                                num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                tie_word_embeddings=True),
-    "qwen2_5_7b": Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                              num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                              tie_word_embeddings=False),
+    "tiny": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+    ),
+    "qwen2_5_0_5b": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_5_1_5b": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_5_7b": Qwen2Config(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
     # The benchmark config of issues 7-9: vocab 151936, hidden 256, 4 layers, 4/2 heads, MLP 704.
-    "bench": Qwen2Config(vocab_size=151936, hidden_size=256, intermediate_size=704,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, max_position_embeddings=4096),
+    "bench": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
 }

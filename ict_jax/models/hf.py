@@ -5,6 +5,7 @@ each device's shard is read straight into place (`jax.make_array_from_callback`)
 never gathered on one host. Saving writes a folder `transformers.AutoModelForCausalLM` loads.
 The per-layer HF tensors `model.layers.{i}.*` are our stacked [L, ...] parameters under `layers/`.
 """
+
 from __future__ import annotations
 
 import json
@@ -163,8 +164,9 @@ def _open(file: str, handles: dict):
   return handles[file]
 
 
-def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None,
-                    remat_policy: str = "none", attention: str = "einsum") -> Qwen2:
+def load_pretrained(
+    path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None, remat_policy: str = "none", attention: str = "einsum"
+) -> Qwen2:
   """Load a local Hugging Face Qwen2/Qwen2.5 folder into a `Qwen2` model.
 
   dtype: compute dtype; param_dtype: storage dtype (default: dtype). With `mesh`, each
@@ -178,6 +180,7 @@ def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None
   handles: dict = {}
   used = set()
   try:
+
     def open_slice(keypath, name, kind, shape):
       """The safetensors slice of HF tensor `name`, checked to have our `shape`'s HF layout."""
       if name not in where:
@@ -213,8 +216,9 @@ def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None
         if layer_names is None:
           return np.ascontiguousarray(read_one(*slices[0], shape, idx)).astype(np_dtype)
         (l0, l1), rest = _norm(idx, shape)[0], tuple(idx)[1:]
-        return np.ascontiguousarray(
-            np.stack([read_one(*slices[i], shape[1:], rest) for i in range(l0, l1)])).astype(np_dtype)
+        return np.ascontiguousarray(np.stack([read_one(*slices[i], shape[1:], rest) for i in range(l0, l1)])).astype(
+            np_dtype
+        )
 
       if mesh is None:
         return var.replace(jnp.asarray(read(())))
@@ -226,8 +230,10 @@ def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None
     handles.clear()
   extra = sorted(set(where) - used - _IGNORED(cfg))
   if extra:
-    raise ValueError(f"{path}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} "
-                     f"not used by a Qwen2 model with {cfg.num_hidden_layers} layers")
+    raise ValueError(
+        f"{path}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} "
+        f"not used by a Qwen2 model with {cfg.num_hidden_layers} layers"
+    )
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -242,6 +248,7 @@ def _IGNORED(cfg: Qwen2Config) -> set[str]:
 def _host_array(x: jax.Array) -> np.ndarray:
   if not x.is_fully_addressable:
     from jax.experimental import multihost_utils
+
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(jax.device_get(x))
 

@@ -10,6 +10,7 @@ remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train s
 The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
 stacked like the parameters, [L, B, K, S, H], and scanned with them.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ _INIT_STD = 0.02
 class LayerCache(NamedTuple):
   """Keys and values, [L, B, K, S, H] for the model (heads-major, as the attention dots read
   them); inside the scanned layer each is one layer's [B, K, S, H]."""
+
   k: Array
   v: Array
 
@@ -44,8 +46,7 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal",
-           stack: tuple[int, ...] = ()) -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal", stack: tuple[int, ...] = ()) -> nnx.Param:
   """A parameter of `stack + shape`; a stacked one gets the logical axis "layers" first."""
   shape, axes = tuple(stack) + tuple(shape), ("layers",) * len(stack) + tuple(axes)
   if init == "ones":
@@ -58,6 +59,7 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal",
 
 
 class RMSNorm(nnx.Module):
+
   def __init__(self, dim: int, eps: float, *, param_dtype, rngs=None, stack=()):
     self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones", stack)
     self.eps = eps
@@ -88,21 +90,33 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class Attention(nnx.Module):
+
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pd = _dtype(cfg.param_dtype)
     p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init, stack)
     self.cfg = cfg
-    self.q_proj = nnx.Dict(kernel=p((d, n, h), ("embed", "heads", "head_dim")),
-                           bias=p((n, h), ("heads", "head_dim"), "zeros"))
-    self.k_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
-                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
-    self.v_proj = nnx.Dict(kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")),
-                           bias=p((k, h), ("kv_heads", "head_dim"), "zeros"))
+    self.q_proj = nnx.Dict(
+        kernel=p((d, n, h), ("embed", "heads", "head_dim")), bias=p((n, h), ("heads", "head_dim"), "zeros")
+    )
+    self.k_proj = nnx.Dict(
+        kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")), bias=p((k, h), ("kv_heads", "head_dim"), "zeros")
+    )
+    self.v_proj = nnx.Dict(
+        kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")), bias=p((k, h), ("kv_heads", "head_dim"), "zeros")
+    )
     self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
-  def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-               cache: LayerCache | None, cache_index: Array | None, prefill: bool = False):
+  def __call__(
+      self,
+      x: Array,
+      cos: Array,
+      sin: Array,
+      mask: Array,
+      cache: LayerCache | None,
+      cache_index: Array | None,
+      prefill: bool = False,
+  ):
     """x [B,T,D] -> ([B,T,D], new cache). Without a cache, or with `prefill` (an empty cache:
     the T new keys/values are written at cache_index and nothing before them is visible),
     `mask` is the attention mask [B,T] and `cfg.attention` names the implementation
@@ -121,14 +135,15 @@ class Attention(nnx.Module):
       to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
       cache = LayerCache(
           jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
-          jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2))
+          jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2),
+      )
     if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
       out = attend(q, k, v, mask, cfg.attention)
     else:  # decoding: attend to all S cache slots
       k, v = cache.k.astype(dt), cache.v.astype(dt)  # heads-major: the dots need no transpose
       b, t = q.shape[:2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
-      scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+      scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim**-0.5
       probs = jax.nn.softmax(scores + mask, axis=-1).astype(dt)
       out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
       out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -137,6 +152,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, f, pd = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype)
     self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
@@ -173,8 +189,9 @@ def _stacked_layers(cfg: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
   """The L decoder layers as one `DecoderLayer` of stacked [L, ...] parameters. They are drawn
   layer by layer from `rngs` and then stacked, so a seed gives the same weights as L separate
   layers would (the layout changed, the initialisation did not)."""
-  per_layer = [nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=rngs), nnx.Param))
-               for _ in range(cfg.num_hidden_layers)]
+  per_layer = [
+      nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=rngs), nnx.Param)) for _ in range(cfg.num_hidden_layers)
+  ]
   stacked = nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0), stack=(cfg.num_hidden_layers,)))
   state = nnx.state(stacked, nnx.Param)
   nnx.replace_by_pure_dict(state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
@@ -204,8 +221,9 @@ class Qwen2(nnx.Module):
   def logits_from_hidden(self, h: Array) -> Array:
     """h [B, T, D] (after the final norm) -> float32 logits [B, T, V]."""
     w, vocab_major = self.head_weight()
-    logits = jnp.einsum("BTD,VD->BTV" if vocab_major else "BTD,DV->BTV", h, w.astype(h.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "BTD,VD->BTV" if vocab_major else "BTD,DV->BTV", h, w.astype(h.dtype), preferred_element_type=jnp.float32
+    )
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
   def next_token_logits(self, h: Array) -> Array:
@@ -222,8 +240,9 @@ class Qwen2(nnx.Module):
       f32 = jnp.float32
       logits = jnp.sum(w[:, None, :].astype(f32) * h.astype(f32)[None], axis=-1)
     else:
-      logits = jnp.einsum("BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+      logits = jnp.einsum(
+          "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32
+      )
     return constrain(logits, ("act_vocab", "act_batch"))
 
   def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
@@ -235,8 +254,7 @@ class Qwen2(nnx.Module):
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
     return LayerCache(zeros(), zeros())
 
-  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index,
-                     prefill: bool = False):
+  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
     stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
     cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
@@ -244,18 +262,24 @@ class Qwen2(nnx.Module):
 
     def layer(x, xs):
       layer_state, layer_cache = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index,
-                                              prefill)
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index, prefill)
 
     policy = self.cfg.remat_policy
     if cache is None and policy != "none":
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
     return jax.lax.scan(layer, x, (state, cache))
 
-  def hidden_states(self, input_ids: Array, attention_mask: Array | None = None, *,
-                    positions: Array | None = None, cache: LayerCache | None = None,
-                    cache_index: Array | None = None, kv_mask: Array | None = None,
-                    prefill: bool = False):
+  def hidden_states(
+      self,
+      input_ids: Array,
+      attention_mask: Array | None = None,
+      *,
+      positions: Array | None = None,
+      cache: LayerCache | None = None,
+      cache_index: Array | None = None,
+      kv_mask: Array | None = None,
+      prefill: bool = False,
+  ):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding; left padding is fine).

@@ -4,6 +4,7 @@ Every reward is ``fn(completion: str, gold) -> float`` in {0.0, 1.0}, never rais
 output, never imports JAX and never ``eval``s text. ``score(kind, completion, gold)`` sanitises
 and truncates the input (see ``registry``); ``RewardPool`` runs it in killable worker processes.
 """
+
 from __future__ import annotations
 
 from ict_jax.rewards.choice import choice_reward, extract_choice
@@ -14,6 +15,15 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rewards.registry import MAX_COMPLETION_CHARS, REWARDS, sanitize, score
 
 __all__ = [
-    "MAX_COMPLETION_CHARS", "REWARDS", "RewardPool", "choice_reward", "extract_boxed",
-    "extract_choice", "format_reward", "math_equal", "math_reward", "sanitize", "score",
+    "MAX_COMPLETION_CHARS",
+    "REWARDS",
+    "RewardPool",
+    "choice_reward",
+    "extract_boxed",
+    "extract_choice",
+    "format_reward",
+    "math_equal",
+    "math_reward",
+    "sanitize",
+    "score",
 ]

@@ -3,6 +3,7 @@
 Everything here is linear in the length of the text and uses no recursion, so a 1 MB completion or
 ``\\boxed{`` nested 10,000 deep costs one regex pass plus one pass over the braces.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,52 +17,52 @@ _BRACE_TOKEN = re.compile(r"\\[{}\\]|[{}]")
 
 
 def _matched_boxes(text: str) -> list[tuple[int, int, int]]:
-    """All brace-form boxes whose brace closes: ``(start, content_start, content_end)``, by start.
+  """All brace-form boxes whose brace closes: ``(start, content_start, content_end)``, by start.
 
-    One pass with a stack over the brace tokens from the first box on; an unmatched ``}`` is
-    ignored and a ``{`` never closed leaves its box out.
-    """
-    opens = {}  # brace index -> start of the `\boxed` command
-    first = None
-    for m in _BOX_OPEN.finditer(text):
-        opens[m.start(1)] = m.start()
-        if first is None:
-            first = m.start()
+  One pass with a stack over the brace tokens from the first box on; an unmatched ``}`` is
+  ignored and a ``{`` never closed leaves its box out.
+  """
+  opens = {}  # brace index -> start of the `\boxed` command
+  first = None
+  for m in _BOX_OPEN.finditer(text):
+    opens[m.start(1)] = m.start()
     if first is None:
-        return []
-    found = []
-    stack: list[int] = []
-    for tok in _BRACE_TOKEN.finditer(text, first):
-        ch = tok.group()
-        if ch == "{":
-            stack.append(tok.start())
-        elif ch == "}" and stack:
-            open_at = stack.pop()
-            start = opens.get(open_at)
-            if start is not None:
-                found.append((start, open_at + 1, tok.start()))
-    found.sort()
-    return found
+      first = m.start()
+  if first is None:
+    return []
+  found = []
+  stack: list[int] = []
+  for tok in _BRACE_TOKEN.finditer(text, first):
+    ch = tok.group()
+    if ch == "{":
+      stack.append(tok.start())
+    elif ch == "}" and stack:
+      open_at = stack.pop()
+      start = opens.get(open_at)
+      if start is not None:
+        found.append((start, open_at + 1, tok.start()))
+  found.sort()
+  return found
 
 
 def boxed_spans(text: str) -> list[tuple[int, int, int]]:
-    """Every closed box in ``text`` as ``(start, content_start, content_end)``, sorted by start."""
-    spans = _matched_boxes(text)
-    spans.extend((m.start(), m.start(1), m.end(1)) for m in _BOX_SPACE.finditer(text))
-    spans.sort()
-    return spans
+  """Every closed box in ``text`` as ``(start, content_start, content_end)``, sorted by start."""
+  spans = _matched_boxes(text)
+  spans.extend((m.start(), m.start(1), m.end(1)) for m in _BOX_SPACE.finditer(text))
+  spans.sort()
+  return spans
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last box (the one that starts last), stripped; ``None`` when there is none.
+  """Content of the last box (the one that starts last), stripped; ``None`` when there is none.
 
-    ``\\boxed{a} then \\boxed{b}`` gives ``"b"``; nested boxes give the innermost one; a box whose
-    brace never closes is skipped in favour of the previous closed one; ``\\boxed{}`` gives ``""``.
-    """
-    if not isinstance(text, str) or "\\" not in text:
-        return None
-    spans = boxed_spans(text)
-    if not spans:
-        return None
-    _, lo, hi = spans[-1]
-    return text[lo:hi].strip()
+  ``\\boxed{a} then \\boxed{b}`` gives ``"b"``; nested boxes give the innermost one; a box whose
+  brace never closes is skipped in favour of the previous closed one; ``\\boxed{}`` gives ``""``.
+  """
+  if not isinstance(text, str) or "\\" not in text:
+    return None
+  spans = boxed_spans(text)
+  if not spans:
+    return None
+  _, lo, hi = spans[-1]
+  return text[lo:hi].strip()

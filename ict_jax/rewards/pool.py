@@ -20,6 +20,7 @@ verifier without signals, so an item that overruns ``timeout_s`` is detected aft
 gets reward 0 and counts as a timeout; hostile inputs are still cheap thanks to the guards in
 ``rewards.math``, but a genuinely hanging verifier would hang the caller.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,240 +42,251 @@ from ict_jax.rewards.registry import MAX_COMPLETION_CHARS, REWARDS, RewardFn, sa
 
 
 def _pythonpath() -> str:
-    """PYTHONPATH for a worker: the directory holding ``ict_jax`` first, then the caller's."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rest = os.environ.get("PYTHONPATH", "")
-    return root + (os.pathsep + rest if rest else "")
+  """PYTHONPATH for a worker: the directory holding ``ict_jax`` first, then the caller's."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  rest = os.environ.get("PYTHONPATH", "")
+  return root + (os.pathsep + rest if rest else "")
 
 
 class _Worker:
-    def __init__(self, proc: subprocess.Popen, conn: mp_connection.Connection, deadline: float):
-        self.proc, self.conn, self.deadline = proc, conn, deadline
-        self.state = "starting"  # starting -> idle <-> busy
-        self.index = -1
+
+  def __init__(self, proc: subprocess.Popen, conn: mp_connection.Connection, deadline: float):
+    self.proc, self.conn, self.deadline = proc, conn, deadline
+    self.state = "starting"  # starting -> idle <-> busy
+    self.index = -1
 
 
 def _kill_all(procs: list) -> None:
-    """Finaliser: SIGKILL every worker still running (the pool was not closed)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+  """Finaliser: SIGKILL every worker still running (the pool was not closed)."""
+  for proc in procs:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
 
 
 class RewardPool:
-    """Process pool scoring ``(kind, completion, gold)`` items with a per-item timeout.
+  """Process pool scoring ``(kind, completion, gold)`` items with a per-item timeout.
 
-    >>> with RewardPool(num_workers=4, timeout_s=5.0) as pool:
-    ...     rewards, stats = pool.score_batch("math", completions, golds)
+  >>> with RewardPool(num_workers=4, timeout_s=5.0) as pool:
+  ...     rewards, stats = pool.score_batch("math", completions, golds)
 
-    ``rewards`` overrides the registry (``{kind: fn(completion, gold) -> float}``; functions must be
-    importable by name in a fresh interpreter so that they can be pickled to the workers).
-    """
+  ``rewards`` overrides the registry (``{kind: fn(completion, gold) -> float}``; functions must be
+  importable by name in a fresh interpreter so that they can be pickled to the workers).
+  """
 
-    def __init__(self, num_workers: int = 4, timeout_s: float = 5.0, *,
-                 max_chars: int = MAX_COMPLETION_CHARS, max_memory_mb: int | None = 4096,
-                 rewards: dict[str, RewardFn] | None = None, startup_timeout_s: float = 120.0):
-        if num_workers < 0:
-            raise ValueError(f"RewardPool: num_workers must be >= 0, got {num_workers}")
-        if not timeout_s > 0:
-            raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
-        self.num_workers, self.timeout_s, self.max_chars = num_workers, float(timeout_s), max_chars
-        self.max_memory_mb, self.startup_timeout_s = max_memory_mb, startup_timeout_s
-        self.rewards = dict(REWARDS if rewards is None else rewards)
-        custom = rewards is not None and num_workers > 0
+  def __init__(
+      self,
+      num_workers: int = 4,
+      timeout_s: float = 5.0,
+      *,
+      max_chars: int = MAX_COMPLETION_CHARS,
+      max_memory_mb: int | None = 4096,
+      rewards: dict[str, RewardFn] | None = None,
+      startup_timeout_s: float = 120.0,
+  ):
+    if num_workers < 0:
+      raise ValueError(f"RewardPool: num_workers must be >= 0, got {num_workers}")
+    if not timeout_s > 0:
+      raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
+    self.num_workers, self.timeout_s, self.max_chars = num_workers, float(timeout_s), max_chars
+    self.max_memory_mb, self.startup_timeout_s = max_memory_mb, startup_timeout_s
+    self.rewards = dict(REWARDS if rewards is None else rewards)
+    custom = rewards is not None and num_workers > 0
+    try:
+      self._pickled_rewards = pickle.dumps(self.rewards) if custom else None
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+      raise ValueError(
+          "RewardPool: custom rewards must be module-level functions that a " f"fresh interpreter can import ({e})"
+      ) from e
+    self._lock = threading.Lock()
+    self._workers: list[_Worker] = []
+    self._procs: list[subprocess.Popen] = []  # every worker ever started, for the finaliser
+    self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+    self._closed = False
+    self.total_respawns = 0
+    if num_workers:
+      self._workers = [self._spawn() for _ in range(num_workers)]
+      self._wait_started()
+
+  # -- worker management -------------------------------------------------------------------
+  def _spawn(self) -> _Worker:
+    ours, theirs = socket.socketpair()
+    try:
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "ict_jax.rewards.worker", str(theirs.fileno())],
+          pass_fds=(theirs.fileno(),),
+          stdin=subprocess.DEVNULL,
+          close_fds=True,
+          env=dict(os.environ, PYTHONPATH=_pythonpath()),
+      )
+    finally:
+      theirs.close()
+    self._procs[:] = [p for p in self._procs if p.poll() is None] + [proc]
+    conn = mp_connection.Connection(ours.detach())
+    conn.send(("init", list(sys.path), self.max_memory_mb, self._pickled_rewards))
+    return _Worker(proc, conn, time.monotonic() + self.startup_timeout_s)
+
+  def _kill(self, w: _Worker) -> None:
+    if w.proc.poll() is None:
+      w.proc.kill()
+    w.proc.wait()
+    w.conn.close()
+
+  def _replace(self, w: _Worker) -> None:
+    self._kill(w)
+    self._workers[self._workers.index(w)] = self._spawn()
+    self.total_respawns += 1
+
+  def _startup_failed(self, w: _Worker, why: str) -> None:
+    code = w.proc.poll()
+    self.close()
+    raise RuntimeError(
+        f"RewardPool: a reward worker failed to start ({why}, exit code "
+        f"{code}); "
+        "see its traceback above; custom reward functions must be importable"
+    )
+
+  def _wait_started(self) -> None:
+    while any(w.state == "starting" for w in self._workers):
+      self._poll(np.zeros(0, np.float32), {})
+
+  def _poll(self, out: np.ndarray, stats: dict[str, int]) -> None:
+    """Wait for one round of replies or deadlines and handle them."""
+    active = [w for w in self._workers if w.state in ("starting", "busy")]
+    if not active:
+      return
+    wait_s = max(0.0, min(w.deadline for w in active) - time.monotonic())
+    ready = set(mp_connection.wait([w.conn for w in active], timeout=wait_s))
+    for w in active:
+      if w.conn not in ready:
+        continue
+      try:
+        status, index, value = w.conn.recv()
+      except (EOFError, OSError):  # the worker died
+        if w.state == "starting":
+          self._startup_failed(w, "died")
+        stats["errors"] += 1
+        self._replace(w)
+        continue
+      if w.state == "starting":
+        w.state = "idle"
+        continue
+      out[index] = value if status == "ok" else 0.0
+      if status != "ok":
+        stats["errors"] += 1
+      w.state, w.index = "idle", -1
+      if status == "fatal":  # the worker is exiting (it ran out of memory)
+        self._replace(w)
+    now = time.monotonic()
+    for w in list(self._workers):
+      if w.state == "busy" and now > w.deadline:
+        out[w.index] = 0.0
+        stats["timeouts"] += 1
+        self._replace(w)
+      elif w.state == "starting" and now > w.deadline:
+        self._startup_failed(w, f"not ready after {self.startup_timeout_s} s")
+
+  # -- scoring -----------------------------------------------------------------------------
+  def score_batch(
+      self, kind: str, completions: Sequence[str | bytes], golds: Sequence[Any]
+  ) -> tuple[np.ndarray, dict[str, float]]:
+    """Rewards ``float32[N]`` for ``N`` completions and stats
+    ``{"n", "timeouts", "errors", "respawns", "seconds"}``. Never hangs and never raises for
+    model output; raises ``KeyError`` for an unknown kind and ``ValueError`` for mismatched
+    lengths."""
+    if self._closed:
+      raise RuntimeError("RewardPool.score_batch: the pool is closed")
+    if kind not in self.rewards:
+      raise KeyError(
+          f"RewardPool.score_batch: unknown reward kind {kind!r}; " f"expected one of {sorted(self.rewards)}"
+      )
+    if len(completions) != len(golds):
+      raise ValueError(f"RewardPool.score_batch: {len(completions)} completions but " f"{len(golds)} golds")
+    with self._lock:
+      start, respawns0 = time.monotonic(), self.total_respawns
+      out = np.zeros(len(completions), np.float32)
+      stats = {"n": len(completions), "timeouts": 0, "errors": 0}
+      items = collections.deque()
+      for i, (c, g) in enumerate(zip(completions, golds)):
         try:
-            self._pickled_rewards = pickle.dumps(self.rewards) if custom else None
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            raise ValueError("RewardPool: custom rewards must be module-level functions that a "
-                             f"fresh interpreter can import ({e})") from e
-        self._lock = threading.Lock()
-        self._workers: list[_Worker] = []
-        self._procs: list[subprocess.Popen] = []  # every worker ever started, for the finaliser
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
-        self._closed = False
-        self.total_respawns = 0
-        if num_workers:
-            self._workers = [self._spawn() for _ in range(num_workers)]
-            self._wait_started()
-
-    # -- worker management -------------------------------------------------------------------
-    def _spawn(self) -> _Worker:
-        ours, theirs = socket.socketpair()
+          text_gold = isinstance(g, (str, bytes))
+          items.append((i, sanitize(c, self.max_chars), sanitize(g, self.max_chars) if text_gold else g))
+        except TypeError:
+          stats["errors"] += 1
+      if self.num_workers == 0:
+        self._run_inline(kind, items, out, stats)
+      else:
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ict_jax.rewards.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True,
-                env=dict(os.environ, PYTHONPATH=_pythonpath()),
-            )
-        finally:
-            theirs.close()
-        self._procs[:] = [p for p in self._procs if p.poll() is None] + [proc]
-        conn = mp_connection.Connection(ours.detach())
-        conn.send(("init", list(sys.path), self.max_memory_mb, self._pickled_rewards))
-        return _Worker(proc, conn, time.monotonic() + self.startup_timeout_s)
+          self._run_workers(kind, items, out, stats)
+        except BaseException:  # e.g. KeyboardInterrupt: no stale replies in the next batch
+          if not self._closed:
+            for w in list(self._workers):
+              if w.state == "busy":
+                self._replace(w)
+          raise
+      stats["respawns"] = self.total_respawns - respawns0
+      stats["seconds"] = time.monotonic() - start
+      return out, stats
 
-    def _kill(self, w: _Worker) -> None:
-        if w.proc.poll() is None:
-            w.proc.kill()
-        w.proc.wait()
-        w.conn.close()
+  def _run_inline(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
+    for index, completion, gold in items:
+      t0 = time.monotonic()
+      try:
+        value = score(kind, completion, gold, self.rewards)
+        ok = math.isfinite(value)
+      except Exception:
+        ok, value = False, 0.0
+      if time.monotonic() - t0 > self.timeout_s:
+        stats["timeouts"] += 1
+      elif not ok:
+        stats["errors"] += 1
+      else:
+        out[index] = value
 
-    def _replace(self, w: _Worker) -> None:
+  def _run_workers(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
+    while items or any(w.state == "busy" for w in self._workers):
+      for w in self._workers:
+        if not items:
+          break
+        if w.state != "idle":
+          continue
+        index, completion, gold = items.popleft()
+        try:
+          w.conn.send((index, kind, completion, gold))
+        except (BrokenPipeError, EOFError, OSError):  # died while idle: retry elsewhere
+          items.appendleft((index, completion, gold))
+          self._replace(w)
+          continue
+        w.state, w.index = "busy", index
+        w.deadline = time.monotonic() + self.timeout_s
+      self._poll(out, stats)
+
+  # -- lifetime ----------------------------------------------------------------------------
+  def close(self) -> None:
+    """Stop all workers: ask politely, SIGKILL what still runs after 2 s (idempotent)."""
+    if self._closed:
+      return
+    self._closed = True
+    for w in self._workers:
+      if w.state != "idle":  # still importing, or busy on an item: nothing to wait for
         self._kill(w)
-        self._workers[self._workers.index(w)] = self._spawn()
-        self.total_respawns += 1
+        continue
+      try:
+        w.conn.send(None)
+      except (BrokenPipeError, EOFError, OSError):
+        pass
+    deadline = time.monotonic() + 2.0
+    for w in self._workers:
+      try:
+        w.proc.wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
+      self._kill(w)
+    self._workers = []
+    self._finalizer()
 
-    def _startup_failed(self, w: _Worker, why: str) -> None:
-        code = w.proc.poll()
-        self.close()
-        raise RuntimeError(f"RewardPool: a reward worker failed to start ({why}, exit code "
-                           f"{code}); "
-                           "see its traceback above; custom reward functions must be importable")
+  def __enter__(self) -> "RewardPool":
+    return self
 
-    def _wait_started(self) -> None:
-        while any(w.state == "starting" for w in self._workers):
-            self._poll(np.zeros(0, np.float32), {})
-
-    def _poll(self, out: np.ndarray, stats: dict[str, int]) -> None:
-        """Wait for one round of replies or deadlines and handle them."""
-        active = [w for w in self._workers if w.state in ("starting", "busy")]
-        if not active:
-            return
-        wait_s = max(0.0, min(w.deadline for w in active) - time.monotonic())
-        ready = set(mp_connection.wait([w.conn for w in active], timeout=wait_s))
-        for w in active:
-            if w.conn not in ready:
-                continue
-            try:
-                status, index, value = w.conn.recv()
-            except (EOFError, OSError):  # the worker died
-                if w.state == "starting":
-                    self._startup_failed(w, "died")
-                stats["errors"] += 1
-                self._replace(w)
-                continue
-            if w.state == "starting":
-                w.state = "idle"
-                continue
-            out[index] = value if status == "ok" else 0.0
-            if status != "ok":
-                stats["errors"] += 1
-            w.state, w.index = "idle", -1
-            if status == "fatal":  # the worker is exiting (it ran out of memory)
-                self._replace(w)
-        now = time.monotonic()
-        for w in list(self._workers):
-            if w.state == "busy" and now > w.deadline:
-                out[w.index] = 0.0
-                stats["timeouts"] += 1
-                self._replace(w)
-            elif w.state == "starting" and now > w.deadline:
-                self._startup_failed(w, f"not ready after {self.startup_timeout_s} s")
-
-    # -- scoring -----------------------------------------------------------------------------
-    def score_batch(self, kind: str, completions: Sequence[str | bytes],
-                    golds: Sequence[Any]) -> tuple[np.ndarray, dict[str, float]]:
-        """Rewards ``float32[N]`` for ``N`` completions and stats
-        ``{"n", "timeouts", "errors", "respawns", "seconds"}``. Never hangs and never raises for
-        model output; raises ``KeyError`` for an unknown kind and ``ValueError`` for mismatched
-        lengths."""
-        if self._closed:
-            raise RuntimeError("RewardPool.score_batch: the pool is closed")
-        if kind not in self.rewards:
-            raise KeyError(f"RewardPool.score_batch: unknown reward kind {kind!r}; "
-                           f"expected one of {sorted(self.rewards)}")
-        if len(completions) != len(golds):
-            raise ValueError(f"RewardPool.score_batch: {len(completions)} completions but "
-                             f"{len(golds)} golds")
-        with self._lock:
-            start, respawns0 = time.monotonic(), self.total_respawns
-            out = np.zeros(len(completions), np.float32)
-            stats = {"n": len(completions), "timeouts": 0, "errors": 0}
-            items = collections.deque()
-            for i, (c, g) in enumerate(zip(completions, golds)):
-                try:
-                    text_gold = isinstance(g, (str, bytes))
-                    items.append((i, sanitize(c, self.max_chars),
-                                  sanitize(g, self.max_chars) if text_gold else g))
-                except TypeError:
-                    stats["errors"] += 1
-            if self.num_workers == 0:
-                self._run_inline(kind, items, out, stats)
-            else:
-                try:
-                    self._run_workers(kind, items, out, stats)
-                except BaseException:  # e.g. KeyboardInterrupt: no stale replies in the next batch
-                    if not self._closed:
-                        for w in list(self._workers):
-                            if w.state == "busy":
-                                self._replace(w)
-                    raise
-            stats["respawns"] = self.total_respawns - respawns0
-            stats["seconds"] = time.monotonic() - start
-            return out, stats
-
-    def _run_inline(self, kind: str, items: collections.deque, out: np.ndarray,
-                    stats: dict[str, int]) -> None:
-        for index, completion, gold in items:
-            t0 = time.monotonic()
-            try:
-                value = score(kind, completion, gold, self.rewards)
-                ok = math.isfinite(value)
-            except Exception:
-                ok, value = False, 0.0
-            if time.monotonic() - t0 > self.timeout_s:
-                stats["timeouts"] += 1
-            elif not ok:
-                stats["errors"] += 1
-            else:
-                out[index] = value
-
-    def _run_workers(self, kind: str, items: collections.deque, out: np.ndarray,
-                     stats: dict[str, int]) -> None:
-        while items or any(w.state == "busy" for w in self._workers):
-            for w in self._workers:
-                if not items:
-                    break
-                if w.state != "idle":
-                    continue
-                index, completion, gold = items.popleft()
-                try:
-                    w.conn.send((index, kind, completion, gold))
-                except (BrokenPipeError, EOFError, OSError):  # died while idle: retry elsewhere
-                    items.appendleft((index, completion, gold))
-                    self._replace(w)
-                    continue
-                w.state, w.index = "busy", index
-                w.deadline = time.monotonic() + self.timeout_s
-            self._poll(out, stats)
-
-    # -- lifetime ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop all workers: ask politely, SIGKILL what still runs after 2 s (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        for w in self._workers:
-            if w.state != "idle":  # still importing, or busy on an item: nothing to wait for
-                self._kill(w)
-                continue
-            try:
-                w.conn.send(None)
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-        deadline = time.monotonic() + 2.0
-        for w in self._workers:
-            try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self._kill(w)
-        self._workers = []
-        self._finalizer()
-
-    def __enter__(self) -> "RewardPool":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+  def __exit__(self, *exc: object) -> None:
+    self.close()

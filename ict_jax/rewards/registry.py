@@ -4,6 +4,7 @@
 ``MAX_COMPLETION_CHARS`` characters (the final answer lives at the end; this bounds time and memory
 on runaway generations) and dispatches on ``kind``.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,24 +25,21 @@ REWARDS: dict[str, RewardFn] = {
 
 
 def sanitize(text: str | bytes, max_chars: int = MAX_COMPLETION_CHARS) -> str:
-    """Text a verifier may safely see: a str of valid UTF-8 (bad bytes become U+FFFD, lone
-    surrogates '?'), at most the last ``max_chars`` characters."""
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text[-4 * max_chars:]).decode("utf-8", errors="replace")
-    if not isinstance(text, str):
-        raise TypeError("ict_jax.rewards.sanitize: expected str or bytes, got "
-                        f"{type(text).__name__}")
-    text = text[-max_chars:]
-    return text.encode("utf-8", errors="replace").decode("utf-8")
+  """Text a verifier may safely see: a str of valid UTF-8 (bad bytes become U+FFFD, lone
+  surrogates '?'), at most the last ``max_chars`` characters."""
+  if isinstance(text, (bytes, bytearray)):
+    text = bytes(text[-4 * max_chars :]).decode("utf-8", errors="replace")
+  if not isinstance(text, str):
+    raise TypeError("ict_jax.rewards.sanitize: expected str or bytes, got " f"{type(text).__name__}")
+  text = text[-max_chars:]
+  return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
-def score(kind: str, completion: str | bytes, gold: object,
-          rewards: dict[str, RewardFn] | None = None) -> float:
-    """``rewards[kind](sanitize(completion), gold)`` as a float (REWARDS unless given)."""
-    table = REWARDS if rewards is None else rewards
-    if kind not in table:
-        raise KeyError(f"ict_jax.rewards.score: unknown reward kind {kind!r}; "
-                       f"expected one of {sorted(table)}")
-    if isinstance(gold, (str, bytes)):
-        gold = sanitize(gold)
-    return float(table[kind](sanitize(completion), gold))
+def score(kind: str, completion: str | bytes, gold: object, rewards: dict[str, RewardFn] | None = None) -> float:
+  """``rewards[kind](sanitize(completion), gold)`` as a float (REWARDS unless given)."""
+  table = REWARDS if rewards is None else rewards
+  if kind not in table:
+    raise KeyError(f"ict_jax.rewards.score: unknown reward kind {kind!r}; " f"expected one of {sorted(table)}")
+  if isinstance(gold, (str, bytes)):
+    gold = sanitize(gold)
+  return float(table[kind](sanitize(completion), gold))
