@@ -56,7 +56,8 @@ def test_default_run_reward_rises(default_run):
   assert len(rows) == 48
   rewards = np.array([r["reward_mean"] for r in rows])
   # 128 samples a step: a 12-step mean has a standard error of ~0.012. The default goes
-  # 0.24 -> 0.31 over these 48 steps on one device (benchmarks/RESULTS.md); ICT's sparse phase
+  # 0.19 -> 0.24 over these 48 steps on one device (benchmarks/RESULTS.md): a margin of ~1 standard
+  # error over the bound, not a robust rise (issue 17 is open for that); ICT's sparse phase
   # learns slower than dense GRPO on this task (the answer is the first completion token, where
   # all of a group's rollouts share the context, so its JS score is 0).
   first, last = rewards[:12].mean(), rewards[-12:].mean()
@@ -80,9 +81,9 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
       "tokens_per_s",
   ):
     assert all(np.isfinite(r[key]) for r in rows), key
-  # ICT: dense for the 10 warm-up steps, then ~10% of each response's tokens
-  assert all(r["selected_frac"] == 1.0 for r in rows[:10])
-  assert all(r["selected_frac"] < 0.6 for r in rows[10:])
+  # ICT: dense for the 20 warm-up steps of tiny_config, then ~10% of each response's tokens
+  assert all(r["selected_frac"] == 1.0 for r in rows[:20])
+  assert all(r["selected_frac"] < 0.6 for r in rows[20:])
   assert os.listdir(os.path.join(workdir, "tb")), "no TensorBoard events"
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["24", "48"]
   cfg = json.load(open(os.path.join(workdir, "config.json")))
