@@ -108,6 +108,9 @@ class _WordTokenizerAdapter:
   def decode(self, ids, skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def decode_batch(self, rows, skip_special_tokens: bool = False) -> list[str]:
+    return self._tok.decode_batch([[int(i) for i in r] for r in rows], skip_special_tokens=skip_special_tokens)
+
 
 def _summary(times: list[float], warmup: int, tokens: int) -> dict:
   steady = times[warmup:]
