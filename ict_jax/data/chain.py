@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from ict_jax.data.synthetic import split_by_level
+
 # level -> (operand count, operators, largest operand)
 LEVELS: dict[int, tuple[int, tuple[str, ...], int]] = {
     1: (3, ("+",), 4),
@@ -108,18 +110,8 @@ def make_example(operands: tuple[int, ...], operators: tuple[str, ...], level: i
 
 
 def split_examples(levels: tuple[int, ...], test_fraction: float, seed: int, split: str) -> list[dict[str, Any]]:
-  """Examples of ``split`` ("train" or "test"): per level, the first ceil(test_fraction * n) of a
-  seeded permutation are the test set, the rest the train set."""
-  if split not in ("train", "test"):
-    raise ValueError(f"synthetic_chain: unknown split {split!r}; expected 'train' or 'test'")
-  out = []
-  for level in levels:
-    problems = level_problems(level)
-    order = np.random.default_rng([seed, level]).permutation(len(problems))
-    n_test = math.ceil(test_fraction * len(problems))
-    chosen = order[:n_test] if split == "test" else order[n_test:]
-    out.extend(make_example(*problems[i], level) for i in chosen)
-  return out
+  """`synthetic.split_by_level` of synthetic_chain."""
+  return split_by_level("synthetic_chain", level_problems, make_example, levels, test_fraction, seed, split)
 
 
 @dataclasses.dataclass

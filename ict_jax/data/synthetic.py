@@ -49,19 +49,27 @@ def make_example(a: int, op: str, b: int, level: int) -> dict[str, Any]:
   }
 
 
-def split_examples(levels: tuple[int, ...], test_fraction: float, seed: int, split: str) -> list[dict[str, Any]]:
-  """Examples of ``split`` ("train" or "test"): per level, the first ceil(test_fraction * n) of a
-  seeded permutation are the test set, the rest the train set."""
+def split_by_level(
+    name: str, problems_of, example_of, levels: tuple[int, ...], test_fraction: float, seed: int, split: str
+) -> list[dict[str, Any]]:
+  """Examples of ``split`` ("train" or "test") of the generated task `name`: per level, the first
+  ceil(test_fraction * n) of a seeded permutation of `problems_of(level)` are the test set, the
+  rest the train set; `example_of(*problem, level)` makes each example."""
   if split not in ("train", "test"):
-    raise ValueError(f"synthetic_arith: unknown split {split!r}; expected 'train' or 'test'")
+    raise ValueError(f"{name}: unknown split {split!r}; expected 'train' or 'test'")
   out = []
   for level in levels:
-    problems = level_problems(level)
+    problems = problems_of(level)
     order = np.random.default_rng([seed, level]).permutation(len(problems))
     n_test = math.ceil(test_fraction * len(problems))
     chosen = order[:n_test] if split == "test" else order[n_test:]
-    out.extend(make_example(*problems[i], level) for i in chosen)
+    out.extend(example_of(*problems[i], level) for i in chosen)
   return out
+
+
+def split_examples(levels: tuple[int, ...], test_fraction: float, seed: int, split: str) -> list[dict[str, Any]]:
+  """`split_by_level` of synthetic_arith."""
+  return split_by_level("synthetic_arith", level_problems, make_example, levels, test_fraction, seed, split)
 
 
 @dataclasses.dataclass
