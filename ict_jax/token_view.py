@@ -65,35 +65,40 @@ class TokenView:
     self._fn = jax.jit(fn)
 
   def __call__(self, params, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """-> per-token arrays [rows, C] of the first `groups` groups, and those rows' prompt and
+    completion ids and masks, on the host. Every process calls it: the completion arrays may be
+    global device arrays spanning several hosts (gathered here, a collective)."""
+    from ict_jax.rollout import host_array
+
     rows = self.groups * self.cfg.group_size
-    sub = {k: np.asarray(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    sub = {k: host_array(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     import contextlib
 
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       out = self._fn(params, sub)
-    from ict_jax.rollout import host_array
-
-    return {k: host_array(v) for k, v in out.items()}
+    return {**sub, **{k: host_array(v) for k, v in out.items()}}
 
 
 def records(
-    step: int, view: dict[str, np.ndarray], batch, tokenizer, golds, rewards, dense_warmup: bool
+    step: int, view: dict[str, np.ndarray], tokenizer, golds, rewards, advantages, dense_warmup: bool
 ) -> list[dict[str, Any]]:
-  """One JSON-able dict per completion row of `view`."""
+  """One JSON-able dict per completion row of `view` (`TokenView`'s output, which holds the rows'
+  ids and masks). `golds`: row index -> gold answer (the rows this host scored; others get "");
+  rewards, advantages [N] of the whole batch."""
   out = []
   for i in range(view["prob"].shape[0]):
-    m = np.asarray(batch["completion_mask"][i]).astype(bool)
-    ids = [int(t) for t in np.asarray(batch["completion_ids"][i])[m]]
-    prompt = [int(t) for t, k in zip(batch["prompt_ids"][i], batch["prompt_mask"][i]) if k]
+    m = np.asarray(view["completion_mask"][i]).astype(bool)
+    ids = np.asarray(view["completion_ids"][i])[m]
+    prompt = np.asarray(view["prompt_ids"][i])[np.asarray(view["prompt_mask"][i]) != 0]
     out.append(
         {
             "step": step,
             "prompt": tokenizer.decode(prompt),
-            "gold": str(golds[i]),
+            "gold": str(golds.get(i, "")),
             "reward": float(rewards[i]),
-            "advantage": float(batch["advantages"][i]),
+            "advantage": float(advantages[i]),
             "dense_warmup": bool(dense_warmup),
-            "tokens": [tokenizer.decode([t]) for t in ids],
+            "tokens": tokenizer.decode_batch([[t] for t in ids]),
             **{k: [round(float(x), 6) for x in view[k][i][m]] for k in ("prob", "entropy", "js")},
             "selected": [bool(x) for x in view["selected"][i][m]],
         }

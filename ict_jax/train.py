@@ -302,10 +302,10 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           tokens = tv.records(
               step + 1,
               view(state.params, batch),
-              batch,
               tok,
-              roll.golds,
+              dict(zip(roll.rows.tolist(), roll.golds)),  # the rows this host scored
               roll.rewards,
+              batch["advantages"],
               dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps,
           )
         t1 = time.perf_counter()
