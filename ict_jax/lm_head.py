@@ -140,19 +140,7 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
 def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
-  logp, _, stats = _forward(
-      h,
-      _head_weight(w, h.dtype, vocab_major),
-      ids,
-      mask,
-      temperature,
-      group_size,
-      chunk_size,
-      vocab_major,
-      reference,
-      kl,
-  )
-  return logp, stats
+  return _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl)[0]
 
 
 def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
