@@ -137,7 +137,10 @@ def run_ours(args) -> dict:
   from ict_jax.rewards.pool import RewardPool
   from ict_jax.rollout import collect
 
-  model = ict_jax.load_pretrained(args.model_dir, dtype=jnp.float32)
+  from ict_jax.setup import resolve_kernels
+
+  # kernels "auto" as a run resolves it: the XLA:CPU formulations on one CPU device
+  model = ict_jax.load_pretrained(args.model_dir, dtype=jnp.float32, kernels=resolve_kernels("auto"))
   vocab = model.cfg.vocab_size
   graphdef, _ = nnx.split(model)
   params = nnx.state(model, nnx.Param).to_pure_dict()

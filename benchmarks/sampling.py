@@ -8,7 +8,10 @@ exactly 128 tokens per row. Both libraries get the same CPUs: the process is pin
 torch gets `torch.set_num_threads(--threads)`. Warm-up runs are excluded from the timings; our
 first call's compile time is reported separately.
 
-    python benchmarks/sampling.py [--threads 2] [--repeats 3] [--modes greedy,sample]
+    python benchmarks/sampling.py [--threads 2] [--repeats 3] [--modes greedy,sample] [--kernels auto]
+
+`--kernels` is `model.kernels`: "auto" resolves to "cpu" here (one CPU device: the XLA:CPU
+formulations of `ict_jax/cpu_paths.py`); "portable" times what TPU/GPU run, on this CPU.
 
 Prints one JSON object: tokens/s of each (best of --repeats interleaved runs: ours, theirs, ours,
 ...), the ratio, every run's seconds, our compile time, settings.
@@ -52,6 +55,7 @@ def main() -> None:
   ap.add_argument("--threads", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1)")
+  ap.add_argument("--kernels", default="auto", choices=("auto", "portable", "cpu"), help="model.kernels")
   args = ap.parse_args()
   cpus = _pin(args.threads)  # before jax / torch create their thread pools
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,6 +69,7 @@ def main() -> None:
   import ict_jax
   from ict_jax.models.config import Qwen2Config
   from ict_jax.sampling import bucket_length
+  from ict_jax.setup import resolve_kernels
   from benchmarks.fma_rate import fma_gflops
 
   torch.set_num_threads(args.threads)
@@ -76,7 +81,7 @@ def main() -> None:
   hf = transformers.Qwen2ForCausalLM(hf_cfg).eval().float()
   with tempfile.TemporaryDirectory() as tmp:
     hf.save_pretrained(tmp)
-    model = ict_jax.load_pretrained(tmp, dtype=jnp.float32)
+    model = ict_jax.load_pretrained(tmp, dtype=jnp.float32, kernels=resolve_kernels(args.kernels))
 
   rng = np.random.RandomState(0)
   b, p, n = args.batch, args.prompt, args.new
@@ -184,6 +189,7 @@ def main() -> None:
                   "tied": cfg.tie_word_embeddings,
               },
               "threads": args.threads,
+              "kernels": model.cfg.kernels,
               "cpus": cpus,
               "repeats": args.repeats,
               "fma_gflops": None if fma_all[0] is None else round(max(fma_all), 1),

@@ -55,7 +55,9 @@ def main(argv=None) -> None:
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
 
-  mcfg = Qwen2Config.preset("bench")
+  from ict_jax.setup import resolve_kernels
+
+  mcfg = Qwen2Config.preset("bench", kernels=resolve_kernels("auto"))  # "cpu" on one CPU device
   graphdef, state = nnx.split(init_model(mcfg, seed=0))
   params = state.to_pure_dict()
   base = ts.StepConfig(group_size=8, temperature=1.0, warmup_steps=0, chunk_size=args.chunk)

@@ -108,8 +108,12 @@ def model_config(args, cfg=None):
   """Qwen2Config: "bench", or the config's model (its HF folder, else the preset in the name)."""
   from ict_jax.models.config import PRESETS, Qwen2Config
 
-  if cfg is None:
-    mcfg = Qwen2Config.preset("bench", dtype=args.dtype or "float32", param_dtype="float32")
+  from ict_jax.setup import resolve_kernels
+
+  if cfg is None:  # kernels "auto": the XLA:CPU formulations on one CPU device (this benchmark's)
+    mcfg = Qwen2Config.preset(
+        "bench", dtype=args.dtype or "float32", param_dtype="float32", kernels=resolve_kernels("auto")
+    )
   else:
     if cfg.model.path and os.path.exists(os.path.join(cfg.model.path, "config.json")):
       with open(os.path.join(cfg.model.path, "config.json")) as f:
@@ -130,6 +134,7 @@ def model_config(args, cfg=None):
         param_dtype=cfg.model.param_dtype,
         remat_policy=cfg.model.remat_policy,
         attention=resolve_attention(cfg.model.attention),
+        kernels=resolve_kernels(cfg.model.kernels),
     )
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)

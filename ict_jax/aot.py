@@ -398,6 +398,7 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
       param_dtype=mcfg.param_dtype,
       remat_policy=mcfg.remat_policy,
       attention=mcfg.attention,
+      kernels=mcfg.kernels,
       method=cfg.ict.method,
       rows_per_shard=mb // shards,
       note=note,

@@ -28,6 +28,8 @@ class ModelConfig:
   remat_policy: str = "none"  # the scanned layer's remat in the train step: none|full|minimal
   attention: str = "auto"  # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
   # einsum | dot_product | cudnn | splash (see models/attention.py)
+  kernels: str = "auto"  # the kernels' formulation (ict_jax/cpu_paths.py): auto (cpu on a single
+  # CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("none", "full", "minimal"),
     "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
+    "model.kernels": ("auto", "portable", "cpu"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "ict.score": ("js", "kl", "entropy", "random"),

@@ -98,7 +98,19 @@ def _logits(h, w, temperature: float, names, vocab_major: bool):
   return constrain(logits, names)
 
 
-def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major, reference="active_mean", kl=False):
+def _forward(
+    h,
+    w,
+    ids,
+    mask,
+    temperature,
+    group_size,
+    chunk_size,
+    vocab_major,
+    reference="active_mean",
+    kl=False,
+    kernels="portable",
+):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
 
@@ -108,7 +120,7 @@ def _forward(h, w, ids, mask, temperature, group_size, chunk_size, vocab_major, 
     logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
-    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse, reference=reference, kl=kl)
+    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse, reference=reference, kl=kl, kernels=kernels)
 
   xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
   logp, lse, stats = jax.lax.map(chunk, xs)
@@ -138,12 +150,14 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _logp_and_stats(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
-  return _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _logp_and_stats(
+    h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels
+):
+  return _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels)[0]
 
 
-def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl):
+def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels):
   logp, lse, stats = _forward(
       h,
       _head_weight(w, h.dtype, vocab_major),
@@ -155,12 +169,13 @@ def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_
       vocab_major,
       reference,
       kl,
+      kernels,
   )
   return (logp, stats), (h, w, ids, lse)
 
 
-def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, res, cotangents):
-  del group_size, reference, kl
+def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels, res, cotangents):
+  del group_size, reference, kl, kernels
   h, w_stored, ids, lse = res
   w = _head_weight(w_stored, h.dtype, vocab_major)  # dW is summed in float32, returned as stored
   g = cotangents[0].astype(jnp.float32)  # [N, C]; the statistics carry no gradient
@@ -221,6 +236,7 @@ def logp_and_stats(
     vocab_major: bool = False,
     reference: str = "active_mean",
     kl: bool = False,
+    kernels: str = "portable",
 ):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
@@ -229,7 +245,8 @@ def logp_and_stats(
   stored: no transposed copy per step). The matmuls run in h's dtype (the compute dtype); dW is
   accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc).
-  `reference`, `kl`: as for `selection.chunk_stats` (ICT's ablations)."""
+  `reference`, `kl`: as for `selection.chunk_stats` (ICT's ablations); `kernels`: its statistics'
+  formulation ("portable" or "cpu", see `ict_jax.cpu_paths`)."""
   return _logp_and_stats(
       h,
       w,
@@ -242,4 +259,5 @@ def logp_and_stats(
       bool(vocab_major),
       str(reference),
       bool(kl),
+      str(kernels),
   )

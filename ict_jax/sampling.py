@@ -18,9 +18,11 @@ like `transformers`' TopPLogitsWarper), then one draw by inverse CDF from a sing
 (no [B, V] Gumbel noise). The returned log-prob is that of the sampled token under the distribution
 actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
 the raw logits, and the log-prob is `log_softmax(raw logits)` at that token. The decode loop
-takes vocabulary-major logits [V, B] from `Qwen2.next_token_logits`; greedy and plain
-temperature sampling reduce them in two levels (`_plain_step`) without building any [B, V]
-probabilities, indices or cumulative sums; top-k / top-p work on the transposed [B, V].
+takes logits [B, V] from `Qwen2.next_token_logits` and samples them with `jnp.argmax` / the
+inverse CDF above: the portable path, run on TPU/GPU and on any mesh. With the model's
+`kernels == "cpu"` (XLA:CPU on one device, `ict_jax.cpu_paths`) the head is vocabulary-major
+[V, B] and greedy / plain temperature sampling reduce it in two levels without building any
+[B, V] probabilities (`cpu_paths.plain_step`); top-k / top-p work on [B, V] either way.
 
 Compilation. Prompt length and max_new_tokens are rounded up to buckets (powers of two from 16, or a
 given list); the jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
@@ -52,6 +54,7 @@ from flax import nnx
 
 from jax.sharding import Mesh, NamedSharding
 
+from ict_jax import cpu_paths
 from ict_jax.models.axes import DEFAULT_RULES, axis_rules, constrain, pure_shardings
 from ict_jax.models.qwen2 import abstract_model
 from ict_jax.sharding import batch_sharding, put_global, replicated
@@ -63,7 +66,6 @@ QWEN_PAD_ID = 151643
 _MIN_BUCKET = 16
 _CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
 _F32_ONE_BITS = 0x3F800000
-_GROUPS = 128  # vocabulary groups of the two-level greedy / plain-sampling reductions
 _TOP_P_CANDIDATES = 256  # top-p fast path: the nucleus usually lies within the 256 best tokens
 
 
@@ -141,79 +143,27 @@ def _top_p_threshold(e: Array, top_p: Array) -> Array:
   return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
 
 
-def _first_argmax(x: Array) -> Array:
-  """jnp.argmax(x, -1) for [B, V] (first maximum; first NaN if any) as two plain reductions:
-  XLA:CPU lowers argmax to a variadic (value, index) reduce that ran ~9x slower over a
-  151936-token vocabulary (5.6 vs 0.65 ms per [8, V] call on one core)."""
-  m = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one
-  hit = (x == m) | jnp.isnan(x)
-  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
-  return jnp.min(jnp.where(hit, idx, x.shape[-1] - 1), axis=-1)
-
-
-def _token_groups(v: int) -> int:
-  """How many token groups the two-level reductions use for a vocabulary of v: a power of two
-  <= sqrt(v), at most _GROUPS (151936 -> 128 groups of 1187 tokens)."""
-  return min(_GROUPS, 1 << (math.isqrt(v).bit_length() - 1))
-
-
-def _plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tuple[Array, Array]:
-  """Greedy or plain temperature sampling from vocabulary-major logits lv [V, B].
-
-  Two passes over lv, a maximum and a sum of exp(x - max), each in two levels whose second
-  reduces only [G, B] (G = _token_groups(V)); no [B, V] probabilities, indices or cumulative
-  sums are built. Greedy is the first maximum of the raw logits (the first NaN if any): the
-  maximum is taken per contiguous block of V / G tokens, and the first block holding it is
-  searched. Its log-prob is log_softmax(raw logits). Sampling draws from
-  softmax(logits / temperature) by inverse CDF with one uniform per row over strided groups
-  (group n holds tokens n, n + G, n + 2G, ...: viewed as [V / G, G, B], the sums stream
-  contiguous [G, B] rows): first a group by the group sums, then a token inside it; the
-  log-prob is the drawn token's under that distribution."""
-  v, b = lv.shape
-  g = _token_groups(v)
-  per = -(-v // g)  # tokens per group
-  x = lv.astype(jnp.float32)
-  if not greedy:
-    x = x / temperature
-  if per * g != v:
-    x = jnp.pad(x, ((0, per * g - v), (0, 0)), constant_values=-jnp.inf)
-  # The barriers keep XLA from merging two levels into one [V, B] -> [B] reduction, which
-  # XLA:CPU runs several times slower than the two.
-  level1 = lambda f, y, axis: jax.lax.optimization_barrier(f(y, axis=axis))
-  rows = jnp.arange(b)
-  groups = x.reshape(per, g, b)  # token r * G + n at [r, n]
-  if greedy:  # the maximum by contiguous blocks: the first block holding it holds the first one
-    blocks = x.reshape(g, per, b)
-    block_max = level1(jnp.max, blocks, 1)  # [G, B]
-    m = jnp.max(block_max, axis=0)
-  else:
-    m = jnp.max(level1(jnp.max, groups, 0), axis=0)  # [B]
-  group_sum = level1(jnp.sum, jnp.exp(groups - m), 0).T  # [B, G]
-  cum = jnp.cumsum(group_sum, axis=-1)
-  log_z = jnp.log(cum[:, -1])
-  if greedy:
-    first = _first_argmax(block_max.T)  # the first block holding the maximum (or a NaN)
-    inside = blocks[first, :, rows]  # [B, per]
-    j = _first_argmax(inside)
-    tok = jnp.minimum(first * per + j, v - 1)  # (v - 1: a row of -inf only)
-    return tok.astype(jnp.int32), inside[rows, j] - m - log_z
-  target = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
-  n = _first_crossing(cum, group_sum, target)  # [B]
-  before = jnp.take_along_axis(cum - group_sum, n[:, None], axis=1)[:, 0]
-  col = groups[:, n, rows].T  # [B, per]: the tokens of group n
-  e = jnp.exp(col - m[:, None])
-  r = _first_crossing(jnp.cumsum(e, axis=-1), e, target - before)
-  return (r * g + n).astype(jnp.int32), col[rows, r] - m - log_z
-
-
 def _sample_step(
-    logits: Array, key: Array, temperature: Array, top_p: Array, *, greedy: bool, top_k: int, use_top_p: bool
+    logits: Array,
+    key: Array,
+    temperature: Array,
+    top_p: Array,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    kernels: str = "portable",
 ) -> tuple[Array, Array]:
-  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32)."""
+  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32). kernels "cpu" takes
+  `cpu_paths.plain_step` for greedy and plain temperature sampling (same values)."""
   logits = logits.astype(jnp.float32)
   top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
-  if greedy or not (top_k or use_top_p):
-    return _plain_step(logits.T, key, temperature, greedy=greedy)
+  if kernels == "cpu" and (greedy or not (top_k or use_top_p)):
+    return cpu_paths.plain_step(logits.T, key, temperature, greedy=greedy)
+  if greedy:  # the first maximum; its log-prob under log_softmax(raw logits)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    return tok, lp
   if top_k:  # work on the k best candidates only: [B, k], sorted descending
     vals, cand = jax.lax.top_k(logits, top_k)
     scaled = vals / temperature
@@ -230,7 +180,8 @@ def _sample_step(
   scaled = logits / temperature
   shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
   e = jnp.exp(shifted)  # [B, V] in [0, 1], max exactly 1
-  e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
+  if use_top_p:
+    e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
   tok = _inverse_cdf(key, e)
   lp = jnp.take_along_axis(shifted, tok[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(e, axis=-1))
   return tok, lp
@@ -376,20 +327,34 @@ def _decode_rows(
   h, cache = model.hidden_states(
       prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
   )  # [P, P] scores
-  logits = model.next_token_logits(h[:, -1])  # [V, b]: left padding -> the last slot is real
+  kernels = model.cfg.kernels
+
+  def head(h):  # [b, D] -> float32 logits [b, V]
+    if kernels == "cpu":  # vocabulary-major [V, b]; cpu_paths.plain_step transposes it back (no copy)
+      return cpu_paths.head_logits(h, *model.head_weight()).T
+    return model.next_token_logits(h)
+
+  logits = head(h[:, -1])  # left padding: the last slot is real
 
   def emit(i, logits, done, out):
-    """Sample completion token i from logits [V, b] and write it into the outputs."""
+    """Sample completion token i from logits [b, V] and write it into the outputs."""
     tok, lp = _sample_step(
-        logits.T, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p
-    )  # (.T.T: no copy)
+        logits,
+        jax.random.fold_in(rng, i),
+        temperature,
+        top_p,
+        greedy=greedy,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        kernels=kernels,
+    )
     active = ~done
     tok = jnp.where(active, tok, pad_id)
     out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active))
     if return_logprobs:
       out["logprobs"] = out["logprobs"].at[:, i].set(jnp.where(active, lp, 0.0))
     if return_logits:
-      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits.T, i, axis=1)
+      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits, i, axis=1)
     done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
     return tok, done, out
 
@@ -400,7 +365,7 @@ def _decode_rows(
   if return_logprobs:
     out["logprobs"] = constrain(jnp.zeros((b, max_len), jnp.float32), rows)
   if return_logits:
-    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[0]), jnp.float32), ("act_batch", None, None))
+    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[1]), jnp.float32), ("act_batch", None, None))
   tok, done, out = emit(0, logits, num_prompt == 0, out)
 
   def cond(carry):
@@ -417,7 +382,7 @@ def _decode_rows(
         cache_index=p + i - 1,
         kv_mask=kv_mask,
     )
-    tok, done, out = emit(i, model.next_token_logits(h[:, 0]), done, out)
+    tok, done, out = emit(i, head(h[:, 0]), done, out)
     return i + 1, cache, tok, done, out
 
   carry = (jnp.int32(1), cache, tok, done, out)

@@ -9,8 +9,8 @@ ICT Jensen-Shannon score in a single pass, so the train step can fuse it with th
 matmul; ``sequence_stats`` / ``token_stats`` / ``js_scores`` run it over a full [N, T, V]
 array with a ``fori_loop`` over T-chunks that slices the logits in place (the last chunk is
 shifted left to end at T and overlaps its predecessor instead of padding, so no padded copy
-of the logits is made). On the CPU backend without a multi-device mesh, ``chunk_stats`` computes
-the same values over 2-D [<= 16 positions, V] slices of each response (see ``ROW_BLOCK``).
+of the logits is made). With ``kernels="cpu"`` (``ict_jax.cpu_paths``: XLA:CPU on one device),
+``chunk_stats`` computes the same values over 2-D [<= 16 positions, V] slices of each response.
 
 Counts "ceil(fraction * n)" are computed in exact integer arithmetic with the fraction taken
 as the nearest rational of denominator <= 10_000 (exact for up to 4 decimals), so
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ict_jax.grpo import LOSS_TYPES
-from ict_jax.models.axes import cpu_single_device
+from ict_jax import cpu_paths
 
 __all__ = [
     "KEEPS",
@@ -116,8 +116,8 @@ def _group_reference(pg: jax.Array, w: jax.Array, group_size: int, reference: st
   if reference == "active_mean":
     # One reduction over the group axis: local when a device holds whole groups, else one
     # all-reduce of [P, 1, C, V] over the devices that share a group (G - 1 slices of a
-    # sharded group axis would each move a [C, V] block). XLA:CPU without a mesh takes the
-    # row-blocked path (ROW_BLOCK), where this strided reduction's speed does not matter.
+    # sharded group axis would each move a [C, V] block). XLA:CPU on one device takes the
+    # row-blocked path (cpu_paths.blocked_stats), where this strided reduction's speed does not matter.
     active = w.sum(axis=1, keepdims=True)  # [P, 1, C, 1]
     total = (pg * w).sum(axis=1, keepdims=True)  # [P, 1, C, V]
     return total / jnp.maximum(active, 1.0), (active > 0).astype(pg.dtype)
@@ -164,78 +164,7 @@ def _js_to_group_mean(
   return out
 
 
-# Row-blocked path (XLA:CPU). One [N, C, V] pass makes XLA:CPU run large 3-D reductions and
-# materialize shared [N, C, V] intermediates; the same statistics as 2-D reductions over
-# [<= ROW_BLOCK positions, V] slices of one response (contiguous, cache-sized) measured
-# 1.5-2.3x faster on 2 cores (benchmarks/RESULTS.md). Accelerators fuse the whole chunk, and
-# on a multi-device mesh per-row slices of a batch-sharded array would gather it, so the
-# blocked path is taken only on the CPU backend without a multi-device mesh.
-ROW_BLOCK = 16
 _TINY = 1e-37  # floor inside log(): 0 * log(floor) = 0 where the exact value is 0 log 0
-_LOG_FLOOR = -1e30  # floor of log p: -inf logits (masked vocabulary) give p * log p = 0
-
-
-def use_row_blocks() -> bool:
-  """Whether ``chunk_stats`` takes the row-blocked path by default (see ROW_BLOCK)."""
-  return cpu_single_device()
-
-
-def _row_sum(x: jax.Array) -> jax.Array:
-  """[B, V] -> [B]: sums of 32 entries as a matrix-vector product, then a reduce. XLA:CPU
-  materializes the summand (one fused elementwise pass) instead of evaluating a many-input
-  expression inside its reduction (4x faster here); short dot rows keep float32 accuracy."""
-  k = math.gcd(x.shape[-1], 32)
-  return jnp.sum(x.reshape(*x.shape[:-1], -1, k) @ jnp.ones((k,), x.dtype), axis=-1)
-
-
-def _blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean", kl=False):
-  """chunk_stats on 2-D [B, V] slices (B <= block positions of one response).
-
-  p = valid * softmax is computed once per slice (one exp per logit) and feeds all four
-  statistics; rows with valid == 0 get p = 0 and are zeroed at the end."""
-  n, c, _ = logits.shape
-  s_w = lse - jnp.log(valid)  # exp(l - s_w) = valid * p
-  ent, ren, js, kls = [], [], [], []
-  for a in range(0, c, block):
-    b = min(a + block, c)
-    lp = [jnp.maximum(logits[i, a:b] - lse[i, a:b, None], _LOG_FLOOR) for i in range(n)]
-    p = [jnp.exp(logits[i, a:b] - s_w[i, a:b, None]) for i in range(n)]  # [B, V] each
-    ent.append(jnp.stack([-_row_sum(p[i] * lp[i]) for i in range(n)]))  # [N, B]
-    ren.append(jnp.stack([_row_sum(p[i] * p[i]) for i in range(n)]))
-    if group_size is None:
-      continue
-    jsb, klb = [], []
-    for q in range(0, n, group_size):
-      rows = range(q, q + group_size)
-      if reference == "active_mean":
-        active = sum(valid[i, a:b] for i in rows)
-        big = sum(p[i] for i in rows) / jnp.maximum(active, 1.0)[:, None]  # P: active rows' mean
-        log_big = jnp.log(jnp.maximum(big, _TINY))
-        # materialized once: XLA would otherwise recompute P from all G rows in every term
-        big, log_big = jax.lax.optimization_barrier((big, log_big))
-      for i in rows:
-        has_ref = jnp.ones_like(valid[i, a:b])
-        if reference == "others_mean":  # leave row i out
-          rest, others = _sum_of_others([(p[j], valid[j, a:b]) for j in rows], i - q)
-          big = rest / jnp.maximum(others, 1.0)[:, None]
-          log_big = jnp.log(jnp.maximum(big, _TINY))
-          has_ref = (others > 0).astype(big.dtype)
-        log_mid = jnp.log(jnp.maximum(0.5 * (p[i] + big), _TINY))
-        jsb.append(0.5 * _row_sum(p[i] * (lp[i] - log_mid) + big * (log_big - log_mid)) * has_ref)
-        if kl:
-          klb.append(jnp.maximum(_row_sum(p[i] * (lp[i] - log_big)), 0.0) * has_ref)
-    js.append(jnp.stack(jsb))
-    kls.append(jnp.stack(klb) if kl else None)
-  ren = jnp.concatenate(ren, 1)
-  out = {
-      "entropy": jnp.concatenate(ent, 1) * valid,
-      "renyi2": -jnp.log(jnp.where(valid > 0, ren, 1.0)) * valid,
-  }  # ren = 0 if invalid
-  if group_size is not None:
-    out["js"] = jnp.clip(jnp.concatenate(js, 1), 0.0, LOG2) * valid
-    if kl:
-      out["kl"] = jnp.concatenate(kls, 1) * valid
-  return out
 
 
 def chunk_stats(
@@ -243,10 +172,10 @@ def chunk_stats(
     mask_chunk: jax.Array,
     group_size: int | None,
     lse: jax.Array | None = None,
-    row_blocks: bool | None = None,
     *,
     reference: str = "active_mean",
     kl: bool = False,
+    kernels: str = "portable",
 ) -> dict[str, jax.Array]:
   """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
@@ -255,9 +184,10 @@ def chunk_stats(
     mask_chunk: [N, C] completion mask (1 = active).
     group_size: G; rows g*G .. g*G+G-1 are the rollouts of prompt g. None skips "js".
     lse: optional [N, C] logsumexp of the logits (the LM head has it already).
-    row_blocks: take the row-blocked path (same values); None = ``use_row_blocks()``.
     reference: the distribution P the scores compare with, a key of ``REFERENCES``.
     kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
+    kernels: "portable" (one fused [N, C, V] pass) or "cpu" (the same values over 2-D row
+      blocks, ``cpu_paths.blocked_stats``); see ``ict_jax.cpu_paths``.
 
   Returns dict with
     entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
@@ -271,10 +201,12 @@ def chunk_stats(
     )
   if reference not in REFERENCES:
     raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
-  if use_row_blocks() if row_blocks is None else row_blocks:
+  if kernels not in cpu_paths.KERNELS:
+    raise ValueError(f"selection: unknown kernels={kernels!r}; expected one of {cpu_paths.KERNELS}")
+  if kernels == "cpu":
     logits = jax.lax.stop_gradient(logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
     lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
-    return _blocked_stats(
+    return cpu_paths.blocked_stats(
         logits,
         jax.lax.stop_gradient(lse).astype(logits.dtype),
         mask_chunk.astype(logits.dtype),
@@ -298,6 +230,7 @@ def sequence_stats(
     *,
     reference: str = "active_mean",
     kl: bool = False,
+    kernels: str = "portable",
 ) -> dict[str, jax.Array]:
   """``chunk_stats`` over logits [N, T, V] in T-chunks of ``chunk_size`` -> dict of [N, T]."""
   n, t, _ = logits.shape
@@ -320,6 +253,7 @@ def sequence_stats(
         group_size,
         reference=reference,
         kl=kl,
+        kernels=kernels,
     )
     return {name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1) for name in names}
 
@@ -327,14 +261,18 @@ def sequence_stats(
   return jax.lax.fori_loop(0, n_chunks, body, init)
 
 
-def token_stats(logits: jax.Array, mask: jax.Array | None = None, chunk_size: int = 128) -> dict[str, jax.Array]:
+def token_stats(
+    logits: jax.Array, mask: jax.Array | None = None, chunk_size: int = 128, *, kernels: str = "portable"
+) -> dict[str, jax.Array]:
   """Shannon and Renyi-2 entropy [N, T] of logits [N, T, V] (0 where mask == 0)."""
-  return sequence_stats(logits, mask, None, chunk_size)
+  return sequence_stats(logits, mask, None, chunk_size, kernels=kernels)
 
 
-def js_scores(logits: jax.Array, mask: jax.Array, group_size: int, chunk_size: int = 128) -> jax.Array:
+def js_scores(
+    logits: jax.Array, mask: jax.Array, group_size: int, chunk_size: int = 128, *, kernels: str = "portable"
+) -> jax.Array:
   """ICT score u [N, T] = JS(p_{i,t} || P_t) per token, 0 on padding, no gradient."""
-  return sequence_stats(logits, mask, group_size, chunk_size)["js"]
+  return sequence_stats(logits, mask, group_size, chunk_size, kernels=kernels)["js"]
 
 
 # ----------------------------------------------------------------------------- masks

@@ -42,15 +42,26 @@ def resolve_attention(choice: str, mesh: Mesh | None = None) -> str:
   return AUTO_ATTENTION.get(device.platform, "einsum")
 
 
+def resolve_kernels(choice: str, devices=None) -> str:
+  """`config.model.kernels` -> "portable" or "cpu" (`ict_jax.cpu_paths`): "auto" is "cpu" only
+  when `devices` (a mesh's, default jax.devices()) are one CPU device; accelerators and every
+  multi-device mesh, CPU included, get "portable". Decided once, here, from the devices."""
+  if choice != "auto":
+    return choice
+  devices = list(jax.devices() if devices is None else devices)
+  return "cpu" if len(devices) == 1 and devices[0].platform == "cpu" else "portable"
+
+
 def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None) -> Qwen2Config:
   """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
-  dtypes, the remat policy and the attention implementation from `config.model` ("auto"
-  resolved for the devices of `mesh`, default jax.devices())."""
+  dtypes, the remat policy, the attention implementation and the kernels from `config.model`
+  ("auto" resolved for the devices of `mesh`, default jax.devices())."""
   kw = dict(
       dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype,
       remat_policy=cfg.model.remat_policy,
       attention=resolve_attention(cfg.model.attention, mesh),
+      kernels=resolve_kernels(cfg.model.kernels, None if mesh is None else mesh.devices.flat),
   )
   try:
     if hf_dir:

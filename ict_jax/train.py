@@ -190,6 +190,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
             mesh=mesh,
             remat_policy=mcfg.remat_policy,
             attention=mcfg.attention,
+            kernels=mcfg.kernels,
         )
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily

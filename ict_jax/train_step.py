@@ -167,6 +167,7 @@ def completion_logp_and_stats(
       vocab_major=vocab_major,
       reference=reference,
       kl=kl,
+      kernels=model.cfg.kernels,
   )
 
 

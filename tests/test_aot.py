@@ -64,6 +64,7 @@ def test_report_has_the_keys_and_fits(tpu_small):
       r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"] + r["generated_code_bytes"]
   )
   assert r["shapes"]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
+  assert r["shapes"]["kernels"] == "portable"  # model.kernels "auto" on the TPU topology's devices
   assert r["compile_s"] > 0
   assert "fits, margin" in proc.stdout and "collectives:" in proc.stdout
 

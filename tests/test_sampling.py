@@ -329,68 +329,11 @@ def test_bad_inputs_raise_before_compiling(model, change, match):
   assert sampling._generate_jit._cache_size() == before
 
 
-def test_first_argmax_equals_numpy_argmax_with_ties_nan_and_inf():
-  """The greedy path's two-reduction argmax keeps numpy's semantics: first maximum, first NaN."""
-  from ict_jax.sampling import _first_argmax
-
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, 5, (64, 37)).astype(np.float32)  # many ties
-  x[3, 7] = np.nan
-  x[5, :] = -np.inf
-  x[6, [2, 9]] = np.nan
-  x[7, :] = np.inf
-  np.testing.assert_array_equal(np.asarray(_first_argmax(jnp.asarray(x))), np.argmax(x, -1))
-
-
-@pytest.mark.parametrize("vocab", [300, 2048, 4099])  # padded last group, exact, padded
-def test_plain_step_greedy_is_first_argmax_with_log_softmax(vocab):
-  """The two-level greedy step on vocabulary-major logits [V, B]: numpy's argmax (first maximum,
-  first NaN) and scipy's log_softmax at that token, with ties spread over different blocks."""
-  from scipy.special import log_softmax
-
-  rng = np.random.default_rng(vocab)
-  x = rng.integers(0, 6, (vocab, 9)).astype(np.float32)  # many ties, in many blocks
-  x[:, 1] = rng.standard_normal(vocab)
-  x[vocab - 1, 2] = 50.0  # the maximum in the last (padded) block
-  x[[5, vocab // 2], 3] = np.nan
-  x[:, 4] = -np.inf
-  x[[vocab - 3, 7], 5] = np.inf
-  step = jax.jit(functools.partial(sampling._plain_step, greedy=True))
-  tok, lp = (np.asarray(a) for a in step(jnp.asarray(x), jax.random.key(0), jnp.float32(1.0)))
-  np.testing.assert_array_equal(tok, np.argmax(x, axis=0))
-  ref = log_softmax(x.astype(np.float64), axis=0)[np.argmax(x, axis=0), np.arange(9)]
-  finite = [0, 1, 2, 6, 7, 8]
-  np.testing.assert_allclose(lp[finite], ref[finite], atol=1e-5)
-
-
-@pytest.mark.parametrize("batch", [8, 17])  # multiply-and-reduce head on CPU; the einsum
-def test_next_token_logits_is_the_transposed_head(batch):
-  from ict_jax.models.config import Qwen2Config
-  from ict_jax.models.qwen2 import init_model
-
-  model = init_model(
-      Qwen2Config(
-          vocab_size=1000,
-          hidden_size=128,
-          intermediate_size=64,
-          num_hidden_layers=1,
-          num_attention_heads=2,
-          num_key_value_heads=1,
-      ),
-      seed=1,
-  )
-  h = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, 128)), jnp.float32)
-  got = jax.jit(lambda h: model.next_token_logits(h))(h)
-  assert got.shape == (1000, batch)
-  ref = np.asarray(model.embed["embedding"][...], np.float64) @ np.asarray(h, np.float64).T
-  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
-  full = jax.jit(lambda h: model.logits_from_hidden(h[:, None])[:, 0])(h)
-  np.testing.assert_allclose(np.asarray(got).T, np.asarray(full), rtol=1e-5, atol=1e-5)
-
-
-def test_generate_with_a_128_wide_model_matches_full_forward():
-  """hidden 128 takes the CPU multiply-and-reduce decode head: greedy tokens are the argmax of
-  a full forward over the same sequence and log-probs its log_softmax."""
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+def test_generate_with_a_128_wide_model_matches_full_forward(kernels):
+  """Both kernel sets (hidden 128: "cpu" takes the multiply-and-reduce decode head and the
+  two-level reductions): greedy tokens are the argmax of a full forward over the same sequence
+  and log-probs its log_softmax."""
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
 
@@ -403,6 +346,7 @@ def test_generate_with_a_128_wide_model_matches_full_forward():
           num_attention_heads=4,
           num_key_value_heads=2,
           max_position_embeddings=64,
+          kernels=kernels,
       ),
       seed=2,
   )

@@ -143,24 +143,25 @@ def test_chunk_stats_equals_full_pass_and_bf16():
   )
 
 
-@pytest.mark.parametrize("row_blocks", [False, True], ids=["fused", "row_blocked"])
-def test_chunk_stats_paths_match_numpy_and_scipy(row_blocks):
-  """Both implementations of chunk_stats (one [N, C, V] pass; 2-D row blocks, which the CPU
-  backend takes by default) against numpy/scipy, with -inf vocabulary entries, unequal
-  lengths, an empty row, and C = 21 > ROW_BLOCK so that a short last block is exercised."""
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+def test_chunk_stats_paths_match_numpy_and_scipy(kernels):
+  """Both implementations of chunk_stats (one [N, C, V] pass; 2-D row blocks, kernels "cpu")
+  against numpy/scipy, with -inf vocabulary entries, unequal lengths, an empty row, and
+  C = 21 > cpu_paths.ROW_BLOCK so that a short last block is exercised."""
   logits, mask = grouped_batch(7, t=21)
   p = np_softmax(logits)
   with np.errstate(divide="ignore", invalid="ignore"):
     h = -np.where(p > 0, p * np.log(p), 0.0).sum(-1)
   h2 = -np.log((p**2).sum(-1))
-  fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, row_blocks=row_blocks))
+  fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, kernels=kernels))
   got = fn(jnp.asarray(logits), jnp.asarray(mask))
   np.testing.assert_allclose(np.asarray(got["entropy"]), h * mask, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got["renyi2"]), h2 * mask, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
-  assert selection.use_row_blocks() == (jax.default_backend() == "cpu")  # no mesh set here
   with pytest.raises(ValueError, match="N=8 rows is not a positive multiple of group_size=3"):
-    selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 3, row_blocks=row_blocks)
+    selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 3, kernels=kernels)
+  with pytest.raises(ValueError, match="kernels"):
+    selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 4, kernels="tpu")
 
 
 def test_trl_entropy_helpers_agree():
@@ -373,13 +374,13 @@ def np_reference_scores(logits, mask, g, reference):
   return js, kl
 
 
-@pytest.mark.parametrize("row_blocks", [False, True], ids=["fused", "row_blocked"])
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
 @pytest.mark.parametrize("reference", sorted(selection.REFERENCES))
-def test_reference_and_kl_scores_match_scipy(reference, row_blocks):
+def test_reference_and_kl_scores_match_scipy(reference, kernels):
   logits, mask = grouped_batch(13, t=19)
   logits[1, :, -3:] = -30.0  # KL to a leave-one-out mean is unbounded where the others give p = 0
   want_js, want_kl = np_reference_scores(logits, mask, 4, reference)
-  fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, row_blocks=row_blocks, reference=reference, kl=True))
+  fn = jax.jit(lambda x, m: selection.chunk_stats(x, m, 4, kernels=kernels, reference=reference, kl=True))
   got = fn(jnp.asarray(logits), jnp.asarray(mask))
   np.testing.assert_allclose(np.asarray(got["js"]), want_js, atol=2e-6, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(got["kl"]), want_kl, atol=2e-5, rtol=1e-4)

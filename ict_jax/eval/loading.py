@@ -35,10 +35,12 @@ class LoadedModel:
 
 
 def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
-  """A local Hugging Face Qwen2 folder, parameters and compute in `dtype`."""
+  """A local Hugging Face Qwen2 folder, parameters and compute in `dtype`; the kernels are
+  `model.kernels`'s "auto" for the devices of `mesh` (default jax.devices())."""
   from ict_jax.models.hf import load_pretrained
 
-  model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh)
+  kernels = setup.resolve_kernels("auto", None if mesh is None else mesh.devices.flat)
+  model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh, kernels=kernels)
   return LoadedModel(model, os.path.basename(os.path.normpath(hf_dir)) or hf_dir, None, None)
 
 

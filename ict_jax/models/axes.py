@@ -47,14 +47,6 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def cpu_single_device() -> bool:
-  """XLA:CPU without a multi-device mesh: where the CPU-specific formulations are used (the
-  row-blocked ICT statistics, the decode LM head as multiply-and-reduce). Meshes and
-  accelerators keep the plain ones, so the CPU-mesh tests exercise what a TPU pod runs."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return jax.default_backend() == "cpu" and (mesh.empty or mesh.size == 1)
-
-
 _RULES_STACK: list[tuple[tuple[str, tuple[str, ...]], ...]] = [DEFAULT_RULES]
 
 

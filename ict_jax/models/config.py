@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ict_jax.cpu_paths import KERNELS
+
 _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
 ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
@@ -37,6 +39,10 @@ class Qwen2Config:
   # "splash" (the Pallas TPU kernel). A concrete choice: the run config's "auto" is resolved
   # from the mesh's devices in `setup.model_config`. The KV-cache path is always the einsum.
   attention: str = "einsum"
+  # the kernels' formulation (`ict_jax.cpu_paths`): "portable" (TPU, GPU, any mesh: what the
+  # reference tests check) or "cpu" (XLA:CPU on one device). A concrete choice: the run config's
+  # "auto" is resolved from the mesh's devices in `setup.model_config`.
+  kernels: str = "portable"
 
   def __post_init__(self):
     for name in (
@@ -64,6 +70,8 @@ class Qwen2Config:
       raise ValueError(f"Qwen2Config.remat_policy: expected one of {REMAT_POLICIES}, " f"got {self.remat_policy!r}")
     if self.attention not in ATTENTION:
       raise ValueError(f"Qwen2Config.attention: expected one of {ATTENTION}, got {self.attention!r}")
+    if self.kernels not in KERNELS:
+      raise ValueError(f"Qwen2Config.kernels: expected one of {KERNELS}, got {self.kernels!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"Qwen2Config.{name}: expected one of {_DTYPES}, got {getattr(self, name)!r}")

@@ -165,15 +165,24 @@ def _open(file: str, handles: dict):
 
 
 def load_pretrained(
-    path: str, dtype=jnp.float32, *, param_dtype=None, mesh=None, remat_policy: str = "none", attention: str = "einsum"
+    path: str,
+    dtype=jnp.float32,
+    *,
+    param_dtype=None,
+    mesh=None,
+    remat_policy: str = "none",
+    attention: str = "einsum",
+    kernels: str = "portable",
 ) -> Qwen2:
   """Load a local Hugging Face Qwen2/Qwen2.5 folder into a `Qwen2` model.
 
   dtype: compute dtype; param_dtype: storage dtype (default: dtype). With `mesh`, each
-  parameter is created directly in its `NamedSharding` from the logical-axis rules."""
+  parameter is created directly in its `NamedSharding` from the logical-axis rules.
+  remat_policy, attention, kernels: concrete `Qwen2Config` choices (`setup.resolve_kernels`
+  turns "auto" into one for a set of devices)."""
   dt = jnp.dtype(dtype).name
   pdt = jnp.dtype(param_dtype or dtype).name
-  cfg = read_config(path, dtype=dt, param_dtype=pdt, remat_policy=remat_policy, attention=attention)
+  cfg = read_config(path, dtype=dt, param_dtype=pdt, remat_policy=remat_policy, attention=attention, kernels=kernels)
   where = _weight_files(path)
   abstract = abstract_model(cfg)
   graphdef, state = nnx.split(abstract)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ict_jax.models.attention import attend
-from ict_jax.models.axes import constrain, cpu_single_device
+from ict_jax.models.axes import constrain
 from ict_jax.models.config import Qwen2Config
 
 Array = jax.Array
@@ -234,23 +234,9 @@ class Qwen2(nnx.Module):
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
   def next_token_logits(self, h: Array) -> Array:
-    """h [B, D] (after the final norm, one position per row) -> float32 logits laid out [V, B].
-
-    Vocabulary-major, so the sampler's reductions over the vocabulary stream through memory.
-    On XLA:CPU without a mesh, for a tied head with few rows and a narrow hidden size, the head
-    is a multiply-and-reduce over D: there XLA's GEMM was 1.1-1.35x slower than the loop, which
-    streams the [V, D] table once with the rows in cache (V 151936, 2 cores: D 128-256 with
-    B 8-16; at D 64 or 512, or B 32, the GEMM was as fast or faster). Same float32 accuracy."""
-    w, vocab_major = self.head_weight()
-    b, d = h.shape
-    if vocab_major and b <= 16 and 128 <= d <= 256 and cpu_single_device():
-      f32 = jnp.float32
-      logits = jnp.sum(w[:, None, :].astype(f32) * h.astype(f32)[None], axis=-1)
-    else:
-      logits = jnp.einsum(
-          "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32
-      )
-    return constrain(logits, ("act_vocab", "act_batch"))
+    """h [B, D] (after the final norm, one position per row) -> float32 logits [B, V]: the decode
+    step's head (`cpu_paths.head_logits` is XLA:CPU's formulation, laid out [V, B])."""
+    return self.logits_from_hidden(h[:, None])[:, 0]
 
   def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
     """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype)."""
