@@ -30,6 +30,7 @@ from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.config import OptimConfig  # noqa: E402
 from ict_jax.models.config import Qwen2Config  # noqa: E402
 from ict_jax.models.qwen2 import init_model  # noqa: E402
+from ict_jax.setup import resolve_kernels  # noqa: E402
 
 G = 8
 
@@ -74,6 +75,7 @@ def main(argv=None) -> dict:
       num_attention_heads=4,
       num_key_value_heads=2,
       max_position_embeddings=args.prompt + args.max_new,
+      kernels=resolve_kernels("auto"),  # "cpu" on one CPU device, as a run resolves it
   )
   graphdef, params = nnx.split(init_model(cfg, seed=0))
   opt = ts.make_optimizer(OptimConfig(learning_rate=1e-6), 100)

@@ -237,7 +237,7 @@ def child_jax(args) -> dict:
   if cfg is None:
     from ict_jax.models.hf import load_pretrained
 
-    model = load_pretrained(os.path.join(args.workdir, "weights"), dtype=mcfg.dtype)
+    model = load_pretrained(os.path.join(args.workdir, "weights"), dtype=mcfg.dtype, kernels=mcfg.kernels)
     optim = OptimConfig(learning_rate=1e-6, max_grad_norm=1.0)
   else:
     from ict_jax.models.qwen2 import init_model
