@@ -29,25 +29,32 @@ CFG = {
 }
 V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
 
-# name -> (model, target, extra aot arguments); the order is the order they are compiled in.
+# name -> (model, target, extra aot arguments); the order is the order they are compiled in: the
+# recipes README.md and launch/README.md show first, then the rest of their mesh table.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
-    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
-    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
     "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "1.5b_h100-8": ("1.5B", "h100-8", []),
-    "0.5b_h100-8": ("0.5B", "h100-8", []),
-    "7b_h100-8": ("7B", "h100-8", []),
     "1.5b_v5p-32": ("1.5B", "v5p-32", []),
     "7b_v5p-32": ("7B", "v5p-32", []),
+    "7b_h100-8": ("7B", "h100-8", []),
+    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
+    "1.5b_h100-8": ("1.5B", "h100-8", []),
     "0.5b_v5p-32": ("0.5B", "v5p-32", []),
+    "0.5b_h100-8": ("0.5B", "h100-8", []),
     "1.5b_h200-8": ("1.5B", "h200-8", []),
-    "0.5b_h200-8": ("0.5B", "h200-8", []),
     "7b_h200-8": ("7B", "h200-8", []),
+    "0.5b_h200-8": ("0.5B", "h200-8", []),
+    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
+    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
 }
+# the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
+PARTS = ("train", "sample")
 
 
-def command(name: str) -> list[str]:
+def _path(name: str, part: str) -> str:
+  return os.path.join(OUT_DIR, f"{name}.{part}.json")
+
+
+def command(name: str, part: str) -> list[str]:
   model, target, extra = RUNS[name]
   return [
       "python",
@@ -58,17 +65,19 @@ def command(name: str) -> list[str]:
       "--target",
       target,
       *extra,
+      "--part",
+      part,
       "--json",
-      f"benchmarks/results/aot/{name}.json",
+      f"benchmarks/results/aot/{name}.{part}.json",
   ]
 
 
-def run(name: str) -> None:
-  path = os.path.join(OUT_DIR, f"{name}.json")
+def run(name: str, part: str) -> None:
+  path = _path(name, part)
   if os.path.exists(path):
-    print(f"{name}: have {os.path.relpath(path, ROOT)}")
+    print(f"{name}.{part}: have {os.path.relpath(path, ROOT)}")
     return
-  cmd = command(name)
+  cmd = command(name, part)
   print(f"{name}: {' '.join(cmd)}", flush=True)
   t0 = time.perf_counter()
   proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True)
@@ -98,7 +107,9 @@ def table(reports: dict[str, dict]) -> str:
     model, target, _ = RUNS[name]
     r = reports.get(name)
     if r is None:
-      rows.append(f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name))}`) " "| | | |")
+      rows.append(
+          f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name, 'train'))}`) " "| | | |"
+      )
       continue
     s, c = r["shapes"], r["collectives"]
     mesh = s["mesh"]
@@ -132,7 +143,7 @@ def write_results(reports: dict[str, dict]) -> None:
   with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
     json.dump(reports, f, indent=1, sort_keys=True)
   text = open(RESULTS_MD).read()
-  block = f"{BEGIN}\n{table(reports)}\n{END}"
+  block = f"{BEGIN}\n{table(reports['train'])}\n{END}"
   if BEGIN in text:
     head, rest = text.split(BEGIN, 1)
     text = head + block + rest.split(END, 1)[1]
@@ -142,9 +153,22 @@ def write_results(reports: dict[str, dict]) -> None:
     f.write(text)
 
 
+def load_reports() -> dict[str, dict[str, dict]]:
+  """{part: {name: report}} of every JSON in OUT_DIR."""
+  reports: dict[str, dict[str, dict]] = {part: {} for part in PARTS}
+  for part in PARTS:
+    for name in RUNS:
+      if os.path.exists(_path(name, part)):
+        with open(_path(name, part)) as f:
+          reports[part][name] = json.load(f)
+        reports[part][name].setdefault("command", " ".join(command(name, part)))  # a run by hand
+  return reports
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
+  ap.add_argument("--part", default="both", choices=(*PARTS, "both"), help="which programs to compile")
   ap.add_argument("--table_only", action="store_true", help="compile nothing; rewrite the table")
   args = ap.parse_args()
   names = [n for n in args.only.split(",") if n] or list(RUNS)
@@ -152,18 +176,14 @@ def main() -> None:
   if unknown:
     sys.exit(f"aot_table: unknown run(s) {unknown}; runs are {list(RUNS)}")
   os.makedirs(OUT_DIR, exist_ok=True)
+  parts = PARTS if args.part == "both" else (args.part,)
   if not args.table_only:
-    for name in names:
-      run(name)
-  reports = {}
-  for name in RUNS:
-    path = os.path.join(OUT_DIR, f"{name}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        reports[name] = json.load(f)
-      reports[name].setdefault("command", " ".join(command(name)))  # a run started by hand
+    for part in parts:
+      for name in names:
+        run(name, part)
+  reports = load_reports()
   write_results(reports)
-  print(table(reports))
+  print(table(reports["train"]))
 
 
 if __name__ == "__main__":
