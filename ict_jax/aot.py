@@ -44,6 +44,7 @@ if os.path.isdir(LIBS_DIR) and LIBS_DIR not in sys.path:
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -52,10 +53,15 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from ict_jax import sampling  # noqa: E402
+from ict_jax import setup as setup_lib  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.config import Config, ConfigError  # noqa: E402
+from ict_jax.models.axes import axis_rules, logical_to_spec  # noqa: E402
+from ict_jax.models.qwen2 import LayerCache  # noqa: E402
 from ict_jax.sampling import bucket_length  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, model_config  # noqa: E402
 
@@ -154,15 +160,34 @@ class Report:
   shapes: dict[str, Any] = dataclasses.field(default_factory=dict)
   error: str = ""
   advice: str = ""
+  # bytes other buffers hold on each device while this program runs (the sampler: the train
+  # state, which stays on the devices during the rollout); fits = peak + resident <= usable HBM
+  resident_bytes: int = 0
+  # the sampler: rows decoded at once (rollout.decode_batch_size resolved as the trainer does),
+  # the bytes one decode step reads and writes (`cost_analysis()` of the step alone) and their
+  # minimum (the rollout-dtype weights + the sub-batch's KV cache, per device)
+  decode_batch_size: int | None = None
+  decode_step_bytes: float | None = None
+  decode_step_min_bytes: int | None = None
 
   @property
   def margin_bytes(self) -> int | None:
     if self.peak_bytes_per_device is None:
       return None
-    return self.hbm_bytes_per_device - self.peak_bytes_per_device
+    return self.hbm_bytes_per_device - self.peak_bytes_per_device - self.resident_bytes
+
+  @property
+  def decode_bytes_ratio(self) -> float | None:
+    if not self.decode_step_bytes or not self.decode_step_min_bytes:
+      return None
+    return self.decode_step_bytes / self.decode_step_min_bytes
 
   def to_json(self) -> dict:
-    return {**dataclasses.asdict(self), "margin_bytes": self.margin_bytes}
+    return {
+        **dataclasses.asdict(self),
+        "margin_bytes": self.margin_bytes,
+        "decode_bytes_ratio": self.decode_bytes_ratio,
+    }
 
 
 # ---- the target's devices --------------------------------------------------------------------
@@ -239,13 +264,14 @@ def _parse_oom(msg: str) -> tuple[int | None, int | None]:
   return (int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)]))
 
 
-def measure(lowered, target: Target, *, program: str, advice: str = "") -> Report:
+def measure(lowered, target: Target, *, program: str, advice: str = "", resident: int = 0) -> Report:
   """Compile `lowered` (a `jax.stages.Lowered` for `target`'s devices) and read its memory.
 
   Peak per device = arguments + outputs - aliased (donated) + temporaries + generated code;
   fits = compiled and peak <= usable HBM. libtpu has been seen to accept a program whose peak so
   counted exceeds its usable HBM (1.5B on v5e-8, micro-batch 32: 17.03 vs 15.75 GiB); such a
-  program is reported as not fitting, with `compiler_accepted` true."""
+  program is reported as not fitting, with `compiler_accepted` true. `resident`: bytes per device
+  that other buffers hold meanwhile (counted against the usable HBM, not in the peak)."""
   t0 = time.perf_counter()
   try:
     compiled = lowered.compile()
@@ -265,6 +291,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
         compile_s=time.perf_counter() - t0,
         error=first.strip()[:500],
         advice=advice,
+        resident_bytes=resident,
     )
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
@@ -275,7 +302,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
       + mem.temp_size_in_bytes
       + mem.generated_code_size_in_bytes
   )
-  fits = peak <= target.usable_hbm
+  fits = peak + resident <= target.usable_hbm
   return Report(
       program,
       target.name,
@@ -291,6 +318,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
       compile_s=compile_s,
       collectives=count_collectives(compiled.as_text()),
       advice="" if fits else advice,
+      resident_bytes=resident,
   )
 
 
@@ -342,20 +370,29 @@ def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dic
   return shapes
 
 
-def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
-  """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
-  data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
+@dataclasses.dataclass
+class _Setup:
+  """What the trainer builds before its first step, abstract, on the target's mesh."""
+
+  cfg: Config
+  mesh: Any
+  mcfg: Any
+  note: str
+  graphdef: Any
+  params: Any  # abstract float32 parameters (pure dict of ShapeDtypeStructs with shardings)
+  optimizer: Any
+  state_sharding: Any
+  state: Any  # abstract TrainState
+
+
+def _setup(cfg: Config, target: Target) -> _Setup:
   devices = target_devices(target)
   cfg, note = _without_missing_model_path(cfg)
-  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
-  completion_len = completion_len or cfg.rollout.max_new_tokens
   try:
     mesh = make_mesh(cfg, devices=devices)
   except ConfigError as e:
     raise AotError(f"--target {target.name} has {target.chips} chips: {e}") from None
-  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-  mb = cfg.train.micro_batch_size or rows
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  mb = cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size
   try:  # the trainer's own check, named for the target
     ts.check_micro_batch(mb, mesh)
   except ValueError as e:
@@ -367,6 +404,20 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
   state = ts.abstract_train_state(optimizer, params, state_sharding)
+  return _Setup(cfg, mesh, mcfg, note, graphdef, params, optimizer, state_sharding, state)
+
+
+def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
+  """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
+  data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note, graphdef, params = su.cfg, su.mesh, su.mcfg, su.note, su.graphdef, su.params
+  optimizer, state_sharding, state = su.optimizer, su.state_sharding, su.state
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  completion_len = completion_len or cfg.rollout.max_new_tokens
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  mb = cfg.train.micro_batch_size or rows
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
   batch = {
       k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
@@ -407,8 +458,143 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
 
 
 # ---- the sampler -----------------------------------------------------------------------------
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of the arrays (or ShapeDtypeStructs with shardings) of `tree`: the
+  shard shape of each leaf; a leaf without a sharding counts whole."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, top_p, *, graphdef, prompt_len, kw):
+  """One step of the sampler's decode loop (`sampling._decode_rows`'s while-loop body, without
+  writing the outputs): token i - 1 [b] in, its KV written at slot prompt_len + i - 1, token i
+  sampled."""
+  model = nnx.merge(graphdef, state)
+  b = tok.shape[0]
+  h, cache = model.hidden_states(
+      tok[:, None],
+      jnp.ones((b, 1), jnp.int32),
+      positions=(num_prompt + i - 1)[:, None],
+      cache=cache,
+      cache_index=prompt_len + i - 1,
+      kv_mask=kv_mask,
+  )
+  logits = model.next_token_logits(h[:, 0])  # [V, b]
+  tok, _ = sampling._sample_step(logits.T, jax.random.fold_in(rng, i), temperature, top_p, **kw)
+  return tok, cache
+
+
+def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache:
+  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout."""
+  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim)
+  names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
+  with axis_rules(sampling.DECODE_RULES):
+    spec = logical_to_spec(names, shape, dict(mesh.shape))
+  struct = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return LayerCache(struct, struct)
+
+
+def compile_decode_step(policy, mesh, cache: LayerCache, prompt_len: int, sample_kw: dict):
+  """`_decode_step` compiled for `mesh` (the cache donated, as the loop carries it in place)."""
+  batch, cache_len = cache.k.shape[1], cache.k.shape[3]
+  rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
+  sds = jax.ShapeDtypeStruct
+  args = (
+      policy.state,
+      cache,
+      sds((batch,), jnp.int32, sharding=rows),  # the last token
+      sds((batch,), jnp.int32, sharding=rows),  # prompt lengths
+      sds((), jnp.int32, sharding=repl),  # i
+      sds((batch, cache_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"), None))),
+      sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+  )
+  step = jax.jit(
+      functools.partial(_decode_step, graphdef=policy.graphdef, prompt_len=prompt_len, kw=sample_kw),
+      donate_argnums=(1,),
+  )
+  with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES):
+    return step.lower(*args).compile()
+
+
 def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
-  raise AotError("--part sample: not implemented yet")
+  """Compile the rollout's sampler (`sampling.lower_generate`) for `target` as the trainer runs
+  it: the rollout copy of the policy (`rollout.dtype`, the decoding layout), all
+  prompts_per_step x group_size rows in sub-batches of `rollout.decode_batch_size` ("auto" sized
+  from what the target's HBM leaves free next to the train state and the rollout copy, as
+  `sampling.resolve_decode_batch_size` sizes it from the devices' memory statistics). Fits when
+  its peak plus the train state (which stays on the devices meanwhile) is within the usable HBM.
+  Then the decode step alone is compiled for its `cost_analysis()` bytes accessed."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note = su.cfg, su.mesh, su.mcfg, su.note
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  new_len = bucket_length(completion_len or cfg.rollout.max_new_tokens)
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  dtype = setup_lib.rollout_dtype(cfg, mesh)
+  policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)
+  resident = bytes_per_device(su.state) + (bytes_per_device(su.params) if cfg.loss.beta > 0 else 0)
+  policy_bytes = bytes_per_device(policy.state)
+  free = target.usable_hbm - resident - policy_bytes
+  dbs = setup_lib.decode_batch_size(cfg)
+  try:
+    if dbs == "auto" and free <= 0:
+      raise ValueError(f"decode_batch_size=auto: no memory is free next to the train state and the rollout copy")
+    if dbs == "auto":
+      row_bytes = sampling.decode_row_bytes(mcfg, prompt_len + new_len, mesh, dtype)
+      sub = sampling.auto_decode_batch_size(rows, shards, row_bytes, free)
+    else:
+      sub = sampling.resolve_decode_batch_size(
+          dbs, rows, cfg=mcfg, cache_len=prompt_len + new_len, mesh=mesh, dtype=dtype
+      )
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
+  sub_batches = rows // sub
+  per_sub = -(-sub // shards) * shards  # `generate` pads each sub-batch to a multiple of the shards
+  greedy = cfg.rollout.temperature == 0
+  sample_kw = dict(greedy=greedy, top_k=min(cfg.rollout.top_k, mcfg.vocab_size), use_top_p=cfg.rollout.top_p < 1.0)
+  lowered = sampling.lower_generate(
+      policy, sub_batches * per_sub, prompt_len, new_len, mesh=mesh, decode_batch_size=per_sub, **sample_kw
+  )
+  advice = (
+      f"lower --config.rollout.decode_batch_size (now {sub} of {rows} rows; it must divide them), or "
+      f"rollout.max_new_tokens (now {new_len}), or spread the model over more chips (config.mesh)"
+  )
+  report = measure(lowered, target, program="sampler", advice=advice, resident=resident)
+  report.decode_batch_size = sub
+  # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
+  # is not per step; this is the body as its own program, its cache donated (updated in place)
+  cache = decode_cache(mcfg, mesh, per_sub, prompt_len + new_len, dtype)
+  try:
+    costs = compile_decode_step(policy, mesh, cache, prompt_len, sample_kw).cost_analysis()
+  except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
+    costs, report.error = None, (report.error or f"decode step: {' '.join(str(e).split())[:300]}")
+  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+  if costs and costs.get("bytes accessed"):
+    report.decode_step_bytes = float(costs["bytes accessed"])
+  report.decode_step_min_bytes = policy_bytes + bytes_per_device(cache)
+  report.shapes = dict(
+      rows=rows,
+      decode_batch_size=sub,
+      sub_batches=sub_batches,
+      rows_per_device=per_sub // shards,
+      prompt_len=prompt_len,
+      completion_len=new_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=dtype,
+      param_dtype=dtype,
+      rollout_policy_bytes=policy_bytes,
+      kv_cache_bytes=bytes_per_device(cache),
+      note=note,
+  )
+  return report
 
 
 # ---- the report as text ----------------------------------------------------------------------
@@ -418,12 +604,21 @@ def _gib(n: int | None) -> str:
 
 def format_report(r: Report, target: Target) -> str:
   s = r.shapes
-  lines = [
-      f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
-      f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
-      f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
-      f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"
-  ]
+  if r.program == "sampler":
+    head = (
+        f"sampler on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): {s.get('model')} "
+        f"({s.get('num_params', 0):,} params, {s.get('dtype')} rollout copy), {s.get('rows')} rows x "
+        f"({s.get('prompt_len')} + {s.get('completion_len')}) tokens, decode batch "
+        f"{s.get('decode_batch_size')} ({s.get('sub_batches')} sub-batches, {s.get('rows_per_device')} rows a chip)"
+    )
+  else:
+    head = (
+        f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
+        f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
+        f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
+        f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"
+    )
+  lines = [head]
   if s.get("note"):
     lines.append(f"  note: {s['note']}")
   if s.get("method") == "ict" and 0 < s.get("rows_per_shard", 0) < s.get("group_size", 0):
@@ -435,7 +630,9 @@ def format_report(r: Report, target: Target) -> str:
       f"  per chip: arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
       f"(aliased {_gib(r.alias_bytes)}), temporaries {_gib(r.temp_bytes)}, generated code "
       f"{_gib(r.generated_code_bytes)}",
-      f"  peak {_gib(r.peak_bytes_per_device)} of {_gib(r.hbm_bytes_per_device)} usable HBM: "
+      f"  peak {_gib(r.peak_bytes_per_device)}"
+      + (f" (+ {_gib(r.resident_bytes)} of train state held meanwhile)" if r.resident_bytes else "")
+      + f" of {_gib(r.hbm_bytes_per_device)} usable HBM: "
       + (
           f"fits, margin {_gib(r.margin_bytes)}"
           if r.fits
@@ -455,10 +652,20 @@ def format_report(r: Report, target: Target) -> str:
         else "  collectives: none"
     )
   flops = r.model_flops_per_step
-  lines.append(
-      f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
-      f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)"
-  )
+  if r.program != "sampler":
+    lines.append(
+        f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
+        f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)"
+    )
+  if r.decode_step_min_bytes:
+    floor_s = r.decode_step_min_bytes / (target.hbm_tb_s * 1e12)
+    got = "n/a" if r.decode_step_bytes is None else _gib(r.decode_step_bytes)
+    ratio = "n/a" if r.decode_bytes_ratio is None else f"{r.decode_bytes_ratio:.2f}x"
+    lines.append(
+        f"  one decode step reads/writes {got} a chip, {ratio} the minimum {_gib(r.decode_step_min_bytes)} "
+        f"(rollout weights {_gib(s.get('rollout_policy_bytes'))} + KV cache {_gib(s.get('kv_cache_bytes'))}; "
+        f"{floor_s * 1e3:.2f} ms at {target.hbm_tb_s:g} TB/s)"
+    )
   if r.error:
     lines.append(f"  {r.error}")
   if not r.fits and r.advice:
@@ -488,6 +695,13 @@ def main(argv=None) -> None:
   )
   flags.DEFINE_integer("prompt_len", 0, "prompt columns (0: the bucket of data.max_prompt_len)", flag_values=fl)
   flags.DEFINE_string("json", "", "also write the report here as JSON", flag_values=fl)
+  flags.DEFINE_float(
+      "hbm_gib",
+      0.0,
+      "usable HBM per chip in GiB for the fit test and rollout.decode_batch_size=auto (0: the "
+      "target's; less leaves headroom for other buffers)",
+      flag_values=fl,
+  )
   flags.DEFINE_enum("part", "both", PARTS, "train: the train step; sample: the sampler; both: both", flag_values=fl)
   argv = sys.argv if argv is None else argv
   try:
@@ -509,7 +723,11 @@ def main(argv=None) -> None:
     _fail(f"--target {fl.target!r}: unknown; expected one of {', '.join(TARGETS)}")
   if fl.completion_len < 0 or fl.prompt_len < 0:
     _fail("--completion_len and --prompt_len must be >= 0")
+  if fl.hbm_gib < 0:
+    _fail(f"--hbm_gib must be >= 0, got {fl.hbm_gib}")
   target = TARGETS[fl.target]
+  if fl.hbm_gib:
+    target = dataclasses.replace(target, usable_hbm=int(fl.hbm_gib * GiB))
   reports = []
   try:
     cfg = config_lib.validate(cd)
