@@ -8,7 +8,8 @@ The decoder stack is one `DecoderLayer` whose parameters are stacked on a leadin
 (L, logical name "layers"), run by `jax.lax.scan`: XLA compiles one layer, not L copies. A named
 remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train step.
 The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
-stacked like the parameters, [L, B, K, S, H], and scanned with them.
+stacked like the parameters, [L, B, K, S, H], and carried through the layer scan (each layer
+writes its new positions in place and reads its own slice by index).
 """
 
 from __future__ import annotations
@@ -116,12 +117,15 @@ class Attention(nnx.Module):
       cache: LayerCache | None,
       cache_index: Array | None,
       prefill: bool = False,
+      layer: Array | None = None,
   ):
-    """x [B,T,D] -> ([B,T,D], new cache). Without a cache, or with `prefill` (an empty cache:
-    the T new keys/values are written at cache_index and nothing before them is visible),
-    `mask` is the attention mask [B,T] and `cfg.attention` names the implementation
-    (`models/attention.py`); when decoding with a cache, `mask` is the additive bias
-    [B,1,1,T,S] of the einsum over the S cache slots."""
+    """x [B,T,D] -> ([B,T,D], new cache). `cache` is the whole stack [L,B,K,S,H] and `layer`
+    (an int32 scalar) this layer's index in it: the T new keys/values are written in place at
+    [layer, :, :, cache_index, :] and only this layer's [B,K,S,H] is read, so a decode step
+    moves the new positions, not the cache. Without a cache, or with `prefill` (an empty cache:
+    nothing before the T tokens is visible), `mask` is the attention mask [B,T] and
+    `cfg.attention` names the implementation (`models/attention.py`); when decoding with a
+    cache, `mask` is the additive bias [B,1,1,T,S] of the einsum over the S cache slots."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -131,16 +135,19 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is not None:  # write the T new keys/values at cache_index
-      to_cache = lambda x: jnp.swapaxes(x, 1, 2).astype(cache.k.dtype)  # [B,T,K,H] -> [B,K,T,H]
+    if cache is not None:  # write the T new keys/values at [layer, :, :, cache_index, :]
+      zero = jnp.zeros((), jnp.int32)
+      start = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+      to_cache = lambda x: jnp.swapaxes(x, 1, 2)[None].astype(cache.k.dtype)  # [B,T,K,H] -> [1,B,K,T,H]
       cache = LayerCache(
-          jax.lax.dynamic_update_slice_in_dim(cache.k, to_cache(k), cache_index, axis=2),
-          jax.lax.dynamic_update_slice_in_dim(cache.v, to_cache(v), cache_index, axis=2),
+          jax.lax.dynamic_update_slice(cache.k, to_cache(k), start),
+          jax.lax.dynamic_update_slice(cache.v, to_cache(v), start),
       )
     if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
       out = attend(q, k, v, mask, cfg.attention)
-    else:  # decoding: attend to all S cache slots
-      k, v = cache.k.astype(dt), cache.v.astype(dt)  # heads-major: the dots need no transpose
+    else:  # decoding: attend to all S cache slots of this layer, [B,K,S,H]
+      read = lambda c: jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False).astype(dt)
+      k, v = read(cache.k), read(cache.v)  # heads-major: the dots need no transpose
       b, t = q.shape[:2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
       scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim**-0.5
@@ -178,8 +185,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache, cache_index, prefill: bool = False):
-    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, prefill)
+  def __call__(self, x, cos, sin, mask, cache, cache_index, prefill: bool = False, layer=None):
+    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, prefill, layer)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), cache
@@ -255,19 +262,30 @@ class Qwen2(nnx.Module):
     return LayerCache(zeros(), zeros())
 
   def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False):
-    """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters (and the
-    stacked cache [L, B, K, S, H] when given) -> (x [B, T, D], new cache or None). Without a
-    cache (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
+    """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters -> (x [B, T, D],
+    new cache or None). The stacked cache [L, B, K, S, H] rides in the scan's carry, not in its xs /
+    ys: each layer writes its T new positions into it in place (`dynamic_update_slice`, which XLA
+    aliases for a loop carry) and reads its own [B, K, S, H] by dynamic index, so a decode step
+    touches the cache once instead of slicing it out and re-stacking all of it. Without a cache
+    (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
     graphdef, state = nnx.split(self.layers)
+    if cache is None:
 
-    def layer(x, xs):
-      layer_state, layer_cache = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, layer_cache, cache_index, prefill)
+      def layer(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, None)[0], None
 
-    policy = self.cfg.remat_policy
-    if cache is None and policy != "none":
-      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
-    return jax.lax.scan(layer, x, (state, cache))
+      policy = self.cfg.remat_policy
+      if policy != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+      return jax.lax.scan(layer, x, state)[0], None
+
+    def cached_layer(carry, xs):
+      x, cache = carry
+      layer_state, index = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, cache, cache_index, prefill, index), None
+
+    index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+    return jax.lax.scan(cached_layer, (x, cache), (state, index))[0]
 
   def hidden_states(
       self,
