@@ -1,12 +1,14 @@
 """The paper configs compiled for their targets with `python -m ict_jax.aot` -> a memory table.
 
-    python benchmarks/aot_table.py [--only NAME,NAME] [--table_only]
+    python benchmarks/aot_table.py [--only NAME,NAME] [--part train|sample|both] [--table_only]
 
-Each run in RUNS is one `python -m ict_jax.aot` process (one at a time; a 1.5B / 7B compile takes
-minutes and GBs of host memory) whose JSON goes to benchmarks/results/aot/NAME.json, command
-included; a run whose JSON exists is not compiled again (delete it to redo). Then the markdown
-table of every JSON there is written between the AOT-TABLE markers of benchmarks/RESULTS.md and
-all reports into benchmarks/results/aot.json. Runs without a JSON are listed as not measured.
+Each run in RUNS and part (the train step, the sampler) is one `python -m ict_jax.aot --part PART`
+process (one at a time; a 1.5B / 7B compile takes minutes and GBs of host memory) whose JSON goes
+to benchmarks/results/aot/NAME.PART.json, command included; a JSON that exists is not compiled
+again (delete it to redo). Then the tables of every JSON there are written between the AOT-TABLE
+markers of benchmarks/RESULTS.md, the short recipe table between the AOT-RECIPES markers of
+README.md and launch/README.md, and all reports into benchmarks/results/aot.json. Runs without a
+JSON are listed as not measured.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "aot")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 BEGIN, END = "<!-- AOT-TABLE BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-TABLE END -->"
+RECIPE_READMES = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "launch", "README.md")]
+RECIPES_BEGIN, RECIPES_END = "<!-- AOT-RECIPES BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-RECIPES END -->"
 CFG = {
     "0.5B": "configs/qwen2_5_0_5b_math.py",
     "1.5B": "configs/qwen2_5_1_5b_math.py",
@@ -48,6 +52,8 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 }
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
+# runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
+SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16"}
 
 
 def _path(name: str, part: str) -> str:
@@ -73,6 +79,8 @@ def command(name: str, part: str) -> list[str]:
 
 
 def run(name: str, part: str) -> None:
+  if part == "sample" and name in SAME_SAMPLER:
+    return
   path = _path(name, part)
   if os.path.exists(path):
     print(f"{name}.{part}: have {os.path.relpath(path, ROOT)}")
@@ -113,14 +121,7 @@ def table(reports: dict[str, dict]) -> str:
       continue
     s, c = r["shapes"], r["collectives"]
     mesh = s["mesh"]
-    accepted = r.get("compiler_accepted", bool(c))  # reports before the key: compiled = counted
-    fit = (
-        f"yes ({_gib(r['margin_bytes'])})"
-        if r["fits"]
-        else "**no** (compiled, but peak > usable)"
-        if accepted
-        else "**no** (compiler: out of memory)"
-    )
+    fit = _fit(r)
     coll = (
         " / ".join(
             str(c.get(k, 0)) for k in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -139,18 +140,105 @@ def table(reports: dict[str, dict]) -> str:
   return "\n".join(rows)
 
 
-def write_results(reports: dict[str, dict]) -> None:
-  with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
-    json.dump(reports, f, indent=1, sort_keys=True)
-  text = open(RESULTS_MD).read()
-  block = f"{BEGIN}\n{table(reports['train'])}\n{END}"
-  if BEGIN in text:
-    head, rest = text.split(BEGIN, 1)
-    text = head + block + rest.split(END, 1)[1]
+def _fit(r: dict) -> str:
+  if r["fits"]:
+    return f"yes ({_gib(r['margin_bytes'])})"
+  accepted = r.get("compiler_accepted", bool(r.get("collectives")))  # older reports: compiled = counted
+  return "**no** (compiled, but peak > usable)" if accepted else "**no** (compiler: out of memory)"
+
+
+def _ratio(r: dict) -> str:
+  x = r.get("decode_bytes_ratio")
+  return "—" if x is None else f"{x:.2f}"
+
+
+def sampler_table(reports: dict[str, dict]) -> str:
+  """The sampler reports (`ict_jax.aot --part sample`): bytes per chip."""
+  rows = [
+      "| model | target | mesh (data, fsdp, tensor) | rollout dtype | decode batch (rows a chip) | tokens / row "
+      "| rollout weights | KV cache | args | temps | peak | + train state | usable HBM | fits (margin) | compile s "
+      "| decode step bytes | minimum (weights + KV) | ratio |",
+      "|" + "---|" * 18,
+  ]
+  for name in RUNS:
+    model, target, _ = RUNS[name]
+    r = reports.get(name)
+    if r is None:
+      rows.append(
+          f"| {model} | {target} |" + " |" * 12 + f" **not measured** (`{' '.join(command(name, 'sample'))}`) | | | |"
+      )
+      continue
+    r = r["sampler"]
+    s, mesh = r["shapes"], r["shapes"]["mesh"]
+    rows.append(
+        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | {s['dtype']} | "
+        f"{r['decode_batch_size']} ({s['rows_per_device']}) | {s['prompt_len']} + {s['completion_len']} | "
+        f"{_gib(s['rollout_policy_bytes'])} | {_gib(s['kv_cache_bytes'])} | {_gib(r.get('argument_bytes'))} | "
+        f"{_gib(r.get('temp_bytes'))} | {_gib(r['peak_bytes_per_device'])} | {_gib(r['resident_bytes'])} | "
+        f"{_gib(r['hbm_bytes_per_device'])} | {_fit(r)} | {r['compile_s']:.0f} | {_gib(r.get('decode_step_bytes'))} | "
+        f"{_gib(r.get('decode_step_min_bytes'))} | {_ratio(r)} |"
+    )
+  return "\n".join(rows)
+
+
+def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
+  """The short table README.md and launch/README.md show: per recipe, does each program fit."""
+  rows = [
+      "| model | target | mesh (data, fsdp, tensor) | micro-batch | train step: peak / usable GiB a chip, fits "
+      "| decode batch | sampler: peak + train state / usable GiB, fits | decode step bytes / minimum |",
+      "|" + "---|" * 8,
+  ]
+  for name in RUNS:
+    model, target, _ = RUNS[name]
+    t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
+    if t is None and r is None:
+      continue
+    r = r and r["sampler"]
+    mesh = (t or r)["shapes"]["mesh"]
+    train = (
+        "not measured"
+        if t is None
+        else f"{_gib(t['peak_bytes_per_device'])} / {_gib(t['hbm_bytes_per_device'])}, "
+        + ("yes" if t["fits"] else "**no**")
+    )
+    sample = (
+        "not measured"
+        if r is None
+        else f"{_gib(r['peak_bytes_per_device'])} + {_gib(r['resident_bytes'])} / {_gib(r['hbm_bytes_per_device'])}, "
+        + ("yes" if r["fits"] else "**no**")
+    )
+    rows.append(
+        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | "
+        f"{t['shapes']['micro_batch_size'] if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
+        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} |"
+    )
+  return "\n".join(rows)
+
+
+def _replace_block(path: str, begin: str, end: str, body: str) -> None:
+  text = open(path).read()
+  block = f"{begin}\n{body}\n{end}"
+  if begin in text:
+    head, rest = text.split(begin, 1)
+    text = head + block + rest.split(end, 1)[1]
   else:
     text = text.rstrip("\n") + "\n\n" + block + "\n"
-  with open(RESULTS_MD, "w") as f:
+  with open(path, "w") as f:
     f.write(text)
+
+
+def write_results(reports: dict[str, dict[str, dict]]) -> None:
+  with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
+    json.dump(reports, f, indent=1, sort_keys=True)
+  body = (
+      f"Train step (`--part train`):\n\n{table(reports['train'])}\n\n"
+      f"Sampler (`--part sample`; bytes a chip; the train state stays on the chips while sampling):\n\n"
+      f"{sampler_table(reports['sample'])}"
+  )
+  _replace_block(RESULTS_MD, BEGIN, END, body)
+  for readme in RECIPE_READMES:  # only where the markers are: a README is not appended to
+    if RECIPES_BEGIN in open(readme).read():
+      _replace_block(readme, RECIPES_BEGIN, RECIPES_END, recipes_table(reports))
 
 
 def load_reports() -> dict[str, dict[str, dict]]:
@@ -183,7 +271,7 @@ def main() -> None:
         run(name, part)
   reports = load_reports()
   write_results(reports)
-  print(table(reports["train"]))
+  print(recipes_table(reports))
 
 
 if __name__ == "__main__":
