@@ -192,6 +192,7 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
     model, target, _ = RUNS[name]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
     if t is None and r is None:
+      rows.append(f"| {model} | {target} | | | not measured | | not measured | |")
       continue
     r = r and r["sampler"]
     mesh = (t or r)["shapes"]["mesh"]
