@@ -1,7 +1,9 @@
-"""`python -m ict_jax.aot`: compile the train step for an accelerator this machine does not have.
+"""`python -m ict_jax.aot`: compile the train step and the sampler for an accelerator this machine
+does not have.
 
     python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5p-32 \
-        [--config.train.micro_batch_size=32] [--completion_len 1024] [--json out.json]
+        [--config.train.micro_batch_size=32] [--part train|sample|both] [--completion_len 1024] \
+        [--hbm_gib 14] [--json out.json]
 
 Builds the abstract train state and batch with `jax.eval_shape` (no weight is allocated), with
 the shapes the trainer feeds: rows = prompts_per_step x group_size, prompt_ids/prompt_mask
@@ -18,6 +20,12 @@ so what compiles here is what runs there. Then it compiles for the target's devi
 Prints per chip: arguments, outputs, temporaries, generated code, the usable HBM, fits and the
 margin; compile seconds; the collectives of the optimised HLO by kind; model FLOPs per step
 (`Qwen2Config.flops_per_token` x tokens; not `cost_analysis()`, which counts a loop body once).
+The sampler (`compile_sampler`, --part sample): `sampling.lower_generate` for the rollout copy
+(`rollout.dtype`, decoding layout) at the trainer's decode batch (`rollout.decode_batch_size`,
+"auto" sized from the HBM the train state and the rollout copy leave free); it fits when its peak
+plus the train state (on the chips during the rollout) is within the usable HBM. Its decode step
+is compiled alone, layer scan unrolled, for `cost_analysis()` bytes accessed, reported against
+the minimum (rollout weights + KV cache per chip). --part both (default): exit 1 unless both fit.
 Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
 
 The compilers (libtpu, the CUDA plugin) print warnings or tracebacks at every plain CPU start
@@ -26,8 +34,8 @@ when installed next to JAX, so they live in their own folder that only this modu
     pip install --no-deps --target ~/.cache/ict_jax/aot-libs -r requirements-aot.txt
 (installed next to JAX, e.g. on a TPU VM or in CI, they are found there too).
 
-One function a compiled program (`compile_train_step`), each returning a `Report`; they share
-`target_devices` and `measure`.
+One function a compiled program (`compile_train_step`, `compile_sampler`), each returning a
+`Report`; they share `_setup`, `target_devices` and `measure`.
 """
 
 from __future__ import annotations
