@@ -616,6 +616,8 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
   costs = costs[0] if isinstance(costs, (list, tuple)) else costs
   if costs and costs.get("bytes accessed"):
     report.decode_step_bytes = float(costs["bytes accessed"])
+  elif not report.error:  # the CUDA plugin's compile-only executables have no cost analysis
+    note = "; ".join(n for n in (note, "decode step bytes: this compiler gives no cost analysis") if n)
   report.decode_step_min_bytes = policy_bytes + bytes_per_device(cache)
   report.shapes = dict(
       rows=rows,
