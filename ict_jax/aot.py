@@ -582,11 +582,17 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
   free = target.usable_hbm - resident - policy_bytes
   dbs = setup_lib.decode_batch_size(cfg)
   try:
-    if dbs == "auto" and free <= 0:
-      raise ValueError(f"decode_batch_size=auto: no memory is free next to the train state and the rollout copy")
     if dbs == "auto":
       row_bytes = sampling.decode_row_bytes(mcfg, prompt_len + new_len, mesh, dtype)
-      sub = sampling.auto_decode_batch_size(rows, shards, row_bytes, free)
+      try:
+        if free <= 0:
+          raise ValueError("no memory is free")
+        sub = sampling.auto_decode_batch_size(rows, shards, row_bytes, free)
+      except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
+        sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
+        note = "; ".join(
+            n for n in (note, f"decode_batch_size=auto: not one row a chip fits the free HBM; compiled {sub}") if n
+        )
     else:
       sub = sampling.resolve_decode_batch_size(
           dbs, rows, cfg=mcfg, cache_len=prompt_len + new_len, mesh=mesh, dtype=dtype

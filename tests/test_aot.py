@@ -213,6 +213,15 @@ def test_decode_batch_auto_is_sized_from_the_targets_hbm(sampler_small, tmp_path
       *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a2.json"
   )
   assert r["sampler"]["decode_batch_size"] == 8, proc.stdout + proc.stderr[-2000:]
+  # less than the train state + the rollout copy: not one row a chip fits; one a chip is compiled
+  # and reported as not fitting (exit 1), not refused as bad input
+  hbm = 0.9 * (s["resident_bytes"] + s["shapes"]["rollout_policy_bytes"])
+  proc, r = aot(
+      *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a3.json"
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert r["sampler"]["decode_batch_size"] == 8 and r["sampler"]["fits"] is False
+  assert "not one row a chip fits" in r["sampler"]["shapes"]["note"]
 
 
 def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, tmp_path):
