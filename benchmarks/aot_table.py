@@ -162,6 +162,8 @@ def sampler_table(reports: dict[str, dict]) -> str:
   ]
   for name in RUNS:
     model, target, _ = RUNS[name]
+    if name in SAME_SAMPLER:  # its sampler is another row's
+      continue
     r = reports.get(name)
     if r is None:
       rows.append(
