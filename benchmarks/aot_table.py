@@ -48,12 +48,13 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "7b_h200-8": ("7B", "h200-8", []),
     "0.5b_h200-8": ("0.5B", "h200-8", []),
     "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
+    "1.5b_v5e-8": ("1.5B", "v5e-8", []),  # the config's micro-batch, 64
     "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
 }
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
 # runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
-SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16"}
+SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16", "1.5b_v5e-8": "1.5b_v5e-8_mb16"}
 
 
 def _path(name: str, part: str) -> str:
