@@ -1,12 +1,14 @@
 """The paper configs compiled for their targets with `python -m ict_jax.aot` -> a memory table.
 
-    python benchmarks/aot_table.py [--only NAME,NAME] [--table_only]
+    python benchmarks/aot_table.py [--only NAME,NAME] [--part train|sample|both] [--table_only]
 
-Each run in RUNS is one `python -m ict_jax.aot` process (one at a time; a 1.5B / 7B compile takes
-minutes and GBs of host memory) whose JSON goes to benchmarks/results/aot/NAME.json, command
-included; a run whose JSON exists is not compiled again (delete it to redo). Then the markdown
-table of every JSON there is written between the AOT-TABLE markers of benchmarks/RESULTS.md and
-all reports into benchmarks/results/aot.json. Runs without a JSON are listed as not measured.
+Each run in RUNS and part (the train step, the sampler) is one `python -m ict_jax.aot --part PART`
+process (one at a time; a 1.5B / 7B compile takes minutes and GBs of host memory) whose JSON goes
+to benchmarks/results/aot/NAME.PART.json, command included; a JSON that exists is not compiled
+again (delete it to redo). Then the tables of every JSON there are written between the AOT-TABLE
+markers of benchmarks/RESULTS.md, the short recipe table between the AOT-RECIPES markers of
+README.md and launch/README.md, and all reports into benchmarks/results/aot.json. Runs without a
+JSON are listed as not measured.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "aot")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 BEGIN, END = "<!-- AOT-TABLE BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-TABLE END -->"
+RECIPE_READMES = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "launch", "README.md")]
+RECIPES_BEGIN, RECIPES_END = "<!-- AOT-RECIPES BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-RECIPES END -->"
 CFG = {
     "0.5B": "configs/qwen2_5_0_5b_math.py",
     "1.5B": "configs/qwen2_5_1_5b_math.py",
@@ -29,25 +33,35 @@ CFG = {
 }
 V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
 
-# name -> (model, target, extra aot arguments); the order is the order they are compiled in.
+# name -> (model, target, extra aot arguments); the order is the order they are compiled in: the
+# recipes README.md and launch/README.md show first, then the rest of their mesh table.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
-    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
-    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
     "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "1.5b_h100-8": ("1.5B", "h100-8", []),
-    "0.5b_h100-8": ("0.5B", "h100-8", []),
-    "7b_h100-8": ("7B", "h100-8", []),
     "1.5b_v5p-32": ("1.5B", "v5p-32", []),
     "7b_v5p-32": ("7B", "v5p-32", []),
+    "7b_h100-8": ("7B", "h100-8", []),
+    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
+    "1.5b_h100-8": ("1.5B", "h100-8", []),
     "0.5b_v5p-32": ("0.5B", "v5p-32", []),
+    "0.5b_h100-8": ("0.5B", "h100-8", []),
     "1.5b_h200-8": ("1.5B", "h200-8", []),
-    "0.5b_h200-8": ("0.5B", "h200-8", []),
     "7b_h200-8": ("7B", "h200-8", []),
+    "0.5b_h200-8": ("0.5B", "h200-8", []),
+    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
+    "1.5b_v5e-8": ("1.5B", "v5e-8", []),  # the config's micro-batch, 64
+    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
 }
+# the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
+PARTS = ("train", "sample")
+# runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
+SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16", "1.5b_v5e-8": "1.5b_v5e-8_mb16"}
 
 
-def command(name: str) -> list[str]:
+def _path(name: str, part: str) -> str:
+  return os.path.join(OUT_DIR, f"{name}.{part}.json")
+
+
+def command(name: str, part: str) -> list[str]:
   model, target, extra = RUNS[name]
   return [
       "python",
@@ -58,17 +72,21 @@ def command(name: str) -> list[str]:
       "--target",
       target,
       *extra,
+      "--part",
+      part,
       "--json",
-      f"benchmarks/results/aot/{name}.json",
+      f"benchmarks/results/aot/{name}.{part}.json",
   ]
 
 
-def run(name: str) -> None:
-  path = os.path.join(OUT_DIR, f"{name}.json")
-  if os.path.exists(path):
-    print(f"{name}: have {os.path.relpath(path, ROOT)}")
+def run(name: str, part: str) -> None:
+  if part == "sample" and name in SAME_SAMPLER:
     return
-  cmd = command(name)
+  path = _path(name, part)
+  if os.path.exists(path):
+    print(f"{name}.{part}: have {os.path.relpath(path, ROOT)}")
+    return
+  cmd = command(name, part)
   print(f"{name}: {' '.join(cmd)}", flush=True)
   t0 = time.perf_counter()
   proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True)
@@ -98,18 +116,13 @@ def table(reports: dict[str, dict]) -> str:
     model, target, _ = RUNS[name]
     r = reports.get(name)
     if r is None:
-      rows.append(f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name))}`) " "| | | |")
+      rows.append(
+          f"| {model} | {target} | | | | | | | | | | **not measured** (`{' '.join(command(name, 'train'))}`) " "| | | |"
+      )
       continue
     s, c = r["shapes"], r["collectives"]
     mesh = s["mesh"]
-    accepted = r.get("compiler_accepted", bool(c))  # reports before the key: compiled = counted
-    fit = (
-        f"yes ({_gib(r['margin_bytes'])})"
-        if r["fits"]
-        else "**no** (compiled, but peak > usable)"
-        if accepted
-        else "**no** (compiler: out of memory)"
-    )
+    fit = _fit(r)
     coll = (
         " / ".join(
             str(c.get(k, 0)) for k in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -128,23 +141,126 @@ def table(reports: dict[str, dict]) -> str:
   return "\n".join(rows)
 
 
-def write_results(reports: dict[str, dict]) -> None:
-  with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
-    json.dump(reports, f, indent=1, sort_keys=True)
-  text = open(RESULTS_MD).read()
-  block = f"{BEGIN}\n{table(reports)}\n{END}"
-  if BEGIN in text:
-    head, rest = text.split(BEGIN, 1)
-    text = head + block + rest.split(END, 1)[1]
+def _fit(r: dict) -> str:
+  if r["fits"]:
+    return f"yes ({_gib(r['margin_bytes'])})"
+  accepted = r.get("compiler_accepted", bool(r.get("collectives")))  # older reports: compiled = counted
+  return "**no** (compiled, but peak > usable)" if accepted else "**no** (compiler: out of memory)"
+
+
+def _ratio(r: dict) -> str:
+  x = r.get("decode_bytes_ratio")
+  return "—" if x is None else f"{x:.2f}"
+
+
+def sampler_table(reports: dict[str, dict]) -> str:
+  """The sampler reports (`ict_jax.aot --part sample`): bytes per chip."""
+  rows = [
+      "| model | target | mesh (data, fsdp, tensor) | rollout dtype | decode batch (rows a chip) | tokens / row "
+      "| rollout weights | KV cache | args | temps | peak | + train state | usable HBM | fits (margin) | compile s "
+      "| decode step bytes | minimum (weights + KV) | ratio |",
+      "|" + "---|" * 18,
+  ]
+  for name in RUNS:
+    model, target, _ = RUNS[name]
+    if name in SAME_SAMPLER:  # its sampler is another row's
+      continue
+    r = reports.get(name)
+    if r is None:
+      rows.append(
+          f"| {model} | {target} |" + " |" * 12 + f" **not measured** (`{' '.join(command(name, 'sample'))}`) | | | |"
+      )
+      continue
+    r = r["sampler"]
+    s, mesh = r["shapes"], r["shapes"]["mesh"]
+    rows.append(
+        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | {s['dtype']} | "
+        f"{r['decode_batch_size']} ({s['rows_per_device']}) | {s['prompt_len']} + {s['completion_len']} | "
+        f"{_gib(s['rollout_policy_bytes'])} | {_gib(s['kv_cache_bytes'])} | {_gib(r.get('argument_bytes'))} | "
+        f"{_gib(r.get('temp_bytes'))} | {_gib(r['peak_bytes_per_device'])} | {_gib(r['resident_bytes'])} | "
+        f"{_gib(r['hbm_bytes_per_device'])} | {_fit(r)} | {r['compile_s']:.0f} | {_gib(r.get('decode_step_bytes'))} | "
+        f"{_gib(r.get('decode_step_min_bytes'))} | {_ratio(r)} |"
+    )
+  return "\n".join(rows)
+
+
+def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
+  """The short table README.md and launch/README.md show: per recipe, does each program fit."""
+  rows = [
+      "| model | target | mesh (data, fsdp, tensor) | micro-batch | train step: peak / usable GiB a chip, fits "
+      "| decode batch | sampler: peak + train state / usable GiB, fits | decode step bytes / minimum |",
+      "|" + "---|" * 8,
+  ]
+  for name in RUNS:
+    model, target, _ = RUNS[name]
+    t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
+    if t is None and r is None:
+      rows.append(f"| {model} | {target} | | | not measured | | not measured | |")
+      continue
+    r = r and r["sampler"]
+    mesh = (t or r)["shapes"]["mesh"]
+    train = (
+        "not measured"
+        if t is None
+        else f"{_gib(t['peak_bytes_per_device'])} / {_gib(t['hbm_bytes_per_device'])}, "
+        + ("yes" if t["fits"] else "**no**")
+    )
+    sample = (
+        "not measured"
+        if r is None
+        else f"{_gib(r['peak_bytes_per_device'])} + {_gib(r['resident_bytes'])} / {_gib(r['hbm_bytes_per_device'])}, "
+        + ("yes" if r["fits"] else "**no**")
+    )
+    rows.append(
+        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | "
+        f"{t['shapes']['micro_batch_size'] if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
+        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} |"
+    )
+  return "\n".join(rows)
+
+
+def _replace_block(path: str, begin: str, end: str, body: str) -> None:
+  text = open(path).read()
+  block = f"{begin}\n{body}\n{end}"
+  if begin in text:
+    head, rest = text.split(begin, 1)
+    text = head + block + rest.split(end, 1)[1]
   else:
     text = text.rstrip("\n") + "\n\n" + block + "\n"
-  with open(RESULTS_MD, "w") as f:
+  with open(path, "w") as f:
     f.write(text)
+
+
+def write_results(reports: dict[str, dict[str, dict]]) -> None:
+  with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
+    json.dump(reports, f, indent=1, sort_keys=True)
+  body = (
+      f"Train step (`--part train`):\n\n{table(reports['train'])}\n\n"
+      f"Sampler (`--part sample`; bytes a chip; the train state stays on the chips while sampling):\n\n"
+      f"{sampler_table(reports['sample'])}"
+  )
+  _replace_block(RESULTS_MD, BEGIN, END, body)
+  for readme in RECIPE_READMES:  # only where the markers are: a README is not appended to
+    if RECIPES_BEGIN in open(readme).read():
+      _replace_block(readme, RECIPES_BEGIN, RECIPES_END, recipes_table(reports))
+
+
+def load_reports() -> dict[str, dict[str, dict]]:
+  """{part: {name: report}} of every JSON in OUT_DIR."""
+  reports: dict[str, dict[str, dict]] = {part: {} for part in PARTS}
+  for part in PARTS:
+    for name in RUNS:
+      if os.path.exists(_path(name, part)):
+        with open(_path(name, part)) as f:
+          reports[part][name] = json.load(f)
+        reports[part][name].setdefault("command", " ".join(command(name, part)))  # a run by hand
+  return reports
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
+  ap.add_argument("--part", default="both", choices=(*PARTS, "both"), help="which programs to compile")
   ap.add_argument("--table_only", action="store_true", help="compile nothing; rewrite the table")
   args = ap.parse_args()
   names = [n for n in args.only.split(",") if n] or list(RUNS)
@@ -152,18 +268,14 @@ def main() -> None:
   if unknown:
     sys.exit(f"aot_table: unknown run(s) {unknown}; runs are {list(RUNS)}")
   os.makedirs(OUT_DIR, exist_ok=True)
+  parts = PARTS if args.part == "both" else (args.part,)
   if not args.table_only:
-    for name in names:
-      run(name)
-  reports = {}
-  for name in RUNS:
-    path = os.path.join(OUT_DIR, f"{name}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        reports[name] = json.load(f)
-      reports[name].setdefault("command", " ".join(command(name)))  # a run started by hand
+    for part in parts:
+      for name in names:
+        run(name, part)
+  reports = load_reports()
   write_results(reports)
-  print(table(reports))
+  print(recipes_table(reports))
 
 
 if __name__ == "__main__":

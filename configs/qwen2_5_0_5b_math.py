@@ -4,10 +4,9 @@
         --config.model.path=/ckpt/Qwen2.5-0.5B [--config.ict.method=grpo|entropy|stapo|ict]
 
 Mesh: v5e-8: fsdp=8. Batch: 128 prompts x G=8 per step (ASSUMPTION), micro-batches of 128 sequences.
-128 is not compiled for v5e-8 (the 1.5B step at 4 rows per v5e chip already needs 14.8 GiB of
-temporaries); 16 fits (`--config.train.micro_batch_size=16`: 6.62 GiB peak of 15.75 per chip,
+128 is not compiled for v5e-8; 16 is and fits (`--config.train.micro_batch_size=16`; the figures:
 `python -m ict_jax.aot --config configs/qwen2_5_0_5b_math.py --target v5e-8
---config.train.micro_batch_size=16`; benchmarks/RESULTS.md).
+--config.train.micro_batch_size=16`, tabled in benchmarks/RESULTS.md and README.md).
 """
 
 from ict_jax.paper_config import paper_config

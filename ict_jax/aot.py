@@ -1,7 +1,9 @@
-"""`python -m ict_jax.aot`: compile the train step for an accelerator this machine does not have.
+"""`python -m ict_jax.aot`: compile the train step and the sampler for an accelerator this machine
+does not have.
 
     python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5p-32 \
-        [--config.train.micro_batch_size=32] [--completion_len 1024] [--json out.json]
+        [--config.train.micro_batch_size=32] [--part train|sample|both] [--completion_len 1024] \
+        [--hbm_gib 14] [--json out.json]
 
 Builds the abstract train state and batch with `jax.eval_shape` (no weight is allocated), with
 the shapes the trainer feeds: rows = prompts_per_step x group_size, prompt_ids/prompt_mask
@@ -18,6 +20,12 @@ so what compiles here is what runs there. Then it compiles for the target's devi
 Prints per chip: arguments, outputs, temporaries, generated code, the usable HBM, fits and the
 margin; compile seconds; the collectives of the optimised HLO by kind; model FLOPs per step
 (`Qwen2Config.flops_per_token` x tokens; not `cost_analysis()`, which counts a loop body once).
+The sampler (`compile_sampler`, --part sample): `sampling.lower_generate` for the rollout copy
+(`rollout.dtype`, decoding layout) at the trainer's decode batch (`rollout.decode_batch_size`,
+"auto" sized from the HBM the train state and the rollout copy leave free); it fits when its peak
+plus the train state (on the chips during the rollout) is within the usable HBM. Its decode step
+is compiled alone, layer scan unrolled, for `cost_analysis()` bytes accessed, reported against
+the minimum (rollout weights + KV cache per chip). --part both (default): exit 1 unless both fit.
 Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
 
 The compilers (libtpu, the CUDA plugin) print warnings or tracebacks at every plain CPU start
@@ -26,8 +34,8 @@ when installed next to JAX, so they live in their own folder that only this modu
     pip install --no-deps --target ~/.cache/ict_jax/aot-libs -r requirements-aot.txt
 (installed next to JAX, e.g. on a TPU VM or in CI, they are found there too).
 
-One function a compiled program (`compile_train_step`), each returning a `Report`; they share
-`target_devices` and `measure`.
+One function a compiled program (`compile_train_step`, `compile_sampler`), each returning a
+`Report`; they share `_setup`, `target_devices` and `measure`.
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ if os.path.isdir(LIBS_DIR) and LIBS_DIR not in sys.path:
   sys.path.insert(0, LIBS_DIR)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -52,10 +62,16 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from ict_jax import sampling  # noqa: E402
+from ict_jax import setup as setup_lib  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.config import Config, ConfigError  # noqa: E402
+from ict_jax.models.axes import axis_rules, logical_to_spec  # noqa: E402
+from ict_jax.models.qwen2 import LayerCache  # noqa: E402
 from ict_jax.sampling import bucket_length  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, model_config  # noqa: E402
 
@@ -65,6 +81,7 @@ jax.config.update("jax_enable_compilation_cache", False)
 GiB = 1 << 30
 GPU_SPECS_DIR = os.path.join(os.path.dirname(__file__), "gpu_specs")
 GPU_MEM_FRACTION = 0.90  # launch/gpu_slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACTION
+PARTS = ("train", "sample", "both")  # --part: which programs to compile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,15 +170,34 @@ class Report:
   shapes: dict[str, Any] = dataclasses.field(default_factory=dict)
   error: str = ""
   advice: str = ""
+  # bytes other buffers hold on each device while this program runs (the sampler: the train
+  # state, which stays on the devices during the rollout); fits = peak + resident <= usable HBM
+  resident_bytes: int = 0
+  # the sampler: rows decoded at once (rollout.decode_batch_size resolved as the trainer does),
+  # the bytes one decode step reads and writes (`cost_analysis()` of the step alone) and their
+  # minimum (the rollout-dtype weights + the sub-batch's KV cache, per device)
+  decode_batch_size: int | None = None
+  decode_step_bytes: float | None = None
+  decode_step_min_bytes: int | None = None
 
   @property
   def margin_bytes(self) -> int | None:
     if self.peak_bytes_per_device is None:
       return None
-    return self.hbm_bytes_per_device - self.peak_bytes_per_device
+    return self.hbm_bytes_per_device - self.peak_bytes_per_device - self.resident_bytes
+
+  @property
+  def decode_bytes_ratio(self) -> float | None:
+    if not self.decode_step_bytes or not self.decode_step_min_bytes:
+      return None
+    return self.decode_step_bytes / self.decode_step_min_bytes
 
   def to_json(self) -> dict:
-    return {**dataclasses.asdict(self), "margin_bytes": self.margin_bytes}
+    return {
+        **dataclasses.asdict(self),
+        "margin_bytes": self.margin_bytes,
+        "decode_bytes_ratio": self.decode_bytes_ratio,
+    }
 
 
 # ---- the target's devices --------------------------------------------------------------------
@@ -238,13 +274,14 @@ def _parse_oom(msg: str) -> tuple[int | None, int | None]:
   return (int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)]))
 
 
-def measure(lowered, target: Target, *, program: str, advice: str = "") -> Report:
+def measure(lowered, target: Target, *, program: str, advice: str = "", resident: int = 0) -> Report:
   """Compile `lowered` (a `jax.stages.Lowered` for `target`'s devices) and read its memory.
 
   Peak per device = arguments + outputs - aliased (donated) + temporaries + generated code;
   fits = compiled and peak <= usable HBM. libtpu has been seen to accept a program whose peak so
   counted exceeds its usable HBM (1.5B on v5e-8, micro-batch 32: 17.03 vs 15.75 GiB); such a
-  program is reported as not fitting, with `compiler_accepted` true."""
+  program is reported as not fitting, with `compiler_accepted` true. `resident`: bytes per device
+  that other buffers hold meanwhile (counted against the usable HBM, not in the peak)."""
   t0 = time.perf_counter()
   try:
     compiled = lowered.compile()
@@ -264,6 +301,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
         compile_s=time.perf_counter() - t0,
         error=first.strip()[:500],
         advice=advice,
+        resident_bytes=resident,
     )
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
@@ -274,7 +312,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
       + mem.temp_size_in_bytes
       + mem.generated_code_size_in_bytes
   )
-  fits = peak <= target.usable_hbm
+  fits = peak + resident <= target.usable_hbm
   return Report(
       program,
       target.name,
@@ -290,6 +328,7 @@ def measure(lowered, target: Target, *, program: str, advice: str = "") -> Repor
       compile_s=compile_s,
       collectives=count_collectives(compiled.as_text()),
       advice="" if fits else advice,
+      resident_bytes=resident,
   )
 
 
@@ -341,20 +380,29 @@ def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dic
   return shapes
 
 
-def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
-  """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
-  data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
+@dataclasses.dataclass
+class _Setup:
+  """What the trainer builds before its first step, abstract, on the target's mesh."""
+
+  cfg: Config
+  mesh: Any
+  mcfg: Any
+  note: str
+  graphdef: Any
+  params: Any  # abstract float32 parameters (pure dict of ShapeDtypeStructs with shardings)
+  optimizer: Any
+  state_sharding: Any
+  state: Any  # abstract TrainState
+
+
+def _setup(cfg: Config, target: Target) -> _Setup:
   devices = target_devices(target)
   cfg, note = _without_missing_model_path(cfg)
-  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
-  completion_len = completion_len or cfg.rollout.max_new_tokens
   try:
     mesh = make_mesh(cfg, devices=devices)
   except ConfigError as e:
     raise AotError(f"--target {target.name} has {target.chips} chips: {e}") from None
-  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-  mb = cfg.train.micro_batch_size or rows
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  mb = cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size
   try:  # the trainer's own check, named for the target
     ts.check_micro_batch(mb, mesh)
   except ValueError as e:
@@ -366,6 +414,20 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
   state = ts.abstract_train_state(optimizer, params, state_sharding)
+  return _Setup(cfg, mesh, mcfg, note, graphdef, params, optimizer, state_sharding, state)
+
+
+def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
+  """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
+  data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note, graphdef, params = su.cfg, su.mesh, su.mcfg, su.note, su.graphdef, su.params
+  optimizer, state_sharding, state = su.optimizer, su.state_sharding, su.state
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  completion_len = completion_len or cfg.rollout.max_new_tokens
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  mb = cfg.train.micro_batch_size or rows
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
   batch = {
       k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
@@ -406,6 +468,183 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   return report
 
 
+# ---- the sampler -----------------------------------------------------------------------------
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of the arrays (or ShapeDtypeStructs with shardings) of `tree`: the
+  shard shape of each leaf; a leaf without a sharding counts whole."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, top_p, *, graphdef, prompt_len, kw):
+  """One step of the sampler's decode loop (`sampling._decode_rows`'s while-loop body, without
+  writing the outputs): token i - 1 [b] in, its KV written at slot prompt_len + i - 1, token i
+  sampled."""
+  model = nnx.merge(graphdef, state)
+  b = tok.shape[0]
+  h, cache = model.hidden_states(
+      tok[:, None],
+      jnp.ones((b, 1), jnp.int32),
+      positions=(num_prompt + i - 1)[:, None],
+      cache=cache,
+      cache_index=prompt_len + i - 1,
+      kv_mask=kv_mask,
+  )
+  logits = model.next_token_logits(h[:, 0])  # [V, b]
+  tok, _ = sampling._sample_step(logits.T, jax.random.fold_in(rng, i), temperature, top_p, **kw)
+  return tok, cache
+
+
+def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache:
+  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout."""
+  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim)
+  names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
+  with axis_rules(sampling.DECODE_RULES):
+    spec = logical_to_spec(names, shape, dict(mesh.shape))
+  struct = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return LayerCache(struct, struct)
+
+
+@contextlib.contextmanager
+def _unrolled_scans():
+  """`jax.lax.scan` unrolled while a program is traced: `cost_analysis()` counts a loop body once,
+  so the decode step's layer scan must be straight-line code for its bytes to count every layer."""
+  scan = jax.lax.scan
+
+  def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+    return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
+  jax.lax.scan = unrolled
+  try:
+    yield
+  finally:
+    jax.lax.scan = scan
+
+
+def compile_decode_step(policy, mesh, cache: LayerCache, prompt_len: int, sample_kw: dict):
+  """`_decode_step` compiled for `mesh` (the cache donated, as the loop carries it in place), its
+  layer scan unrolled (`_unrolled_scans`).
+
+  The layouts of the cache and the weights are the compiler's choice (`Layout.AUTO`), as inside
+  the sampler, where the cache is made in the program and a weight relayout is loop-invariant
+  (done once, before the loop): with the default layouts of arguments, XLA relayouts the whole
+  cache into and out of the layer scan (4 x its bytes: 1.5B on v5e-8, 64 rows a chip, 18 GB) and
+  the tied embedding for its gather, and the step would be charged for what the loop does not do."""
+  batch, cache_len = cache.k.shape[1], cache.k.shape[3]
+  cache_formats = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in cache))
+  rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
+  sds = jax.ShapeDtypeStruct
+  args = (
+      policy.state,
+      cache,
+      sds((batch,), jnp.int32, sharding=rows),  # the last token
+      sds((batch,), jnp.int32, sharding=rows),  # prompt lengths
+      sds((), jnp.int32, sharding=repl),  # i
+      sds((batch, cache_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"), None))),
+      sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+  )
+  in_shardings = list(jax.tree.map(lambda x: x.sharding, args))
+  in_shardings[0] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), policy.state)
+  in_shardings[1] = cache_formats
+  step = jax.jit(
+      functools.partial(_decode_step, graphdef=policy.graphdef, prompt_len=prompt_len, kw=sample_kw),
+      in_shardings=tuple(in_shardings),
+      out_shardings=(rows, cache_formats),
+      donate_argnums=(1,),
+  )
+  with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES), _unrolled_scans():
+    return step.lower(*args).compile()
+
+
+def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
+  """Compile the rollout's sampler (`sampling.lower_generate`) for `target` as the trainer runs
+  it: the rollout copy of the policy (`rollout.dtype`, the decoding layout), all
+  prompts_per_step x group_size rows in sub-batches of `rollout.decode_batch_size` ("auto" sized
+  from what the target's HBM leaves free next to the train state and the rollout copy, as
+  `sampling.resolve_decode_batch_size` sizes it from the devices' memory statistics). Fits when
+  its peak plus the train state (which stays on the devices meanwhile) is within the usable HBM.
+  Then the decode step alone is compiled for its `cost_analysis()` bytes accessed."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note = su.cfg, su.mesh, su.mcfg, su.note
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  new_len = bucket_length(completion_len or cfg.rollout.max_new_tokens)
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  dtype = setup_lib.rollout_dtype(cfg, mesh)
+  policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)
+  resident = bytes_per_device(su.state) + (bytes_per_device(su.params) if cfg.loss.beta > 0 else 0)
+  policy_bytes = bytes_per_device(policy.state)
+  free = target.usable_hbm - resident - policy_bytes
+  dbs = setup_lib.decode_batch_size(cfg)
+  try:
+    if dbs == "auto":
+      row_bytes = sampling.decode_row_bytes(mcfg, prompt_len + new_len, mesh, dtype)
+      try:
+        if free <= 0:
+          raise ValueError("no memory is free")
+        sub = sampling.auto_decode_batch_size(rows, shards, row_bytes, free)
+      except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
+        sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
+        note = "; ".join(
+            n for n in (note, f"decode_batch_size=auto: not one row a chip fits the free HBM; compiled {sub}") if n
+        )
+    else:
+      sub = sampling.resolve_decode_batch_size(
+          dbs, rows, cfg=mcfg, cache_len=prompt_len + new_len, mesh=mesh, dtype=dtype
+      )
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
+  sub_batches = rows // sub
+  per_sub = -(-sub // shards) * shards  # `generate` pads each sub-batch to a multiple of the shards
+  greedy = cfg.rollout.temperature == 0
+  sample_kw = dict(greedy=greedy, top_k=min(cfg.rollout.top_k, mcfg.vocab_size), use_top_p=cfg.rollout.top_p < 1.0)
+  lowered = sampling.lower_generate(
+      policy, sub_batches * per_sub, prompt_len, new_len, mesh=mesh, decode_batch_size=per_sub, **sample_kw
+  )
+  advice = (
+      f"lower --config.rollout.decode_batch_size (now {sub} of {rows} rows; it must divide them), or "
+      f"rollout.max_new_tokens (now {new_len}), or spread the model over more chips (config.mesh)"
+  )
+  report = measure(lowered, target, program="sampler", advice=advice, resident=resident)
+  report.decode_batch_size = sub
+  # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
+  # is not per step; this is the body as its own program, its cache donated (updated in place)
+  cache = decode_cache(mcfg, mesh, per_sub, prompt_len + new_len, dtype)
+  try:
+    costs = compile_decode_step(policy, mesh, cache, prompt_len, sample_kw).cost_analysis()
+  except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
+    costs, report.error = None, (report.error or f"decode step: {' '.join(str(e).split())[:300]}")
+  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+  if costs and costs.get("bytes accessed"):
+    report.decode_step_bytes = float(costs["bytes accessed"])
+  elif not report.error:  # the CUDA plugin's compile-only executables have no cost analysis
+    note = "; ".join(n for n in (note, "decode step bytes: this compiler gives no cost analysis") if n)
+  report.decode_step_min_bytes = policy_bytes + bytes_per_device(cache)
+  report.shapes = dict(
+      rows=rows,
+      decode_batch_size=sub,
+      sub_batches=sub_batches,
+      rows_per_device=per_sub // shards,
+      prompt_len=prompt_len,
+      completion_len=new_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=dtype,
+      param_dtype=dtype,
+      rollout_policy_bytes=policy_bytes,
+      kv_cache_bytes=bytes_per_device(cache),
+      note=note,
+  )
+  return report
+
+
 # ---- the report as text ----------------------------------------------------------------------
 def _gib(n: int | None) -> str:
   return "n/a" if n is None else f"{n / GiB:.2f} GiB"
@@ -413,12 +652,21 @@ def _gib(n: int | None) -> str:
 
 def format_report(r: Report, target: Target) -> str:
   s = r.shapes
-  lines = [
-      f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
-      f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
-      f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
-      f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"
-  ]
+  if r.program == "sampler":
+    head = (
+        f"sampler on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): {s.get('model')} "
+        f"({s.get('num_params', 0):,} params, {s.get('dtype')} rollout copy), {s.get('rows')} rows x "
+        f"({s.get('prompt_len')} + {s.get('completion_len')}) tokens, decode batch "
+        f"{s.get('decode_batch_size')} ({s.get('sub_batches')} sub-batches, {s.get('rows_per_device')} rows a chip)"
+    )
+  else:
+    head = (
+        f"{r.program} on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): "
+        f"{s.get('model')} ({s.get('num_params', 0):,} params, {s.get('dtype')} compute, "
+        f"{s.get('param_dtype')} params), {s.get('rows')} rows x ({s.get('prompt_len')} + "
+        f"{s.get('completion_len')}) tokens, micro-batch {s.get('micro_batch_size')}"
+    )
+  lines = [head]
   if s.get("note"):
     lines.append(f"  note: {s['note']}")
   if s.get("method") == "ict" and 0 < s.get("rows_per_shard", 0) < s.get("group_size", 0):
@@ -430,7 +678,9 @@ def format_report(r: Report, target: Target) -> str:
       f"  per chip: arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
       f"(aliased {_gib(r.alias_bytes)}), temporaries {_gib(r.temp_bytes)}, generated code "
       f"{_gib(r.generated_code_bytes)}",
-      f"  peak {_gib(r.peak_bytes_per_device)} of {_gib(r.hbm_bytes_per_device)} usable HBM: "
+      f"  peak {_gib(r.peak_bytes_per_device)}"
+      + (f" (+ {_gib(r.resident_bytes)} of train state held meanwhile)" if r.resident_bytes else "")
+      + f" of {_gib(r.hbm_bytes_per_device)} usable HBM: "
       + (
           f"fits, margin {_gib(r.margin_bytes)}"
           if r.fits
@@ -450,10 +700,20 @@ def format_report(r: Report, target: Target) -> str:
         else "  collectives: none"
     )
   flops = r.model_flops_per_step
-  lines.append(
-      f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
-      f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)"
-  )
+  if r.program != "sampler":
+    lines.append(
+        f"  model FLOPs per step {flops:.3e} ({flops / (target.chips * target.peak_tflops * 1e12):.2f} s "
+        f"at 100% of {target.chips} x {target.peak_tflops:g} TFLOP/s)"
+    )
+  if r.decode_step_min_bytes:
+    floor_s = r.decode_step_min_bytes / (target.hbm_tb_s * 1e12)
+    got = "n/a" if r.decode_step_bytes is None else _gib(r.decode_step_bytes)
+    ratio = "n/a" if r.decode_bytes_ratio is None else f"{r.decode_bytes_ratio:.2f}x"
+    lines.append(
+        f"  one decode step reads/writes {got} a chip, {ratio} the minimum {_gib(r.decode_step_min_bytes)} "
+        f"(rollout weights {_gib(s.get('rollout_policy_bytes'))} + KV cache {_gib(s.get('kv_cache_bytes'))}; "
+        f"{floor_s * 1e3:.2f} ms at {target.hbm_tb_s:g} TB/s)"
+    )
   if r.error:
     lines.append(f"  {r.error}")
   if not r.fits and r.advice:
@@ -483,6 +743,14 @@ def main(argv=None) -> None:
   )
   flags.DEFINE_integer("prompt_len", 0, "prompt columns (0: the bucket of data.max_prompt_len)", flag_values=fl)
   flags.DEFINE_string("json", "", "also write the report here as JSON", flag_values=fl)
+  flags.DEFINE_float(
+      "hbm_gib",
+      0.0,
+      "usable HBM per chip in GiB for the fit test and rollout.decode_batch_size=auto (0: the "
+      "target's; less leaves headroom for other buffers)",
+      flag_values=fl,
+  )
+  flags.DEFINE_enum("part", "both", PARTS, "train: the train step; sample: the sampler; both: both", flag_values=fl)
   argv = sys.argv if argv is None else argv
   try:
     config_flags.DEFINE_config_file(
@@ -503,15 +771,28 @@ def main(argv=None) -> None:
     _fail(f"--target {fl.target!r}: unknown; expected one of {', '.join(TARGETS)}")
   if fl.completion_len < 0 or fl.prompt_len < 0:
     _fail("--completion_len and --prompt_len must be >= 0")
+  if fl.hbm_gib < 0:
+    _fail(f"--hbm_gib must be >= 0, got {fl.hbm_gib}")
   target = TARGETS[fl.target]
+  if fl.hbm_gib:
+    target = dataclasses.replace(target, usable_hbm=int(fl.hbm_gib * GiB))
+  reports = []
   try:
     cfg = config_lib.validate(cd)
-    report = compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len)
+    if fl.part in ("train", "both"):
+      reports.append(compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len))
+    if fl.part in ("sample", "both"):
+      reports.append(compile_sampler(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len))
   except (ConfigError, AotError) as e:
     _fail(" ".join(str(e).split()))
+  fits = all(r.fits for r in reports)
   if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
+    by_program = {r.program: r.to_json() for r in reports}
     out = {
-        **report.to_json(),
+        **by_program.get("train_step", {}),
+        **({"sampler": by_program["sampler"]} if "sampler" in by_program else {}),
+        "fits": fits,
+        "part": fl.part,
         "config": fl["config"].config_filename,
         "chips": target.chips,
         "peak_tflops_per_chip": target.peak_tflops,
@@ -520,8 +801,8 @@ def main(argv=None) -> None:
     }
     with open(fl.json, "w") as f:
       json.dump(out, f, indent=1)
-  print(format_report(report, target), flush=True)
-  sys.exit(0 if report.fits else 1)
+  print("\n".join(format_report(r, target) for r in reports), flush=True)
+  sys.exit(0 if fits else 1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ With no flags it runs the embedded default (tiny model, bundled tokenizer, synth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -47,6 +48,28 @@ SAMPLES_LOGGED = 16  # completions per step written to the samples log
 
 
 # ---- set-up pieces -----------------------------------------------------------------------------
+class OutOfDeviceMemory(RuntimeError):
+  """XLA ran out of device memory in the rollout or the train step; the message names the
+  config setting to lower (`python -m ict_jax.aot` checks a setting for a target beforehand)."""
+
+
+@contextlib.contextmanager
+def _name_oom(what: str, lower: str):
+  """Re-raise XLA's RESOURCE_EXHAUSTED (raised by the call, or by the first read of its output:
+  dispatch is asynchronous) as one OutOfDeviceMemory that says what to lower."""
+  try:
+    yield
+  except RuntimeError as e:  # jax.errors.JaxRuntimeError (XlaRuntimeError)
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" not in msg and "out of memory" not in msg.lower():
+      raise
+    first = next((line.strip() for line in msg.splitlines() if line.strip()), msg)
+    raise OutOfDeviceMemory(
+        f"{what} ran out of device memory: lower {lower}; check a setting for a target before the run "
+        f"with `python -m ict_jax.aot --config ... --target ...` (XLA: {first[:300]})"
+    ) from e
+
+
 def _check_workdir(workdir: str) -> None:
   if "://" in workdir:
     return  # cloud paths are Orbax's business
@@ -211,6 +234,17 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   step_fn = ts.make_train_step(
       graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
   )
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  step_advice = (
+      f"config.train.micro_batch_size (now {cfg.train.micro_batch_size or rows}; a divisor of the {rows} rows "
+      f"that is a multiple of group_size {cfg.rollout.group_size} and of data x fsdp "
+      f"{mesh.shape['data'] * mesh.shape['fsdp']})"
+  )
+  roll_advice = (
+      f"config.rollout.decode_batch_size (now {cfg.rollout.decode_batch_size!r}; a divisor of the {rows} rows, "
+      f"or 'auto' to size it from the free device memory) or config.rollout.max_new_tokens "
+      f"(now {cfg.rollout.max_new_tokens})"
+  )
   from ict_jax.data.iterator import PromptIterator
 
   it = PromptIterator(train_src, cfg.rollout.prompts_per_step, seed=cfg.train.seed, position=position)
@@ -275,26 +309,27 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           tracing = True
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
-        roll = collect(
-            (graphdef, state.params),
-            examples,
-            tok,
-            pool,
-            rng=key,
-            group_size=rc.group_size,
-            max_new_tokens=rc.max_new_tokens,
-            temperature=rc.temperature,
-            top_p=rc.top_p,
-            top_k=rc.top_k,
-            prompt_style=cfg.data.prompt_style,
-            max_prompt_len=cfg.data.max_prompt_len,
-            reward_kind=cfg.reward.kind,
-            format_weight=cfg.reward.format_weight,
-            advantage_scale=cfg.loss.advantage_scale,
-            mesh=mesh,
-            rollout_dtype=roll_dtype,
-            decode_batch_size=decode_batch_size(cfg),
-        )
+        with _name_oom("the rollout", roll_advice):
+          roll = collect(
+              (graphdef, state.params),
+              examples,
+              tok,
+              pool,
+              rng=key,
+              group_size=rc.group_size,
+              max_new_tokens=rc.max_new_tokens,
+              temperature=rc.temperature,
+              top_p=rc.top_p,
+              top_k=rc.top_k,
+              prompt_style=cfg.data.prompt_style,
+              max_prompt_len=cfg.data.max_prompt_len,
+              reward_kind=cfg.reward.kind,
+              format_weight=cfg.reward.format_weight,
+              advantage_scale=cfg.loss.advantage_scale,
+              mesh=mesh,
+              rollout_dtype=roll_dtype,
+              decode_batch_size=decode_batch_size(cfg),
+          )
         # the real length, bucketed (few compiled shapes); the longest completion comes from the
         # gathered lengths, so no host reads the other hosts' rows of the mask
         batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
@@ -314,12 +349,13 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           stop(step, position, f": step {step + 1} would not end within train.sigterm_grace_s")
           break
         old_logp = None
-        for _ in range(cfg.train.num_iterations):
-          if old_logp is not None:
-            batch["old_logp"] = old_logp
-          state, metrics, logp = step_fn(state, batch, ref_params)
-          old_logp = logp if old_logp is None else old_logp
-        metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
+        with _name_oom("the train step", step_advice):
+          for _ in range(cfg.train.num_iterations):
+            if old_logp is not None:
+              batch["old_logp"] = old_logp
+            state, metrics, logp = step_fn(state, batch, ref_params)
+            old_logp = logp if old_logp is None else old_logp
+          metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
         dt, step_s = time.perf_counter() - t0, time.perf_counter() - t1
         updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
         record = {
@@ -409,6 +445,9 @@ def main(argv=None) -> None:
     train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
   except ConfigError as e:
     _error(str(e))
+  except OutOfDeviceMemory as e:
+    print(f"ict_jax.train: error: {e}", file=sys.stderr)
+    sys.exit(1)
   if Preemption.stopped:
     # the checkpoint is committed and the logs are closed: skip the interpreter teardown
     # (seconds of XLA / TensorStore destructors), which the grace period cannot spare

@@ -35,7 +35,16 @@ def tpu_small(tmp_path_factory):
   out = {}
   for mb in (16, 32):
     path = tmp_path_factory.mktemp("aot") / f"mb{mb}.json"
-    proc, report = aot(*SMALL, *MESH_2X4, "--target", "v5e-8", f"--config.train.micro_batch_size={mb}", json_path=path)
+    proc, report = aot(
+        *SMALL,
+        *MESH_2X4,
+        "--target",
+        "v5e-8",
+        "--part",
+        "train",
+        f"--config.train.micro_batch_size={mb}",
+        json_path=path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out[mb] = (proc, report)
   return out
@@ -106,6 +115,8 @@ def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
       "8176",
       "--target",
       "v5e-8",
+      "--part",
+      "train",
       json_path=tmp_path / "big.json",
   )
   assert proc.returncode == 1, proc.stderr[-3000:]
@@ -117,12 +128,113 @@ def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
 
 
 def test_gpu_target_compiles_and_compares_peak_with_hbm(tmp_path):
+  """--part both (the default): the train step and the sampler, one JSON, fits only if both do."""
   proc, r = aot(*SMALL, "--target", "h100-8", json_path=tmp_path / "gpu.json")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert r["fits"] is True
+  assert r["fits"] is True and r["part"] == "both"
   assert r["hbm_bytes_per_device"] == int(84978434048 * 0.90)  # spec's HBM x launch's 0.90
   assert 0 < r["peak_bytes_per_device"] < r["hbm_bytes_per_device"]
   assert all(type(v) is int for v in r["collectives"].values())
+  s = r["sampler"]
+  assert s["program"] == "sampler" and s["fits"] is True and s["hbm_bytes_per_device"] == r["hbm_bytes_per_device"]
+  assert 0 < s["peak_bytes_per_device"] < s["hbm_bytes_per_device"]
+  # the CUDA plugin's compile-only executable has no cost analysis: no decode bytes, and it says so
+  assert s["decode_step_bytes"] is None and s["decode_bytes_ratio"] is None
+  assert "no cost analysis" in s["shapes"]["note"] and s["decode_step_min_bytes"] > 0
+  assert "train_step on h100-8" in proc.stdout and "sampler on h100-8" in proc.stdout
+
+
+# ---- the sampler ------------------------------------------------------------------------------
+SAMPLE = [*SMALL, "--target", "v5e-8", "--part", "sample"]  # 16 rows over fsdp 8
+
+
+@pytest.fixture(scope="module")
+def sampler_small(tmp_path_factory):
+  """The tiny sampler on v5e-8 decoding its 16 rows 8 at a time (2 sub-batches) and all at once."""
+  out = {}
+  for dbs in (8, 16):
+    path = tmp_path_factory.mktemp("aot") / f"dbs{dbs}.json"
+    proc, report = aot(*SAMPLE, f"--config.rollout.decode_batch_size={dbs}", json_path=path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[dbs] = (proc, report)
+  return out
+
+
+def _kv_bytes_per_chip(rows_per_chip: int, cache_len: int) -> int:
+  from ict_jax.models.config import Qwen2Config
+
+  c = Qwen2Config.preset("tiny")
+  return 2 * c.num_hidden_layers * rows_per_chip * c.num_key_value_heads * cache_len * c.head_dim * 2  # bf16
+
+
+def test_sampler_report_and_decode_step_minimum(sampler_small):
+  from ict_jax.models.config import Qwen2Config
+
+  proc, r = sampler_small[16]
+  s = r["sampler"]
+  assert r["part"] == "sample" and r["fits"] is True and "model_flops_per_step" not in r  # no train step
+  for key in ("fits", "peak_bytes_per_device", "decode_step_bytes", "decode_step_min_bytes", "decode_bytes_ratio"):
+    assert key in s, key
+  assert s["decode_batch_size"] == 16 and s["shapes"]["sub_batches"] == 1 and s["shapes"]["rows_per_device"] == 2
+  # the minimum a step reads: the bf16 rollout copy, whole on every chip (tensor 1; fsdp holds no
+  # weight when decoding), and this chip's 2 rows of the 16 + 16 slot KV cache
+  weights = Qwen2Config.preset("tiny").num_params() * 2
+  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 32)
+  assert s["decode_bytes_ratio"] >= 1.0  # nothing reads less than every weight and the cache once
+  assert s["decode_bytes_ratio"] == pytest.approx(s["decode_step_bytes"] / s["decode_step_min_bytes"])
+  # the train state stays on the chips while sampling: float32 params + two Adam moments over 8
+  assert s["resident_bytes"] >= 12 * Qwen2Config.preset("tiny").num_params() // 8
+  assert s["margin_bytes"] == s["hbm_bytes_per_device"] - s["peak_bytes_per_device"] - s["resident_bytes"]
+  assert "one decode step reads/writes" in proc.stdout and "decode batch 16" in proc.stdout
+
+
+def test_bigger_decode_batch_needs_more_sampler_memory(sampler_small):
+  small, big = sampler_small[8][1]["sampler"], sampler_small[16][1]["sampler"]
+  assert small["decode_batch_size"] == 8 and small["shapes"]["sub_batches"] == 2
+  assert big["temp_bytes"] > small["temp_bytes"] and big["peak_bytes_per_device"] > small["peak_bytes_per_device"]
+  assert big["argument_bytes"] == small["argument_bytes"]  # same weights, same prompts
+  # one more row a chip: its KV cache more to read each step
+  assert big["decode_step_min_bytes"] - small["decode_step_min_bytes"] == _kv_bytes_per_chip(1, 32)
+  assert big["decode_step_bytes"] > small["decode_step_bytes"]
+
+
+def test_decode_batch_auto_is_sized_from_the_targets_hbm(sampler_small, tmp_path):
+  """auto: the most rows whose KV cache and logits fit 0.8 of what the HBM leaves free next to the
+  train state and the rollout copy (`sampling.auto_decode_batch_size`). At the v5e chip's 15.75
+  GiB that is all 16 rows; with --hbm_gib leaving room for 1.5 rows a chip, 8 (1 a chip)."""
+  from ict_jax.models.config import Qwen2Config
+
+  s = sampler_small[16][1]["sampler"]
+  proc, r = aot(*SAMPLE, "--config.rollout.decode_batch_size=auto", json_path=tmp_path / "auto.json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert r["sampler"]["decode_batch_size"] == 16
+  row = _kv_bytes_per_chip(1, 32) + 8 * Qwen2Config.preset("tiny").vocab_size * 4  # cache + 8 f32 [V]
+  hbm = s["resident_bytes"] + s["shapes"]["rollout_policy_bytes"] + 1.5 * row / 0.8
+  proc, r = aot(
+      *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a2.json"
+  )
+  assert r["sampler"]["decode_batch_size"] == 8, proc.stdout + proc.stderr[-2000:]
+  # less than the train state + the rollout copy: not one row a chip fits; one a chip is compiled
+  # and reported as not fitting (exit 1), not refused as bad input
+  hbm = 0.9 * (s["resident_bytes"] + s["shapes"]["rollout_policy_bytes"])
+  proc, r = aot(
+      *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a3.json"
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert r["sampler"]["decode_batch_size"] == 8 and r["sampler"]["fits"] is False
+  assert "not one row a chip fits" in r["sampler"]["shapes"]["note"]
+
+
+def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, tmp_path):
+  """A usable HBM (--hbm_gib) below the 16-row sampler's peak + the train state: fits false, exit 1."""
+  s = sampler_small[16][1]["sampler"]
+  hbm = 0.9 * (s["peak_bytes_per_device"] + s["resident_bytes"])
+  proc, r = aot(
+      *SAMPLE, "--config.rollout.decode_batch_size=16", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "o.json"
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert r["fits"] is False and r["sampler"]["fits"] is False and r["sampler"]["margin_bytes"] < 0
+  assert "DOES NOT FIT" in proc.stdout and "--config.rollout.decode_batch_size" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -135,6 +247,8 @@ def test_gpu_target_compiles_and_compares_peak_with_hbm(tmp_path):
             ["v5e-8 has 8 chips", "needs 4 devices"],
         ),
         (["--target", "v5p-32"], ["micro_batch_size: a micro-batch of 8 rows", "= 16 devices"]),
+        (["--target", "v5e-8", "--config.rollout.decode_batch_size=5"], ["decode_batch_size: 5 does not divide"]),
+        (["--target", "v5e-8", "--hbm_gib=-1"], ["--hbm_gib must be >= 0"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):

@@ -266,3 +266,36 @@ def test_rollout_dtype_and_decode_batch_size_keys():
   assert [decode_batch_size(cfg(**{"rollout.decode_batch_size": v})) for v in ("auto", "all", "8")] == ["auto", None, 8]
   with pytest.raises(ConfigError, match="decode_batch_size: expected 'auto', 'all'"):
     cfg(**{"rollout.decode_batch_size": "half"})
+
+
+@pytest.mark.parametrize(
+    "where, setting",
+    [("rollout", "config.rollout.decode_batch_size"), ("train step", "config.train.micro_batch_size")],
+)
+def test_out_of_device_memory_names_the_setting_to_lower(where, setting, tmp_path, monkeypatch):
+  """XLA's RESOURCE_EXHAUSTED in the rollout or the train step (faked: the CPU has memory to
+  spare) becomes one OutOfDeviceMemory that names the config setting to lower; `main` prints it
+  as one line and exits 1. Any other runtime error passes through unchanged."""
+  import ict_jax.train as tr
+
+  oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes.")
+
+  def boom(*args, **kwargs):
+    raise oom
+
+  if where == "rollout":
+    monkeypatch.setattr(tr, "collect", boom)
+  else:
+    monkeypatch.setattr(tr.ts, "make_train_step", lambda *a, **k: boom)
+  cfg = _quick(**{"warm_start.sft_steps": 0, "train.steps": 1})
+  with pytest.raises(tr.OutOfDeviceMemory, match=setting) as info:
+    train(cfg, str(tmp_path / "oom"), progress=False)
+  assert info.value.__cause__ is oom
+  assert str(info.value).startswith(f"the {where} ran out of device memory: lower {setting}")
+  assert "RESOURCE_EXHAUSTED" in str(info.value) and "ict_jax.aot" in str(info.value)
+
+  other = RuntimeError("INTERNAL: something else")
+  monkeypatch.setattr(tr, "collect", lambda *a, **k: (_ for _ in ()).throw(other))
+  with pytest.raises(RuntimeError) as info:
+    train(cfg, str(tmp_path / "other"), progress=False)
+  assert info.value is other
