@@ -10,7 +10,8 @@ compile-only devices (libtpu from $ICT_JAX_AOT_LIBS, default ~/.cache/ict_jax/ao
 `requirements-aot.txt` installs it); `--target cpu` compiles for this machine's CPU devices
 (--xla_force_host_platform_device_count sets how many). Prints one JSON line: lower_s (tracing to
 StableHLO), compile_s (XLA, wall) and compile_cpu_s (XLA, CPU time of all threads: steadier on a
-shared machine), the 1-minute load average, and memory_analysis() bytes per device.
+shared machine), the 1-minute load average, memory_analysis() bytes per device, and the
+compiled program's collectives by kind.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -138,6 +140,11 @@ def main(argv=None) -> int:
   compiled = lowered.compile()
   t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  collectives = {
+      kind: len(re.findall(rf"\s{kind}(?:-start)?\(", hlo))
+      for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+  }
   out = dict(
       target=args.target,
       preset=args.preset,
@@ -155,6 +162,7 @@ def main(argv=None) -> int:
       temp_gib=round(mem.temp_size_in_bytes / 2**30, 3),
       argument_gib=round(mem.argument_size_in_bytes / 2**30, 3),
       output_gib=round(mem.output_size_in_bytes / 2**30, 3),
+      collectives=collectives,
   )
   for k in ("remat_policy", "remat", "attention"):
     if hasattr(mcfg, k):

@@ -127,6 +127,17 @@ def _forward(
   return _unchunked(logp, c), _unchunked(lse, c), jax.tree.map(lambda s: _unchunked(s, c), stats)
 
 
+def _compact(nz, size: int):
+  """nz bool [M] -> (idx [size], slot [M]): idx[s] = position of the s-th True (0 past the
+  last, as `jnp.nonzero(nz, size=size, fill_value=0)`), slot[j] = number of Trues before j.
+
+  A prefix sum and a binary search over it (`jnp.searchsorted`, a log2(M)-step loop), where
+  `jnp.nonzero` scatters (a bincount): the same indices, no scatter for XLA:TPU to compile."""
+  count = jnp.cumsum(nz, dtype=jnp.int32)  # [M]: Trues at or before j
+  idx = jnp.searchsorted(count, jnp.arange(1, size + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+  return jnp.where(idx < nz.shape[0], idx, 0), count - nz.astype(jnp.int32)
+
+
 def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   """Gradients of sum(g * log pi) over blocks: h [B, R, D], ids/lse/g [B, R] -> dh, dW.
 
@@ -205,16 +216,17 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference,
 
     def sparse(_):
       flat = g.reshape(-1)
-      (idx,) = jnp.nonzero(flat != 0, size=cap, fill_value=0)  # [cap]
+      idx, slot = _compact(flat != 0, cap)  # [cap] positions (0 past nnz), [N * C] slots
       valid = jnp.arange(cap) < nnz
       take = lambda x: x.reshape(n * c, *x.shape[2:])[idx].reshape(n_blocks, block, *x.shape[2:])
       g_s = jnp.where(valid, flat[idx], 0.0).reshape(n_blocks, block)
       dh_s, dw = _rows_backward(
           take(h), w, take(ids), take(lse), g_s, temperature, ("act_head_batch", "act_head_vocab"), vocab_major
       )
-      dh_s = jnp.where(valid[:, None], dh_s.reshape(cap, d), 0)
-      dh = jnp.zeros((n * c, d), h.dtype).at[idx].add(dh_s).reshape(n, c, d)
-      return dh, dw
+      # back to [N * C, D] by a gather of each position's slot (no scatter: XLA:TPU lowers a
+      # scatter into a row-sharded array to a sort of the indices and a slow-to-compile loop)
+      dh = jnp.where((flat != 0)[:, None], dh_s.reshape(cap, d)[jnp.minimum(slot, cap - 1)], 0)
+      return dh.astype(h.dtype).reshape(n, c, d), dw
 
     dh, dw = jax.lax.cond(nnz <= cap, sparse, dense, None)
   return dh, dw.astype(w_stored.dtype), None, None

@@ -276,14 +276,36 @@ def js_scores(
 
 
 # ----------------------------------------------------------------------------- masks
+def _sortable_bits(x: jax.Array) -> jax.Array:
+  """float32 [...] -> uint32 [...] in the order of ``jnp.sort``: -0.0 = 0.0 = subnormals (XLA
+  flushes them to zero), every NaN last."""
+  x = jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, 0.0, jnp.where(jnp.isnan(x), jnp.nan, x))
+  i = jax.lax.bitcast_convert_type(x, jnp.int32)
+  i = i ^ ((i >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude -> smaller int
+  return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)  # signed -> unsigned order
+
+
 def _top_k_rows(score: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
-  """Per row keep the k highest-scoring valid positions; ties -> lower position first."""
-  key = jnp.where(valid, -score.astype(jnp.float32), jnp.inf) + 0.0  # +0.0: no -0.0 keys
-  order = jnp.argsort(key, axis=-1, stable=True)  # [R, L]
-  # the inverse permutation by a second sort, not a scatter: a row-wise op, so rows sharded
-  # over a mesh stay where they are (a scatter with [R, L] indices gathered them)
-  rank = jnp.argsort(order, axis=-1)
-  return valid & (rank < k[:, None])
+  """Per row keep the k highest-scoring valid positions; ties -> lower position first.
+
+  The k-th smallest sort key t of each row is found bit by bit (32 steps of a compare and a
+  row count, `lax.fori_loop`); the row keeps the keys below t and, of those equal to t, the
+  first k - #below by position: exactly the first k of a stable argsort, without sorting
+  (XLA:TPU compiles a sort slowly) and with row-wise ops only, so rows sharded over a mesh
+  stay where they are. score, valid: [R, L]; k: [R] int."""
+  key = _sortable_bits(jnp.where(valid, -score.astype(jnp.float32), jnp.inf))  # [R, L]
+  k = k.astype(jnp.int32)[:, None]  # [R, 1]
+
+  def bit(i, t):  # t [R, 1]: the smallest v with #(key <= v) >= k agrees with t above bit 31-i
+    b = jnp.uint32(1) << (31 - i).astype(jnp.uint32)
+    below = jnp.sum(key <= (t | (b - 1)), axis=-1, keepdims=True, dtype=jnp.int32)
+    return jnp.where(below < k, t | b, t)
+
+  t = jax.lax.fori_loop(0, 32, bit, jnp.zeros(k.shape, jnp.uint32))
+  less = key < t
+  tied = key == t
+  room = k - jnp.sum(less, axis=-1, keepdims=True, dtype=jnp.int32)
+  return valid & (less | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= room)))
 
 
 def ict_mask(u: jax.Array, mask: jax.Array, top_fraction: float = 0.1, keep: str = "unique") -> jax.Array:

@@ -98,6 +98,19 @@ def test_forward_values_and_stats():
     np.testing.assert_allclose(np.asarray(stats[name]), np.asarray(ref[name]), atol=1e-5)
 
 
+@pytest.mark.parametrize("fraction,size", [(0.2, 12), (0.0, 5), (1.0, 60), (0.1, 130), (0.5, 3)])
+def test_compact_equals_nonzero(fraction, size):
+  """The sparse backward's row compaction: the indices of jnp.nonzero(size=, fill_value=0)
+  (numpy's flatnonzero, truncated or zero-padded) and each position's count of earlier rows."""
+  nz = np.random.default_rng(5).random(1000 if size == 130 else 50) < fraction
+  idx, slot = jax.jit(lm_head._compact, static_argnums=1)(jnp.asarray(nz), size)
+  want = np.zeros(size, np.int64)
+  found = np.flatnonzero(nz)[:size]
+  want[: found.size] = found
+  np.testing.assert_array_equal(np.asarray(idx), want)
+  np.testing.assert_array_equal(np.asarray(slot), np.cumsum(nz) - nz)
+
+
 def test_sparse_capacity_bounds_ict_selection():
   """ICT keeps ceil(f * len_i) tokens per response: rows * ceil(f * C) bounds it exactly."""
   assert lm_head.sparse_grad_rows("ict", 0.1, 0.2, rows=8, length=192) == 8 * 20

@@ -188,6 +188,26 @@ def test_trl_entropy_helpers_agree():
 
 
 # ----------------------------------------------------------------------------- masks
+def test_top_k_rows_is_the_first_k_of_a_stable_sort():
+  """The radix-select top-k keeps exactly the first k of numpy's stable argsort of -score
+  (ties by position, -0.0 = 0.0, NaN last), for every k from 0 to beyond the row."""
+  rng = np.random.default_rng(3)
+  specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 3.0, -3.0, 1e30, -1e30, 0.5], np.float32)
+  top_k = jax.jit(selection._top_k_rows)
+  for trial in range(40):
+    r, t = 5, int(rng.integers(1, 30))
+    score = rng.choice(specials, size=(r, t)) if trial % 2 else rng.integers(-2, 3, (r, t)).astype(np.float32)
+    valid = rng.random((r, t)) < 0.8
+    k = rng.integers(0, t + 2, r)
+    got = np.asarray(top_k(jnp.asarray(score), jnp.asarray(valid), jnp.asarray(k, jnp.int32)))
+    key = np.where(valid, -score, np.inf) + np.float32(0.0)
+    want = np.zeros((r, t), bool)
+    for i in range(r):
+      order = np.argsort(key[i], kind="stable")
+      want[i, order[: k[i]]] = True
+    np.testing.assert_array_equal(got, want & valid, err_msg=f"{score} {valid} {k}")
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 1.0])
 def test_ict_mask_matches_numpy_loop(fraction):
   rng = np.random.default_rng(7)
