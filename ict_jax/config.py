@@ -247,12 +247,20 @@ def chain_config() -> ml_collections.ConfigDict:
   """The tiny model on `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", worked
   solutions rewarded on the boxed answer): a warm-start on the worked solutions, then ICT, with
   pass@1 / pass@4 on the 25 held-out problems every 20 steps (configs/tiny_chain.py). Not yet the
-  default: with these values the reward did not clearly rise (benchmarks/RESULTS.md)."""
+  default: the reward does not clearly rise yet (benchmarks/RESULTS.md, "Tuning the worked-solution
+  run")."""
   c = tiny_config()
   c.data.name, c.data.config = "synthetic_chain", "level1"
   c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 20
   c.ict.chunk_size = 20
-  c.warm_start.sft_steps, c.warm_start.sft_batch_size = 300, 16
+  # RL lr 1e-4 with the paper's 10 dense warm-up steps: from this warm-start (seed 0) ICT at lr 5e-4
+  # collapsed once its sparse phase began (the box's format broke, reward 0.39 -> ~0.05), at 2e-4
+  # the reward drifted down (0.39 -> 0.30), at 1e-4 it held (0.39 -> 0.41 over 40 steps)
+  c.optim.learning_rate, c.ict.warmup_steps = 1e-4, 10
+  # warm-start lr 3e-3, not tiny_config's 1e-2: after 300 steps of 16 worked solutions (seed 0)
+  # the loss is 0.29 instead of 0.84 and the T=1 pass@1 / pass@8 on 32 training problems 0.30 / 0.81
+  # (at 1e-2 the RL phase started from rewards of 0.03-0.16); benchmarks/RESULTS.md
+  c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 300, 16, 3e-3
   c.train.eval_prompts = 25
   return c
 
