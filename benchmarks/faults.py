@@ -482,7 +482,7 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
   class FaultyModel:  # hidden states + fault[:, None, None] -> non-finite logits on that step
 
     def __init__(self, model, fault):
-      self.model, self.fault = model, fault
+      self.model, self.fault, self.cfg = model, fault, model.cfg
 
     def hidden_states(self, ids, mask):
       return self.model.hidden_states(ids, mask) + self.fault[:, None, None]
