@@ -596,6 +596,39 @@ def test_decode_loop_writes_the_cache_in_place():
   assert not made, made
 
 
+def test_decode_step_writes_the_cache_once_after_the_layer_scan():
+  """Read before write: in the compiled sampler the layer scan only reads the stacked cache
+  [L, B, K, S, H] (each layer its old slice) and the decode step writes the new position of all L
+  layers once, after the scan: the only instructions that make a cache-shaped array are the two
+  in-place updates (K and V) of the decode loop's body, which holds the layer scan's loop, and
+  their update is [L, B, K, 1, H]. Writing each layer's position inside the layer scan and
+  reading the slice back made XLA copy every layer's [B, K, S, H] every step (1.5B on v5e-8:
+  2.34x the minimum bytes a step reads)."""
+  import re
+
+  policy = sampling.abstract_rollout_policy(_cache_test_config(), dtype="float32")
+  hlo = sampling.lower_generate(policy, 8, 64, 1024).compile().as_text()
+  comps = _hlo_computations(hlo)
+  bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+  full = r"= f32\[4,8,2,1088,16\]\S* ([\w\-]+)\((.*)"  # the stacked cache: 64 + 1024 slots
+  writes = []
+  for body in bodies:
+    for line in comps[body]:
+      m = re.search(full, line)
+      if m and m.group(1) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+        writes.append((body, line))
+  assert len(writes) == 2, [w[1].strip()[:120] for w in writes]
+  for body, line in writes:
+    assert any(" while(" in x for x in comps[body]), body  # the decode step's body, not the layer scan's
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    fused = comps[called.group(1)] if called else [line]
+    dus = [x for x in fused if " dynamic-update-slice(" in x]
+    assert len(dus) == 1 and "ROOT" in dus[0] or dus == [line], line.strip()[:160]
+    update = re.findall(r"%([\w.\-]+)", dus[0].split(" dynamic-update-slice(", 1)[1])[1]
+    made = [x for x in (fused if called else comps[body]) if re.match(rf"\s*(ROOT )?%?{re.escape(update)} = ", x)]
+    assert len(made) == 1 and " f32[4,8,2,1,16]" in made[0], (update, made)  # all L layers' new position
+
+
 def test_sub_batches_shrink_the_compiled_programs_memory():
   """lower_generate on an abstract rollout policy (no weights in memory): decoding 32 rows as 4
   sub-batches of 8 keeps one sub-batch's KV cache live, so the compiled program's temporaries
