@@ -248,8 +248,9 @@ class Qwen2(nnx.Module):
     [L, B, K, T, H] and are written after the scan by ONE `dynamic_update_slice` at cache_index
     (in place on the decode loop's carry). A layer that wrote into the stacked cache and then read
     its slice back made XLA copy every layer's [B, K, S, H] every step. Prefill (an empty cache)
-    reads nothing. Without a cache (the train step, scoring) the scanned layer is rematerialised
-    by `cfg.remat_policy`."""
+    reads nothing, so there each layer writes its T positions in place into the carried cache (no
+    [L, B, K, T, H] ys the size of the prompt's cache next to it). Without a cache (the train step,
+    scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
     graphdef, state = nnx.split(self.layers)
     if cache is None:
 
@@ -261,21 +262,28 @@ class Qwen2(nnx.Module):
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
       return jax.lax.scan(layer, x, state)[0], None
 
-    if prefill:
-      x, new = jax.lax.scan(
-          lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, True), x, state
-      )
-    else:
-
-      def cached_layer(x, xs):
-        layer_state, old = xs
-        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old)
-
-      x, new = jax.lax.scan(cached_layer, x, (state, cache))
-      # the write must follow every read of the old cache; the last layer's new keys/values do not
-      # depend on its attention (the reads), x does: without this order XLA copies the whole cache
-      x, new = jax.lax.optimization_barrier((x, new))
     zero = jnp.zeros((), jnp.int32)
+    if prefill:  # nothing is read: each layer writes its T positions into the carried cache in place
+
+      def prefill_layer(carry, xs):
+        x, cache = carry
+        layer_state, index = xs
+        x, new = nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, True)
+        start = (index, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+        write = lambda c, n: jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), start)  # [1,B,K,T,H]
+        return (x, LayerCache(write(cache.k, new[0]), write(cache.v, new[1]))), None
+
+      index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+      return jax.lax.scan(prefill_layer, (x, cache), (state, index))[0]
+
+    def cached_layer(x, xs):
+      layer_state, old = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old)
+
+    x, new = jax.lax.scan(cached_layer, x, (state, cache))
+    # the write must follow every read of the old cache; the last layer's new keys/values do not
+    # depend on its attention (the reads), x does: without this order XLA copies the whole cache
+    x, new = jax.lax.optimization_barrier((x, new))
     start = (zero, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
     names = (None, "act_batch", "act_kv_heads", None, None)
     write = lambda c, n: jax.lax.dynamic_update_slice(c, constrain(n.astype(c.dtype), names), start)
