@@ -66,7 +66,7 @@ from flax import nnx  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from ict_jax import sampling  # noqa: E402
+from ict_jax import cpu_paths, sampling  # noqa: E402
 from ict_jax import setup as setup_lib  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.config import Config, ConfigError  # noqa: E402
@@ -494,8 +494,12 @@ def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, to
       cache_index=prompt_len + i - 1,
       kv_mask=kv_mask,
   )
-  logits = model.next_token_logits(h[:, 0])  # [V, b]
-  tok, _ = sampling._sample_step(logits.T, jax.random.fold_in(rng, i), temperature, top_p, **kw)
+  kernels = model.cfg.kernels  # the loop body's head (`sampling._decode_rows`): logits [b, V]
+  if kernels == "cpu":
+    logits = cpu_paths.head_logits(h[:, 0], *model.head_weight()).T
+  else:
+    logits = model.next_token_logits(h[:, 0])
+  tok, _ = sampling._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
   return tok, cache
 
 

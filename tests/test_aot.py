@@ -191,10 +191,11 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
 def test_bigger_decode_batch_needs_more_sampler_memory(sampler_small):
   small, big = sampler_small[8][1]["sampler"], sampler_small[16][1]["sampler"]
   assert small["decode_batch_size"] == 8 and small["shapes"]["sub_batches"] == 2
-  # data memory (peak without the generated code: the 2-sub-batch program's code is larger, which
-  # on the tiny model outweighs one row's cache) grows with the decode batch
-  data = lambda s: s["peak_bytes_per_device"] - s["generated_code_bytes"]
-  assert big["temp_bytes"] > small["temp_bytes"] and data(big) > data(small)
+  assert big["temp_bytes"] > small["temp_bytes"]
+  # the peak less the generated code, which is the program's (the sub-batch loop makes the decode
+  # batch of 8 the longer program: 2.42 against 2.02 MB), not the batch's
+  data = lambda r: r["peak_bytes_per_device"] - r["generated_code_bytes"]
+  assert data(big) > data(small)
   assert big["argument_bytes"] == small["argument_bytes"]  # same weights, same prompts
   # one more row a chip: its KV cache more to read each step
   assert big["decode_step_min_bytes"] - small["decode_step_min_bytes"] == _kv_bytes_per_chip(1, 32)

@@ -8,8 +8,8 @@ The decoder stack is one `DecoderLayer` whose parameters are stacked on a leadin
 (L, logical name "layers"), run by `jax.lax.scan`: XLA compiles one layer, not L copies. A named
 remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train step.
 The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
-stacked like the parameters, [L, B, K, S, H], and carried through the layer scan (each layer
-writes its new positions in place and reads its own slice by index).
+stacked like the parameters, [L, B, K, S, H]: the layer scan reads each layer's old slice (xs) and
+returns the new positions (ys), written after the scan by one in-place update (read before write).
 """
 
 from __future__ import annotations
@@ -108,24 +108,14 @@ class Attention(nnx.Module):
     )
     self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
-  def __call__(
-      self,
-      x: Array,
-      cos: Array,
-      sin: Array,
-      mask: Array,
-      cache: LayerCache | None,
-      cache_index: Array | None,
-      prefill: bool = False,
-      layer: Array | None = None,
-  ):
-    """x [B,T,D] -> ([B,T,D], new cache). `cache` is the whole stack [L,B,K,S,H] and `layer`
-    (an int32 scalar) this layer's index in it: the T new keys/values are written in place at
-    [layer, :, :, cache_index, :] and only this layer's [B,K,S,H] is read, so a decode step
-    moves the new positions, not the cache. Without a cache, or with `prefill` (an empty cache:
+  def __call__(self, x: Array, cos: Array, sin: Array, mask, cache: LayerCache | None = None, prefill: bool = False):
+    """x [B,T,D] -> ([B,T,D], (k, v)): the T new keys and values, [B,K,T,H] each (rotary applied),
+    for the caller to write into the cache. Without a cache, or with `prefill` (an empty cache:
     nothing before the T tokens is visible), `mask` is the attention mask [B,T] and
-    `cfg.attention` names the implementation (`models/attention.py`); when decoding with a
-    cache, `mask` is the additive bias [B,1,1,T,S] of the einsum over the S cache slots."""
+    `cfg.attention` names the implementation (`models/attention.py`). When decoding, `cache` is
+    this layer's OLD keys/values [B,K,S,H] (before the T new positions are written: read before
+    write, so the stacked cache is only read inside the layer scan) and `mask` the additive biases
+    (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -135,27 +125,29 @@ class Attention(nnx.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is not None:  # write the T new keys/values at [layer, :, :, cache_index, :]
-      zero = jnp.zeros((), jnp.int32)
-      start = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
-      to_cache = lambda x: jnp.swapaxes(x, 1, 2)[None].astype(cache.k.dtype)  # [B,T,K,H] -> [1,B,K,T,H]
-      cache = LayerCache(
-          jax.lax.dynamic_update_slice(cache.k, to_cache(k), start),
-          jax.lax.dynamic_update_slice(cache.v, to_cache(v), start),
-      )
     if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
       out = attend(q, k, v, mask, cfg.attention)
-    else:  # decoding: attend to all S cache slots of this layer, [B,K,S,H]
-      read = lambda c: jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False).astype(dt)
-      k, v = read(cache.k), read(cache.v)  # heads-major: the dots need no transpose
+    else:  # decoding: one softmax over the S old cache slots and the T new tokens
+      old_bias, new_bias = mask
+      ck, cv = cache.k.astype(dt), cache.v.astype(dt)  # [B,K,S,H], heads-major: the dots need no transpose
       b, t = q.shape[:2]
+      s = ck.shape[2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
-      scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k).astype(jnp.float32) * cfg.head_dim**-0.5
-      probs = jax.nn.softmax(scores + mask, axis=-1).astype(dt)
-      out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
+      scale = cfg.head_dim**-0.5
+      old = jnp.einsum("BTKGH,BKSH->BKGTS", q, ck).astype(jnp.float32) * scale + old_bias  # [B,K,G,T,S]
+      new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k).astype(jnp.float32) * scale + new_bias  # [B,K,G,T,T]
+      # one softmax over both blocks without joining them ([.., S + T] is off the lane tiling and
+      # would be copied): a shared max, unnormalised weights, and the sum divided out after the dots
+      top = jnp.maximum(jnp.max(old, axis=-1, keepdims=True), jnp.max(new, axis=-1, keepdims=True))
+      e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
+      total = jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)  # [B,K,G,T,1]
+      out = jnp.einsum("BKGTS,BKSH->BKGTH", e_old.astype(dt), cv, preferred_element_type=jnp.float32)
+      out = out + jnp.einsum("BKGTU,BUKH->BKGTH", e_new.astype(dt), v, preferred_element_type=jnp.float32)
+      out = (out / total).astype(dt)
       out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
-    return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), cache
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] -> [B,K,T,H], the cache's layout
+    return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), (heads_major(k), heads_major(v))
 
 
 class MLP(nnx.Module):
@@ -185,11 +177,12 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache, cache_index, prefill: bool = False, layer=None):
-    h, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, prefill, layer)
+  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False):
+    """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
+    h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
-    return constrain(x, ("act_batch", "act_length", "act_embed")), cache
+    return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
 
 
 def _stacked_layers(cfg: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
@@ -249,29 +242,52 @@ class Qwen2(nnx.Module):
 
   def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters -> (x [B, T, D],
-    new cache or None). The stacked cache [L, B, K, S, H] rides in the scan's carry, not in its xs /
-    ys: each layer writes its T new positions into it in place (`dynamic_update_slice`, which XLA
-    aliases for a loop carry) and reads its own [B, K, S, H] by dynamic index, so a decode step
-    touches the cache once instead of slicing it out and re-stacking all of it. Without a cache
-    (the train step, scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
+    new cache or None). Decoding reads before it writes: the stacked cache [L, B, K, S, H] is the
+    scan's xs (each layer reads its own old [B, K, S, H] slice, as it reads its weights, and XLA
+    reads it inside the consuming dot), the T new keys/values come out as the scan's ys
+    [L, B, K, T, H] and are written after the scan by ONE `dynamic_update_slice` at cache_index
+    (in place on the decode loop's carry). A layer that wrote into the stacked cache and then read
+    its slice back made XLA copy every layer's [B, K, S, H] every step. Prefill (an empty cache)
+    reads nothing, so there each layer writes its T positions in place into the carried cache (no
+    [L, B, K, T, H] ys the size of the prompt's cache next to it). Without a cache (the train step,
+    scoring) the scanned layer is rematerialised by `cfg.remat_policy`."""
     graphdef, state = nnx.split(self.layers)
     if cache is None:
 
       def layer(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, None)[0], None
+        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask)[0], None
 
       policy = self.cfg.remat_policy
       if policy != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
       return jax.lax.scan(layer, x, state)[0], None
 
-    def cached_layer(carry, xs):
-      x, cache = carry
-      layer_state, index = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, cache, cache_index, prefill, index), None
+    zero = jnp.zeros((), jnp.int32)
+    if prefill:  # nothing is read: each layer writes its T positions into the carried cache in place
 
-    index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
-    return jax.lax.scan(cached_layer, (x, cache), (state, index))[0]
+      def prefill_layer(carry, xs):
+        x, cache = carry
+        layer_state, index = xs
+        x, new = nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, True)
+        start = (index, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+        write = lambda c, n: jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), start)  # [1,B,K,T,H]
+        return (x, LayerCache(write(cache.k, new[0]), write(cache.v, new[1]))), None
+
+      index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+      return jax.lax.scan(prefill_layer, (x, cache), (state, index))[0]
+
+    def cached_layer(x, xs):
+      layer_state, old = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old)
+
+    x, new = jax.lax.scan(cached_layer, x, (state, cache))
+    # the write must follow every read of the old cache; the last layer's new keys/values do not
+    # depend on its attention (the reads), x does: without this order XLA copies the whole cache
+    x, new = jax.lax.optimization_barrier((x, new))
+    start = (zero, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+    names = (None, "act_batch", "act_kv_heads", None, None)
+    write = lambda c, n: jax.lax.dynamic_update_slice(c, constrain(n.astype(c.dtype), names), start)
+    return x, LayerCache(write(cache.k, new[0]), write(cache.v, new[1]))  # new: [L, B, K, T, H]
 
   def hidden_states(
       self,
@@ -300,12 +316,16 @@ class Qwen2(nnx.Module):
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask
-    else:
+    else:  # biases of the S old cache slots and of the T new tokens (see `Attention`)
       s = cache.k.shape[3]
-      q_pos, k_pos = cache_index + jnp.arange(t), jnp.arange(s)
-      k_valid = kv_mask if kv_mask is not None else (k_pos[None, :] < cache_index + t)
-      allowed = (k_pos[None, :] <= q_pos[:, None])[None] & (k_valid[:, None, :] > 0)  # [B,T,S]
-      mask = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B,1,1,T,S]
+      bias = lambda allowed: jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
+      old = jnp.arange(s)[None, :] < cache_index  # [1, S]: slots written before this call
+      causal = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]  # [1, T, T]
+      if kv_mask is not None:
+        old = old & (kv_mask > 0)  # [B, S]
+        new_valid = jax.lax.dynamic_slice_in_dim(kv_mask, cache_index, t, axis=1) > 0  # [B, T]
+        causal = causal & new_valid[:, None, :]
+      mask = (bias(old[:, None, :]), bias(causal))  # [B|1,1,1,1,S], [B|1,1,1,T,T]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
