@@ -66,7 +66,7 @@ from flax import nnx  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from ict_jax import cpu_paths, sampling  # noqa: E402
+from ict_jax import sampling  # noqa: E402
 from ict_jax import setup as setup_lib  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.config import Config, ConfigError  # noqa: E402
@@ -485,20 +485,8 @@ def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, to
   writing the outputs): token i - 1 [b] in, its KV written at slot prompt_len + i - 1, token i
   sampled."""
   model = nnx.merge(graphdef, state)
-  b = tok.shape[0]
-  h, cache = model.hidden_states(
-      tok[:, None],
-      jnp.ones((b, 1), jnp.int32),
-      positions=(num_prompt + i - 1)[:, None],
-      cache=cache,
-      cache_index=prompt_len + i - 1,
-      kv_mask=kv_mask,
-  )
-  kernels = model.cfg.kernels  # the loop body's head (`sampling._decode_rows`): logits [b, V]
-  if kernels == "cpu":
-    logits = cpu_paths.head_logits(h[:, 0], *model.head_weight()).T
-  else:
-    logits = model.next_token_logits(h[:, 0])
+  logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_len + i - 1, kv_mask)
+  kernels = model.cfg.kernels
   tok, _ = sampling._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
   return tok, cache
 

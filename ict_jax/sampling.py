@@ -294,6 +294,29 @@ def abstract_rollout_policy(model_cfg, *, dtype: str, mesh: Mesh | None = None) 
 
 
 # ---- the generator ------------------------------------------------------------------------------
+def decode_head(model, h: Array) -> Array:
+  """h [b, D] (final-normed) -> float32 logits [b, V], as the sampler computes them for
+  `model.cfg.kernels` ("cpu": vocabulary-major [V, b], transposed without a copy into
+  `cpu_paths.plain_step`)."""
+  if model.cfg.kernels == "cpu":
+    return cpu_paths.head_logits(h, *model.head_weight()).T
+  return model.next_token_logits(h)
+
+
+def decode_one(model, tok: Array, num_prompt: Array, i, cache, cache_index, kv_mask: Array):
+  """One step of the decode loop: completion token i - 1 (tok [b]) in, its keys/values written at
+  cache slot `cache_index` -> (logits [b, V] of completion token i, the updated cache)."""
+  h, cache = model.hidden_states(
+      tok[:, None],
+      jnp.ones((tok.shape[0], 1), jnp.int32),
+      positions=(num_prompt + i - 1)[:, None],
+      cache=cache,
+      cache_index=cache_index,
+      kv_mask=kv_mask,
+  )
+  return decode_head(model, h[:, 0]), cache
+
+
 def _decode_rows(
     model,
     prompt_ids,
@@ -328,13 +351,7 @@ def _decode_rows(
       prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
   )  # [P, P] scores
   kernels = model.cfg.kernels
-
-  def head(h):  # [b, D] -> float32 logits [b, V]
-    if kernels == "cpu":  # vocabulary-major [V, b]; cpu_paths.plain_step transposes it back (no copy)
-      return cpu_paths.head_logits(h, *model.head_weight()).T
-    return model.next_token_logits(h)
-
-  logits = head(h[:, -1])  # left padding: the last slot is real
+  logits = decode_head(model, h[:, -1])  # left padding: the last slot is real
 
   def emit(i, logits, done, out):
     """Sample completion token i from logits [b, V] and write it into the outputs."""
@@ -374,15 +391,8 @@ def _decode_rows(
 
   def body(carry):
     i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, in slot p + i - 1
-    h, cache = model.hidden_states(
-        tok[:, None],
-        jnp.ones((b, 1), jnp.int32),
-        positions=(num_prompt + i - 1)[:, None],
-        cache=cache,
-        cache_index=p + i - 1,
-        kv_mask=kv_mask,
-    )
-    tok, done, out = emit(i, head(h[:, 0]), done, out)
+    logits, cache = decode_one(model, tok, num_prompt, i, cache, p + i - 1, kv_mask)
+    tok, done, out = emit(i, logits, done, out)
     return i + 1, cache, tok, done, out
 
   carry = (jnp.int32(1), cache, tok, done, out)
