@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import selection
 
@@ -62,20 +63,32 @@ class TokenView:
       )
       return {"prob": jnp.exp(logp) * mask, "entropy": stats["entropy"], "js": stats["js"], "selected": sel}
 
-    self._fn = jax.jit(fn)
+    if mesh is None:
+      self._fn = jax.jit(fn)
+    else:
+      # Declared layouts, as the train step has: the few logged rows replicated (they need not
+      # divide data x fsdp) and placed before the call, the parameters as they lie. Fed host
+      # arrays with no declared sharding, this program now and then aborted on the suite's 8
+      # simulated CPU devices (an XLA:CPU collective rendezvous that never completed).
+      repl = NamedSharding(mesh, P())
+      self._fn = jax.jit(fn, in_shardings=(None, repl), out_shardings=repl)
 
   def __call__(self, params, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """-> per-token arrays [rows, C] of the first `groups` groups, and those rows' prompt and
     completion ids and masks, on the host. Every process calls it: the completion arrays may be
     global device arrays spanning several hosts (gathered here, a collective)."""
     from ict_jax.rollout import host_array
+    from ict_jax.sharding import put_global
 
     rows = self.groups * self.cfg.group_size
     sub = {k: host_array(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     import contextlib
 
+    inputs = sub
+    if self.mesh is not None:
+      inputs = jax.block_until_ready({k: put_global(v, NamedSharding(self.mesh, P())) for k, v in sub.items()})
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      out = self._fn(params, sub)
+      out = self._fn(params, inputs)
     return {**sub, **{k: host_array(v) for k, v in out.items()}}
 
 

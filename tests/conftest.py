@@ -2,7 +2,13 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The 8 simulated devices share the machine's cores (2 on CI): XLA:CPU aborts the process when a
+# collective's participants have not all arrived within 40 s, which a loaded box can exceed
+# without any deadlock; allow 10 minutes (a real deadlock still aborts, later).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "collective_call_terminate_timeout" not in _flags:
+  _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
