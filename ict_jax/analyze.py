@@ -116,7 +116,7 @@ def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> s
   box = ";border-color:#111" if s else ""
   return (
       f'<span class="tok{" sel" if s else ""}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
-      f'data-js="{j:.6f}" data-entropy="{h:.6f}" data-prob="{p:.6f}" title="JS {j:.4f} | entropy {h:.3f} | '
+      f'data-js="{j:.6f}" data-entropy="{h:.6f}" data-prob="{p:.6f}" title="JS {j:.3g} | entropy {h:.3f} | '
       f'p {p:.3f}{" | selected" if s else ""}">{html.escape(t)}</span>'
   )
 
@@ -156,6 +156,7 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
       for c, a in zip(fifth_sel, fifth_all)
   )
   f = lambda v: "–" if v != v else f"{v:.3f}"  # noqa: E731 (nan -> dash)
+  g = lambda v: "–" if v != v else f"{v:.3g}"  # noqa: E731 (JS: 3 significant digits, small on weak policies)
   warm = any(r.get("dense_warmup") for r in rows)
   warm_note = " &middot; this step is in ICT's dense warm-up: every token trained" if warm else ""
   table = f"""
@@ -163,11 +164,11 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
 <tr><th></th><th>selected</th><th>all tokens</th></tr>
 <tr><td>tokens</td><td>{stats['selected']}</td><td>{stats['tokens']}</td></tr>
 <tr><td>mean probability of the sampled token</td><td>{f(stats['mean_prob_selected'])}</td><td>{f(stats['mean_prob_all'])}</td></tr>
-<tr><td>mean JS score</td><td>{f(stats['mean_js_selected'])}</td><td>{f(stats['mean_js_unselected'])} (unselected)</td></tr>
+<tr><td>mean JS score</td><td>{g(stats['mean_js_selected'])}</td><td>{g(stats['mean_js_unselected'])} (unselected)</td></tr>
 <tr><td>high-entropy share (H &gt; median {stats['entropy_median']:.3f})</td><td>{f(stats['high_entropy_share'])}</td><td>0.5 by definition</td></tr>
 <tr><td>low-entropy share</td><td>{f(stats['low_entropy_share'])}</td><td></td></tr>
 <tr><td>mean relative position in the response</td><td>{f(stats['mean_relative_position_selected'])}</td><td>0.5</td></tr>
-<tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{f(stats['mean_js_first_token'])} vs {f(stats['mean_js_later_tokens'])}</td></tr>
+<tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{g(stats['mean_js_first_token'])} vs {g(stats['mean_js_later_tokens'])}</td></tr>
 </table>"""
   inputs = "".join(
       f'<input type="radio" class="key k-{k}" id="{uid}-{k}" name="{uid}" value="{k}"{" checked" if k == "js" else ""}>'
