@@ -63,37 +63,73 @@ def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
   }
 
 
+# The view's own style, every rule under `.ictv`, so that the fragment can sit in a notebook cell
+# without restyling the notebook. The colour switch is CSS only (hidden radio inputs, each token
+# carrying its three colours as custom properties), so it works where scripts do not run (a notebook
+# output, an untrusted notebook, the screenshot); inline colours of the JS score and the selected
+# tokens' box remain where the <style> is stripped.
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
-h1{font-size:20px;margin:0 0 4px} .sub{color:#666;font-size:13px;margin-bottom:14px}
-.controls{margin:10px 0 16px;font-size:14px} .controls label{margin-right:14px}
-.row{display:flex;align-items:baseline;gap:10px;margin:3px 0;font-family:ui-monospace,monospace;font-size:15px}
-.meta{width:150px;flex:none;color:#555;font-size:12px;text-align:right}
-.ok{color:#137333;font-weight:600} .bad{color:#b3261e}
-.tok{padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre}
-.tok.sel{border-color:#111;font-weight:700}
-.legend{display:flex;align-items:center;gap:8px;font-size:12px;color:#555}
-.bar{width:180px;height:12px;border-radius:3px}
-table{border-collapse:collapse;font-size:14px;margin-top:8px} td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}
-.grid{display:grid;grid-template-columns:1fr 1fr;gap:24px;margin-top:18px}
-.hist{display:flex;align-items:flex-end;gap:6px;height:90px} .hist div{width:34px;background:#444;text-align:center;color:#fff;font-size:11px}
-.group{margin-top:10px;font-size:13px;color:#444}
+.ictv{font-family:system-ui,sans-serif;color:#222;background:#fff;max-width:1100px;padding:4px 0}
+.ictv .note{color:#666;font-size:13px;margin-bottom:10px}
+.ictv .controls{margin:8px 0 14px;font-size:14px;display:flex;align-items:center;gap:8px;flex-wrap:wrap}
+.ictv input.key{display:none}
+.ictv label{cursor:pointer;padding:1px 8px;border:1px solid #bbb;border-radius:10px}
+.ictv input.k-js:checked~.controls label.k-js,.ictv input.k-entropy:checked~.controls label.k-entropy,
+.ictv input.k-prob:checked~.controls label.k-prob{background:#222;color:#fff;border-color:#222}
+.ictv .lmax{display:none}
+.ictv input.k-js:checked~.controls .lmax.k-js,.ictv input.k-entropy:checked~.controls .lmax.k-entropy,
+.ictv input.k-prob:checked~.controls .lmax.k-prob{display:inline}
+.ictv .row{display:flex;align-items:baseline;gap:10px;margin:3px 0;font-family:ui-monospace,monospace;font-size:15px}
+.ictv .meta{width:150px;flex:none;color:#555;font-size:12px;text-align:right}
+.ictv .ok{color:#137333;font-weight:600} .ictv .bad{color:#b3261e}
+.ictv .tok{padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre;
+  background:var(--js)!important}
+.ictv input.k-entropy:checked~.rows .tok{background:var(--entropy)!important}
+.ictv input.k-prob:checked~.rows .tok{background:var(--prob)!important}
+.ictv .tok.sel{border-color:#111;font-weight:700}
+.ictv .legend{display:inline-flex;align-items:center;gap:8px;font-size:12px;color:#555;margin-left:6px}
+.ictv .bar{width:180px;height:12px;border-radius:3px;background:linear-gradient(90deg,#fff,rgb(200,40,40))}
+.ictv table{border-collapse:collapse;font-size:14px;margin-top:8px}
+.ictv td,.ictv th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}
+.ictv .grid{display:grid;grid-template-columns:1fr 1fr;gap:24px;margin-top:18px}
+.ictv .hist{display:flex;align-items:flex-end;gap:6px;height:90px}
+.ictv .hist div{width:34px;background:#444;text-align:center;color:#fff;font-size:11px}
+.ictv .group{margin-top:10px;font-size:13px;color:#444}
 """
 
-_JS = """
-const MAX={js:%(log2)f,entropy:%(hmax)f,prob:1.0};
-function colour(v){const t=Math.max(0,Math.min(1,v));
-  const r=Math.round(255-t*(255-200)),g=Math.round(255-t*(255-40)),b=Math.round(255-t*(255-40));
-  return `rgb(${r},${g},${b})`;}
-function paint(){const key=document.querySelector('input[name=key]:checked').value;
-  document.querySelectorAll('.tok').forEach(e=>{const v=parseFloat(e.dataset[key]);
-    e.style.background=colour(v/MAX[key]);});
-  document.getElementById('lmax').textContent=MAX[key].toFixed(3);}
-document.querySelectorAll('input[name=key]').forEach(e=>e.addEventListener('change',paint));paint();
+_PAGE_CSS = """
+body{margin:24px} h1{font-family:system-ui,sans-serif;font-size:20px;margin:0 0 4px;color:#222}
+.sub{font-family:system-ui,sans-serif;color:#666;font-size:13px}
 """
 
+KEYS = (("js", "JS to the group mean"), ("entropy", "entropy"), ("prob", "probability"))
 
-def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any], title: str) -> str:
+
+def colour(v: float) -> str:
+  """White (0) to red (1), `v` clipped to [0, 1]."""
+  t = min(max(float(v), 0.0), 1.0)
+  return f"rgb({round(255 - t * 55)},{round(255 - t * 215)},{round(255 - t * 215)})"
+
+
+def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> str:
+  cj, ch, cp = colour(j / LOG2), colour(h / hmax), colour(p)
+  box = ";border-color:#111" if s else ""
+  return (
+      f'<span class="tok{" sel" if s else ""}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
+      f'data-js="{j:.6f}" data-entropy="{h:.6f}" data-prob="{p:.6f}" title="JS {j:.3g} | entropy {h:.3f} | '
+      f'p {p:.3f}{" | selected" if s else ""}">{html.escape(t)}</span>'
+  )
+
+
+def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None = None, uid: str | None = None) -> str:
+  """The token view of `rows` (token_view rows) as one self-contained `<div class="ictv">`: its
+  scoped style, the colour switch, the completions grouped by prompt (selected tokens boxed) and the
+  selected tokens' statistics (`selection_stats(rows)` unless given). The page of
+  `python -m ict_jax.analyze` and the notebook's `IPython.display.HTML` both show this."""
+  import uuid
+
+  stats = selection_stats(rows) if stats is None else stats
+  uid = uid or "ictv-" + uuid.uuid4().hex[:8]  # the radio group's name: one per view on a page
   hmax = max([max(r["entropy"], default=0.0) for r in rows] + [1e-6])
   lines = []
   previous_prompt = None
@@ -105,9 +141,7 @@ def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any]
       )
       previous_prompt = r["prompt"]
     toks = "".join(
-        f'<span class="tok{" sel" if s else ""}" data-js="{j:.6f}" data-entropy="{h:.6f}" '
-        f'data-prob="{p:.6f}" title="JS {j:.4f} | entropy {h:.3f} | p {p:.3f}'
-        f'{" | selected" if s else ""}">{html.escape(t)}</span>'
+        _token_span(t, j, h, p, s, hmax)
         for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"])
     )
     ok = r["reward"] > 0
@@ -118,10 +152,11 @@ def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any]
   fifth_sel, fifth_all = stats["position_fifths_selected"], stats["position_fifths_all"]
   top = max(fifth_sel + [1])
   hist = "".join(
-      f'<div style="height:{6 + 80 * c / top:.0f}px" title="{c} of {a} tokens">{c}</div>'
+      f'<div style="height:{14 + 72 * c / top:.0f}px" title="{c} of {a} tokens">{c}</div>'
       for c, a in zip(fifth_sel, fifth_all)
   )
   f = lambda v: "–" if v != v else f"{v:.3f}"  # noqa: E731 (nan -> dash)
+  g = lambda v: "–" if v != v else f"{v:.3g}"  # noqa: E731 (JS: 3 significant digits, small on weak policies)
   warm = any(r.get("dense_warmup") for r in rows)
   warm_note = " &middot; this step is in ICT's dense warm-up: every token trained" if warm else ""
   table = f"""
@@ -129,28 +164,50 @@ def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any]
 <tr><th></th><th>selected</th><th>all tokens</th></tr>
 <tr><td>tokens</td><td>{stats['selected']}</td><td>{stats['tokens']}</td></tr>
 <tr><td>mean probability of the sampled token</td><td>{f(stats['mean_prob_selected'])}</td><td>{f(stats['mean_prob_all'])}</td></tr>
-<tr><td>mean JS score</td><td>{f(stats['mean_js_selected'])}</td><td>{f(stats['mean_js_unselected'])} (unselected)</td></tr>
+<tr><td>mean JS score</td><td>{g(stats['mean_js_selected'])}</td><td>{g(stats['mean_js_unselected'])} (unselected)</td></tr>
 <tr><td>high-entropy share (H &gt; median {stats['entropy_median']:.3f})</td><td>{f(stats['high_entropy_share'])}</td><td>0.5 by definition</td></tr>
 <tr><td>low-entropy share</td><td>{f(stats['low_entropy_share'])}</td><td></td></tr>
 <tr><td>mean relative position in the response</td><td>{f(stats['mean_relative_position_selected'])}</td><td>0.5</td></tr>
-<tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{f(stats['mean_js_first_token'])} vs {f(stats['mean_js_later_tokens'])}</td></tr>
+<tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{g(stats['mean_js_first_token'])} vs {g(stats['mean_js_later_tokens'])}</td></tr>
 </table>"""
-  return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{_CSS}</style></head><body>
-<h1>ICT token view, step {step}</h1>
-<div class="sub">{html.escape(title)} &middot; {len(rows)} logged completions in groups of one prompt &middot;
-colour = the token's score; <b style="border:2px solid #111;padding:0 3px">boxed</b> = selected by ICT
-(top share of each response by score){warm_note}. Hover a token for its values.</div>
-<div class="controls">colour by:
-<label><input type="radio" name="key" value="js" checked> JS to the group mean</label>
-<label><input type="radio" name="key" value="entropy"> entropy</label>
-<label><input type="radio" name="key" value="prob"> probability</label>
-<span class="legend" style="display:inline-flex">0 <span class="bar" style="background:linear-gradient(90deg,#fff,rgb(200,40,40))"></span> <span id="lmax"></span></span></div>
-{''.join(lines)}
+  inputs = "".join(
+      f'<input type="radio" class="key k-{k}" id="{uid}-{k}" name="{uid}" value="{k}"{" checked" if k == "js" else ""}>'
+      for k, _ in KEYS
+  )
+  labels = "".join(f'<label class="k-{k}" for="{uid}-{k}">{name}</label>' for k, name in KEYS)
+  maxima = "".join(
+      f'<span class="lmax k-{k}">{m:.3f}</span>' for k, m in (("js", LOG2), ("entropy", hmax), ("prob", 1.0))
+  )
+  return f"""<div class="ictv" id="{uid}"><style>{_CSS}</style>
+<div class="note">{len(rows)} completions in groups of one prompt &middot; colour = the token's score;
+<b style="border:2px solid #111;padding:0 3px">boxed</b> = selected by ICT (top share of each response by
+score){warm_note}. Hover a token for its values.</div>
+{inputs}<div class="controls">colour by: {labels}
+<span class="legend">0 <span class="bar"></span> {maxima}</span></div>
+<div class="rows">{''.join(lines)}</div>
 <div class="grid"><div><b>Selected tokens</b>{table}</div>
 <div><b>Where the selected tokens sit</b> (fifths of the response, first to last)<div class="hist">{hist}</div></div></div>
-<script>{_JS % {"log2": LOG2, "hmax": hmax}}</script></body></html>
+</div>"""
+
+
+def render_html(step: int, rows: Sequence[dict[str, Any]], stats: dict[str, Any], title: str) -> str:
+  """The whole page: a heading, then `render_fragment`."""
+  return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{_PAGE_CSS}</style></head><body>
+<h1>ICT token view, step {step}</h1>
+<div class="sub">{html.escape(title)}</div>
+{render_fragment(rows, stats, uid="ictv")}
+</body></html>
 """
+
+
+def summary(step: int, stats: dict[str, Any]) -> str:
+  """One line: how many tokens were selected, their mean probability and high-entropy share."""
+  return (
+      f"step {step}: {stats['selected']} of {stats['tokens']} tokens selected; mean p selected "
+      f"{stats['mean_prob_selected']:.3f} (all {stats['mean_prob_all']:.3f}); high-entropy share "
+      f"{stats['high_entropy_share']:.2f}"
+  )
 
 
 def screenshot(html_path: str, png_path: str, width: int = 1150, height: int = 900) -> str | None:
@@ -207,11 +264,7 @@ def main(argv=None) -> None:
     print(f"ict_jax.analyze: error: {e.args[0] if e.args else e}", file=sys.stderr)
     sys.exit(2)
   s = res["stats"]
-  print(
-      f"step {res['step']}: {s['selected']} of {s['tokens']} tokens selected; mean p selected "
-      f"{s['mean_prob_selected']:.3f} (all {s['mean_prob_all']:.3f}); high-entropy share "
-      f"{s['high_entropy_share']:.2f}"
-  )
+  print(summary(res["step"], s))
   print(res["html"])
   if res["png"]:
     print(res["png"])
