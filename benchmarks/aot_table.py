@@ -105,13 +105,22 @@ def _gib(n) -> str:
   return "—" if n is None else f"{n / 2**30:.2f}"
 
 
+def _header(*columns: str) -> list[str]:
+  """A markdown table's header and separator rows."""
+  return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _mesh(shapes: dict) -> str:
+  m = shapes["mesh"]
+  return f"{m['data']}, {m['fsdp']}, {m['tensor']}"
+
+
 def table(reports: dict[str, dict]) -> str:
-  rows = [
-      "| model | target | mesh (data, fsdp, tensor) | params | micro-batch | tokens / row "
-      "| args | temps | code | peak | usable HBM | fits (margin) | compile s | collectives "
-      "(all-gather / all-reduce / reduce-scatter / permute / all-to-all) | model TFLOP / step |",
-      "|" + "---|" * 15,
-  ]
+  rows = _header(
+      "model", "target", "mesh (data, fsdp, tensor)", "params", "micro-batch", "tokens / row", "args", "temps",
+      "code", "peak", "usable HBM", "fits (margin)", "compile s",
+      "collectives (all-gather / all-reduce / reduce-scatter / permute / all-to-all)", "model TFLOP / step",
+  )  # fmt: skip
   for name in RUNS:
     model, target, _ = RUNS[name]
     r = reports.get(name)
@@ -121,7 +130,6 @@ def table(reports: dict[str, dict]) -> str:
       )
       continue
     s, c = r["shapes"], r["collectives"]
-    mesh = s["mesh"]
     fit = _fit(r)
     coll = (
         " / ".join(
@@ -131,7 +139,7 @@ def table(reports: dict[str, dict]) -> str:
         else "—"
     )
     rows.append(
-        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | "
+        f"| {model} | {target} | {_mesh(s)} | "
         f"{s['param_dtype']} | {s['micro_batch_size']} | {s['prompt_len']} + {s['completion_len']} | "
         f"{_gib(r.get('argument_bytes'))} | {_gib(r.get('temp_bytes'))} | "
         f"{_gib(r.get('generated_code_bytes'))} | {_gib(r['peak_bytes_per_device'])} | "
@@ -155,12 +163,11 @@ def _ratio(r: dict) -> str:
 
 def sampler_table(reports: dict[str, dict]) -> str:
   """The sampler reports (`ict_jax.aot --part sample`): bytes per chip."""
-  rows = [
-      "| model | target | mesh (data, fsdp, tensor) | rollout dtype | decode batch (rows a chip) | tokens / row "
-      "| rollout weights | KV cache | args | temps | peak | + train state | usable HBM | fits (margin) | compile s "
-      "| decode step bytes | minimum (weights + KV) | ratio |",
-      "|" + "---|" * 18,
-  ]
+  rows = _header(
+      "model", "target", "mesh (data, fsdp, tensor)", "rollout dtype", "decode batch (rows a chip)", "tokens / row",
+      "rollout weights", "KV cache", "args", "temps", "peak", "+ train state", "usable HBM", "fits (margin)",
+      "compile s", "decode step bytes", "minimum (weights + KV)", "ratio",
+  )  # fmt: skip
   for name in RUNS:
     model, target, _ = RUNS[name]
     if name in SAME_SAMPLER:  # its sampler is another row's
@@ -172,9 +179,9 @@ def sampler_table(reports: dict[str, dict]) -> str:
       )
       continue
     r = r["sampler"]
-    s, mesh = r["shapes"], r["shapes"]["mesh"]
+    s = r["shapes"]
     rows.append(
-        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | {s['dtype']} | "
+        f"| {model} | {target} | {_mesh(s)} | {s['dtype']} | "
         f"{r['decode_batch_size']} ({s['rows_per_device']}) | {s['prompt_len']} + {s['completion_len']} | "
         f"{_gib(s['rollout_policy_bytes'])} | {_gib(s['kv_cache_bytes'])} | {_gib(r.get('argument_bytes'))} | "
         f"{_gib(r.get('temp_bytes'))} | {_gib(r['peak_bytes_per_device'])} | {_gib(r['resident_bytes'])} | "
@@ -186,11 +193,10 @@ def sampler_table(reports: dict[str, dict]) -> str:
 
 def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
   """The short table README.md and launch/README.md show: per recipe, does each program fit."""
-  rows = [
-      "| model | target | mesh (data, fsdp, tensor) | micro-batch | train step: peak / usable GiB a chip, fits "
-      "| decode batch | sampler: peak + train state / usable GiB, fits | decode step bytes / minimum |",
-      "|" + "---|" * 8,
-  ]
+  rows = _header(
+      "model", "target", "mesh (data, fsdp, tensor)", "micro-batch", "train step: peak / usable GiB a chip, fits",
+      "decode batch", "sampler: peak + train state / usable GiB, fits", "decode step bytes / minimum",
+  )  # fmt: skip
   for name in RUNS:
     model, target, _ = RUNS[name]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
@@ -198,7 +204,6 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
       rows.append(f"| {model} | {target} | | | not measured | | not measured | |")
       continue
     r = r and r["sampler"]
-    mesh = (t or r)["shapes"]["mesh"]
     train = (
         "not measured"
         if t is None
@@ -212,7 +217,7 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
         + ("yes" if r["fits"] else "**no**")
     )
     rows.append(
-        f"| {model} | {target} | {mesh['data']}, {mesh['fsdp']}, {mesh['tensor']} | "
+        f"| {model} | {target} | {_mesh((t or r)['shapes'])} | "
         f"{t['shapes']['micro_batch_size'] if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
         f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} |"
     )
