@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ict_jax import selection
+from ict_jax import selection, sharding
 
 DIR = "tokens"  # <workdir>/tokens/<step:08d>.jsonl
 
@@ -70,7 +69,7 @@ class TokenView:
       # divide data x fsdp) and placed before the call, the parameters as they lie. Fed host
       # arrays with no declared sharding, this program now and then aborted on the suite's 8
       # simulated CPU devices (an XLA:CPU collective rendezvous that never completed).
-      repl = NamedSharding(mesh, P())
+      repl = sharding.replicated(mesh)
       self._fn = jax.jit(fn, in_shardings=(None, repl), out_shardings=repl)
 
   def __call__(self, params, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -78,17 +77,16 @@ class TokenView:
     completion ids and masks, on the host. Every process calls it: the completion arrays may be
     global device arrays spanning several hosts (gathered here, a collective)."""
     from ict_jax.rollout import host_array
-    from ict_jax.sharding import put_global
 
     rows = self.groups * self.cfg.group_size
     sub = {k: host_array(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-    import contextlib
-
-    inputs = sub
-    if self.mesh is not None:
-      inputs = jax.block_until_ready({k: put_global(v, NamedSharding(self.mesh, P())) for k, v in sub.items()})
-    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      out = self._fn(params, inputs)
+    if self.mesh is None:
+      out = self._fn(params, sub)
+    else:
+      repl = sharding.replicated(self.mesh)
+      inputs = jax.block_until_ready({k: sharding.put_global(v, repl) for k, v in sub.items()})
+      with jax.set_mesh(self.mesh):
+        out = self._fn(params, inputs)
     return {**sub, **{k: host_array(v) for k, v in out.items()}}
 
 
