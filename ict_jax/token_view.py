@@ -109,7 +109,7 @@ def records(
             "reward": float(rewards[i]),
             "advantage": float(advantages[i]),
             "dense_warmup": bool(dense_warmup),
-            "tokens": tokenizer.decode_batch([[t] for t in ids]),
+            "tokens": tokenizer.decode_pieces(ids),
             **{k: [round(float(x), 6) for x in view[k][i][m]] for k in ("prob", "entropy", "js")},
             "selected": [bool(x) for x in view["selected"][i][m]],
         }

@@ -12,6 +12,7 @@ system, user and assistant messages (tool calls are not supported and raise).
 from __future__ import annotations
 
 import base64
+import codecs
 import functools
 import importlib.resources
 import os
@@ -145,6 +146,21 @@ class Tokenizer:
         keep &= (a < FIRST_ADDED_ID) | (a >= FIRST_ADDED_ID + NUM_SPECIAL)
       kept.append(a[keep].tolist())
     return self._enc.decode_batch(kept, errors="replace")
+
+  def decode_pieces(self, ids: Iterable[int] | np.ndarray) -> list[str]:
+    """The text of each token of ``ids``, for showing a sequence token by token: the pieces join
+    to ``decode(ids)``. A character whose UTF-8 bytes span several tokens appears whole at the
+    token that completes it (the earlier ones get ""), not as U+FFFD in each, which decoding the
+    tokens one by one would give. Ids outside the vocabulary get ""."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
+    ok = [0 <= i < self.vocab_size for i in flat]
+    data = iter(self._enc.decode_tokens_bytes([i for i, k in zip(flat, ok) if k]))
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces = [utf8.decode(next(data)) if k else "" for k in ok]
+    if any(ok):  # an unfinished character at the end: U+FFFD at the last token in the vocabulary
+      last = len(ok) - 1 - ok[::-1].index(True)
+      pieces[last] += utf8.decode(b"", final=True)
+    return pieces
 
   def token_to_id(self, token: str) -> int:
     """Id of an added token such as ``"<|im_end|>"``."""

@@ -160,6 +160,24 @@ def test_decode_batch_equals_decode_per_row(tok):
     assert tok.decode_batch(rows, skip_special_tokens=skip) == [tok.decode(r, skip_special_tokens=skip) for r in rows]
 
 
+@pytest.mark.parametrize("text", ["h\u00e9llo \u4e16\u754c", "\U00013000\U0001f600 x", "3+1=4;\\boxed{4}<|endoftext|>"])
+def test_decode_pieces_join_to_decode(tok, text):
+  ids = tok.encode(text)
+  pieces = tok.decode_pieces(ids)
+  assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) == text
+  assert "\ufffd" not in "".join(pieces)  # decoding token by token would give U+FFFD here
+
+
+def test_decode_pieces_split_character(tok):
+  ids = tok.encode("\U00013000 x")  # the hieroglyph is 3 tokens: bytes F0 93 | 80 | 80
+  assert len(ids) == 4
+  assert tok.decode_pieces(ids) == ["", "", "\U00013000", " x"]  # whole, at the token completing it
+  # an unfinished character: U+FFFD at the last token in the vocabulary, as decode gives
+  assert tok.decode_pieces(ids[:2] + [151935]) == ["", "\ufffd", ""]
+  assert "".join(tok.decode_pieces(ids[:2])) == tok.decode(ids[:2]) == "\ufffd"
+  assert tok.decode_pieces([]) == []
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 3+5?"}],
     [{"role": "system", "content": "You are a math tutor."}, {"role": "user", "content": "1+1?"}],
