@@ -12,11 +12,15 @@ test split, 4 samples each, at the rollout temperature; the same key for every r
 a method (`grpo`, `entropy`, `stapo`, `ict`) or an ICT ablation `key=value[+key=value]` over
 `ict.score`, `ict.keep`, `ict.top_fraction`, `ict.reference` (e.g. `top_fraction=0.9+keep=frequent`).
 
+The warm-start itself is evaluated the same way once per seed (the row "warm-start (no RL)"), so
+the table also gives each variant's paired change over its starting point.
+
 Every finished run writes `<out>/runs/<variant>_seed<s>/result.json` and is not run again, so an
 interrupted sweep resumes; `--report` only rebuilds the report from the finished runs. Writes
-`<out>/table.md` (pass@1 / pass@4: mean, std, min-max over seeds, and the paired difference to ICT
-on the same seeds), `<out>/curves.png` (reward, Shannon entropy, Renyi-2 entropy and selected
-fraction over steps: mean and min-max band across seeds, methods only), `<out>/results.json`.
+`<out>/table.md` (pass@1 / pass@4: mean, std, min-max over seeds, and the paired differences to
+ICT and to the warm-start on the same seeds), `<out>/curves.png` (reward, Shannon entropy, Renyi-2
+entropy and selected fraction over steps: mean and min-max band across seeds, methods only),
+`<out>/results.json`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from ict_jax import config as config_lib  # noqa: E402
 from ict_jax.logs import read_log  # noqa: E402
 
 METHODS = ("grpo", "entropy", "stapo", "ict")
-NAMES = {"grpo": "GRPO", "entropy": "20-Entropy", "stapo": "STAPO", "ict": "ICT"}
+NAMES = {"grpo": "GRPO", "entropy": "20-Entropy", "stapo": "STAPO", "ict": "ICT", "warm-start": "warm-start (no RL)"}
+BASELINE = "warm-start"  # the shared warm-start itself, evaluated with each seed's key
 ABLATIONS = (
     "score=kl",
     "score=entropy",
@@ -139,13 +144,59 @@ def run_one(
   return result
 
 
+def baseline_one(seed: int, hf_dir: str, out: str, eval_prompts: int, overrides: dict | None = None) -> dict:
+  """The warm-start before any RL step, evaluated exactly as a run's final evaluation (the same
+  problems, samples and key: `PeriodicEval` of the run's config with `train.seed = seed`), so
+  each method's paired change over the starting point can be read off the table."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from ict_jax.eval.periodic import PeriodicEval
+  from ict_jax.models.hf import load_pretrained
+  from ict_jax.rewards.pool import RewardPool
+  from ict_jax.setup import make_mesh
+  from ict_jax.tokenizer import Tokenizer
+  from ict_jax.train import load_examples
+
+  workdir = os.path.join(out, "runs", f"{BASELINE}_seed{seed}")
+  done = os.path.join(workdir, "result.json")
+  if os.path.exists(done):
+    return json.load(open(done))
+  c = base_config(1, os.path.join(out, "data"), eval_prompts)
+  for key, value in (overrides or {}).items():
+    section, name = key.split(".")
+    setattr(getattr(c, section), name, value)
+  c.train.seed = seed
+  cfg = config_lib.validate(c)
+  mesh = make_mesh(cfg)
+  model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), mesh=mesh)
+  graphdef, params = nnx.split(model, nnx.Param)
+  ev = PeriodicEval.from_config(cfg, Tokenizer(), load_examples(cfg, cfg.data.eval_split, out), mesh=mesh)
+  with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+    res = ev((graphdef, params.to_pure_dict()), pool)
+  result = {"variant": BASELINE, "seed": seed, "steps": 0, **{f"pass@{k}": res[f"eval_pass_at_{k}"] for k in KS}}
+  os.makedirs(workdir, exist_ok=True)
+  with open(done, "w") as f:
+    json.dump(result, f)
+  return result
+
+
+def _paired(runs: dict, other: dict, k: int) -> dict | None:
+  """mean / std of runs[s] - other[s] in pass@k over the seeds both have (None if none)."""
+  common = sorted(set(runs) & set(other))
+  if not common:
+    return None
+  d = np.array([runs[s][f"pass@{k}"] - other[s][f"pass@{k}"] for s in common])
+  return {"mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0, "n": len(common)}
+
+
 def summarize(results: list[dict]) -> dict[str, dict]:
-  """Per variant: seeds, mean / std / min / max of pass@k and the paired difference to ICT
-  (variant minus ICT on the seeds both have)."""
+  """Per variant: seeds, mean / std / min / max of pass@k, the paired difference to ICT (variant
+  minus ICT on the seeds both have) and the paired change over the warm-start (variant minus the
+  warm-start evaluated with the same seed's key)."""
   by = {}
   for r in results:
     by.setdefault(r["variant"], {})[r["seed"]] = r
-  ict = by.get("ict", {})
+  ict, base = by.get("ict", {}), by.get(BASELINE, {})
   out = {}
   for variant, runs in by.items():
     row = {"seeds": sorted(runs)}
@@ -157,33 +208,33 @@ def summarize(results: list[dict]) -> dict[str, dict]:
           "min": float(v.min()),
           "max": float(v.max()),
       }
-      common = sorted(set(runs) & set(ict))
-      if variant != "ict" and common:
-        d = np.array([runs[s][f"pass@{k}"] - ict[s][f"pass@{k}"] for s in common])
-        row[f"diff@{k}"] = {
-            "mean": float(d.mean()),
-            "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
-            "n": len(common),
-        }
+      for name, ref, skip in ((f"diff@{k}", ict, "ict"), (f"gain@{k}", base, BASELINE)):
+        d = None if variant == skip else _paired(runs, ref, k)
+        if d is not None:
+          row[name] = d
     out[variant] = row
   return out
 
 
 def table(summary: dict[str, dict]) -> str:
-  """Markdown: methods first, then ablations; values in percent."""
+  """Markdown: the warm-start, the methods, then the ablations; values in percent."""
   head = (
-      ["variant", "seeds"] + [f"pass@{k} mean ± std [min, max]" for k in KS] + [f"pass@{k} − ICT (paired)" for k in KS]
+      ["variant", "seeds"]
+      + [f"pass@{k} mean ± std [min, max]" for k in KS]
+      + [f"pass@{k} − ICT (paired)" for k in KS]
+      + [f"pass@{k} − warm-start (paired)" for k in KS]
   )
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  order = [m for m in METHODS if m in summary] + sorted(v for v in summary if v not in METHODS)
+  order = [v for v in (BASELINE, *METHODS) if v in summary]
+  order += sorted(v for v in summary if v not in order)
   for v in order:
     row = summary[v]
     cells = [NAMES.get(v, f"ICT {v}"), str(len(row["seeds"]))]
     for k in KS:
       p = row[f"pass@{k}"]
       cells.append(f"{100 * p['mean']:.1f} ± {100 * p['std']:.1f} [{100 * p['min']:.1f}, {100 * p['max']:.1f}]")
-    for k in KS:
-      d = row.get(f"diff@{k}")
+    for name in [f"diff@{k}" for k in KS] + [f"gain@{k}" for k in KS]:
+      d = row.get(name)
       cells.append("–" if d is None else f"{100 * d['mean']:+.1f} ± {100 * d['std']:.1f} (n={d['n']})")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
@@ -260,6 +311,9 @@ def main(argv=None) -> dict:
     variants += [(v, s) for s in ab_seeds for v in a.ablations.split(",") if v]
     for v, _ in variants:
       parse_variant(v)  # fail before any run
+    for s in seeds:
+      r = baseline_one(s, hf_dir, a.out, a.eval_prompts, overrides)
+      print(json.dumps({"variant": BASELINE, "seed": s, "pass@1": r["pass@1"], "pass@4": r["pass@4"]}), flush=True)
     for v, s in variants:
       t0 = time.perf_counter()
       r = run_one(v, s, hf_dir, a.out, a.steps, a.eval_prompts, overrides)

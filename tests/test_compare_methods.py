@@ -52,3 +52,20 @@ def test_summary_and_paired_difference(cm):
   lines = md.splitlines()
   assert lines[2].startswith("| GRPO | 5 |") and lines[3].startswith("| ICT | 5 |")
   assert lines[4].startswith("| ICT score=kl | 1 |")
+
+
+def test_warm_start_row_and_paired_gain(cm):
+  """The warm-start (no RL) row comes first, and every variant's change over it is paired by seed."""
+  rng = np.random.default_rng(1)
+  base = {s: float(rng.random()) for s in range(4)}
+  ict = {s: float(rng.random()) for s in range(5)}  # seed 4 has no warm-start evaluation
+  runs = [{"variant": cm.BASELINE, "seed": s, "pass@1": p, "pass@4": p} for s, p in base.items()]
+  runs += [{"variant": "ict", "seed": s, "pass@1": p, "pass@4": p} for s, p in ict.items()]
+  summary = cm.summarize(runs)
+  gain = np.array([ict[s] - base[s] for s in range(4)])
+  assert summary["ict"]["gain@1"] == pytest.approx({"mean": gain.mean(), "std": gain.std(ddof=1), "n": 4})
+  assert "gain@1" not in summary[cm.BASELINE]
+  assert summary[cm.BASELINE]["diff@1"]["n"] == 4  # the warm-start minus ICT, on the seeds both have
+  lines = cm.table(summary).splitlines()
+  assert lines[2].startswith("| warm-start (no RL) | 4 |") and lines[3].startswith("| ICT | 5 |")
+  assert lines[3].endswith(f"| {100 * gain.mean():+.1f} ± {100 * gain.std(ddof=1):.1f} (n=4) |")
