@@ -274,6 +274,19 @@ def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mes
   return RolloutPolicy(rgraphdef, fn(pure))
 
 
+def as_rollout_policy(model, *, dtype: str | None = None, mesh: Mesh | None = None) -> RolloutPolicy:
+  """A `Qwen2` -> its rollout copy (`make_rollout_policy`) on `mesh` (else the mesh set by
+  `jax.set_mesh` or the one its parameters live on); a `RolloutPolicy` is returned as is. For a
+  caller that samples the same weights many times (an evaluation's batches): the copy is made once,
+  where `generate(model, ...)` makes one per call."""
+  if isinstance(model, RolloutPolicy):
+    return model
+  graphdef, state = nnx.split(model)
+  mesh = mesh if mesh is not None else _find_mesh(state)
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    return make_rollout_policy(graphdef, state, dtype=dtype, mesh=mesh)
+
+
 def abstract_rollout_policy(model_cfg, *, dtype: str, mesh: Mesh | None = None) -> RolloutPolicy:
   """A RolloutPolicy of `jax.ShapeDtypeStruct`s (in `dtype`, carrying the decoding layout's
   shardings on `mesh`) for a `Qwen2Config`: what `lower_generate` needs to compile the sampler
@@ -797,6 +810,7 @@ __all__ = [
     "sample_logits",
     "bucket_length",
     "make_rollout_policy",
+    "as_rollout_policy",
     "RolloutPolicy",
     "decode_shardings",
     "lower_generate",

@@ -289,6 +289,39 @@ def check_outputs(out, results, n, ks, gsm_problems=3, mmlu_problems=4):
   return on_disk, mmlu
 
 
+def test_model_sampler_makes_the_rollout_copy_once(ab_model_dir, tok, monkeypatch):
+  """Three batches on the 8-device mesh: one cast + reshard of the weights into the decoding
+  layout (in __init__), and each batch's texts equal `generate` on the model itself, which makes
+  its own copy per call (the path before the copy was hoisted)."""
+  import jax
+
+  from ict_jax import sampling
+  from ict_jax.models.hf import load_pretrained
+  from ict_jax.rollout import decode_completions
+  from ict_jax.sharding import make_mesh
+  from ict_jax.tokenizer import left_pad
+
+  mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+  model = load_pretrained(ab_model_dir, mesh=mesh)
+  real, calls = sampling.make_rollout_policy, []
+  monkeypatch.setattr(sampling, "make_rollout_policy", lambda *a, **k: calls.append(k) or real(*a, **k))
+  kw = dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0)
+  sampler = run.ModelSampler(model, tok, batch_size=2, width=8, mesh=mesh, **kw)
+  prompts = [tok.encode(f"{g}+{g}=") for g in range(2)]
+  keys = [jax.random.key(i) for i in range(3)]
+  got = [sampler(prompts, 2, k) for k in keys]
+  assert len(calls) == 1 and calls[0]["mesh"] is mesh
+
+  ids, mask = left_pad(prompts, tok.pad_id, bucket=(8,))
+  for key, texts in zip(keys, got):
+    c_ids, c_mask, _ = sampling.generate(
+        model, ids, mask, rng=key, num_samples=2, eos_token_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh, **kw
+    )
+    assert texts == decode_completions(tok, np.asarray(c_ids), np.asarray(c_mask), tok.eos_ids)
+    assert set(texts) <= {"AAA", "AAB", "ABA", "ABB", "BAA", "BAB", "BBA", "BBB"}, texts
+  assert len(calls) == 4  # generate(model, ...) copies once per call
+
+
 def test_cli_hf_end_to_end(tmp_path, ab_model_dir):
   write_benchmark_files(tmp_path / "files")
   out = tmp_path / "out"

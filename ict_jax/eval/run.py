@@ -54,7 +54,8 @@ def default_instruction(answer_type: str) -> str:
 
 class ModelSampler:
   """Samples a `Qwen2` with `ict_jax.sampling.generate`; every call has the same [batch_size, width]
-  prompt shape (short batches are padded with copies of their first prompt), so one compile."""
+  prompt shape (short batches are padded with copies of their first prompt), so one compile. The
+  rollout copy of the weights (cast and laid out for decoding) is made once here, not per batch."""
 
   def __init__(
       self,
@@ -69,7 +70,9 @@ class ModelSampler:
       top_k: int,
       mesh,
   ):
-    self.model = model
+    from ict_jax.sampling import as_rollout_policy
+
+    self.policy = as_rollout_policy(model, mesh=mesh)
     self.tokenizer, self.batch_size, self.width = tokenizer, batch_size, width
     self.kw = dict(
         max_new_tokens=max_new_tokens,
@@ -90,7 +93,7 @@ class ModelSampler:
     real = len(prompt_ids)
     padded = list(prompt_ids) + [prompt_ids[0]] * (self.batch_size - real)
     ids, mask = left_pad(padded, self.tokenizer.pad_id, bucket=(self.width,))  # [B, width]
-    c_ids, c_mask, _ = generate(self.model, ids, mask, rng=rng, num_samples=num_samples, **self.kw)
+    c_ids, c_mask, _ = generate(self.policy, ids, mask, rng=rng, num_samples=num_samples, **self.kw)
     rows = real * num_samples
     c_ids, c_mask = host_array(c_ids)[:rows], host_array(c_mask)[:rows]  # [real * n, N]
     self.completion_tokens += int(c_mask.sum())
