@@ -87,6 +87,7 @@ _CSS = """
 .ictv input.k-entropy:checked~.rows .tok{background:var(--entropy)!important}
 .ictv input.k-prob:checked~.rows .tok{background:var(--prob)!important}
 .ictv .tok.sel{border-color:#111;font-weight:700}
+.ictv .frag{color:#999}
 .ictv .legend{display:inline-flex;align-items:center;gap:8px;font-size:12px;color:#555;margin-left:6px}
 .ictv .bar{width:180px;height:12px;border-radius:3px;background:linear-gradient(90deg,#fff,rgb(200,40,40))}
 .ictv table{border-collapse:collapse;font-size:14px;margin-top:8px}
@@ -114,10 +115,17 @@ def colour(v: float) -> str:
 def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> str:
   cj, ch, cp = colour(j / LOG2), colour(h / hmax), colour(p)
   box = ";border-color:#111" if s else ""
+  # A token holding only the first bytes of a character has no text of its own (the character
+  # shows whole at the token that completes it): a grey dot keeps its box visible.
+  text, frag = (
+      (html.escape(t), "")
+      if t
+      else ('<span class="frag">·</span>', " | first bytes of a character a later token completes")
+  )
   return (
       f'<span class="tok{" sel" if s else ""}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
       f'data-js="{j:.6f}" data-entropy="{h:.6f}" data-prob="{p:.6f}" title="JS {j:.3g} | entropy {h:.3f} | '
-      f'p {p:.3f}{" | selected" if s else ""}">{html.escape(t)}</span>'
+      f'p {p:.3f}{" | selected" if s else ""}{frag}">{text}</span>'
   )
 
 

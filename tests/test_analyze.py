@@ -88,6 +88,16 @@ def test_selection_stats_by_hand():
   assert s["first_token_selected_share"] == 0.0 and s["mean_js_first_token"] == 0.0
 
 
+def test_token_without_text_keeps_a_visible_box():
+  """A token holding only the first bytes of a character (decode_pieces gives it "") gets a grey
+  dot and says so in its tooltip; a token with text shows that text, escaped."""
+  empty = analyze._token_span("", 0.1, 0.5, 0.2, True, 1.0)
+  assert '<span class="frag">·</span>' in empty and "first bytes of a character" in empty
+  assert 'class="tok sel"' in empty
+  plain = analyze._token_span("<b>", 0.1, 0.5, 0.2, False, 1.0)
+  assert ">&lt;b&gt;</span>" in plain and "frag" not in plain
+
+
 def test_page_and_command_line(tmp_path):
   w = str(tmp_path / "run")
   _write(w, ROWS)
