@@ -246,9 +246,10 @@ def tiny_config() -> ml_collections.ConfigDict:
 def chain_config() -> ml_collections.ConfigDict:
   """The tiny model on `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", worked
   solutions rewarded on the boxed answer): a warm-start on the worked solutions, then ICT, with
-  pass@1 / pass@4 on the 25 held-out problems every 20 steps (configs/tiny_chain.py). Not yet the
-  default: the reward does not clearly rise yet (benchmarks/RESULTS.md, "Tuning the worked-solution
-  run")."""
+  pass@1 / pass@4 on the 25 held-out problems every 20 steps (configs/tiny_chain.py). RL moves the
+  held-out pass rate here (5 seeds: pass@1 23.6% warm-start -> 30.4% ICT, 33.2% GRPO), but the
+  training reward rises only +0.03..+0.12 in 40 ICT steps, short of the +0.15 the default needs, so
+  it is not the default (benchmarks/RESULTS.md, "GRPO vs 20-Entropy vs STAPO vs ICT")."""
   c = tiny_config()
   c.data.name, c.data.config = "synthetic_chain", "level1"
   c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 20
