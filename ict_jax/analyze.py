@@ -82,7 +82,7 @@ _CSS = """
 .ictv .row{display:flex;align-items:baseline;gap:10px;margin:3px 0;font-family:ui-monospace,monospace;font-size:15px}
 .ictv .meta{width:150px;flex:none;color:#555;font-size:12px;text-align:right}
 .ictv .ok{color:#137333;font-weight:600} .ictv .bad{color:#b3261e}
-.ictv .tok{padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre;
+.ictv .tok{display:inline-block;padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre;
   background:var(--js)!important}
 .ictv input.k-entropy:checked~.rows .tok{background:var(--entropy)!important}
 .ictv input.k-prob:checked~.rows .tok{background:var(--prob)!important}
