@@ -86,6 +86,13 @@ def base_config(steps: int, data_dir: str, eval_prompts: int):
   return c
 
 
+def _override(c, overrides: dict | None) -> None:
+  """Apply `--set` overrides ({"section.key": value}) to the config `c` in place."""
+  for key, value in (overrides or {}).items():
+    section, name = key.split(".")
+    setattr(getattr(c, section), name, value)
+
+
 def warm_started_hf(out: str, steps: int) -> str:
   """Run chain_config()'s supervised warm-start once and save it as an HF folder."""
   from flax import nnx
@@ -122,9 +129,7 @@ def run_one(
   c = base_config(steps, os.path.join(out, "data"), eval_prompts)
   for key, value in parse_variant(variant).items():
     setattr(c.ict, key, value)
-  for key, value in (overrides or {}).items():
-    section, name = key.split(".")
-    setattr(getattr(c, section), name, value)
+  _override(c, overrides)
   c.train.seed = seed
   c.warm_start.sft_steps = 0
   t0 = time.perf_counter()
@@ -162,9 +167,7 @@ def baseline_one(seed: int, hf_dir: str, out: str, eval_prompts: int, overrides:
   if os.path.exists(done):
     return json.load(open(done))
   c = base_config(1, os.path.join(out, "data"), eval_prompts)
-  for key, value in (overrides or {}).items():
-    section, name = key.split(".")
-    setattr(getattr(c, section), name, value)
+  _override(c, overrides)
   c.train.seed = seed
   cfg = config_lib.validate(c)
   mesh = make_mesh(cfg)

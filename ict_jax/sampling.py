@@ -737,9 +737,8 @@ def generate(
   )
   ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
   with ctx:
-    if not isinstance(model, RolloutPolicy):
-      graphdef, state = make_rollout_policy(graphdef, state, dtype=rollout_dtype, mesh=mesh)
-      static["graphdef"] = graphdef
+    graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=mesh)  # as is if one already
+    static["graphdef"] = graphdef
     if mesh is not None:
       ids = put_global(ids, batch_sharding(mesh))
       mask = put_global(mask, batch_sharding(mesh))
