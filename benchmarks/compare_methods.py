@@ -3,7 +3,7 @@
     python benchmarks/compare_methods.py [--seeds 0,1,2,3,4] [--steps 60] [--out benchmarks/compare]
         [--methods grpo,entropy,stapo,ict] [--ablations score=kl,score=random,top_fraction=0.3,...]
 
-The tiny model on synthetic_chain level 1 (`config.chain_config()`, configs/tiny_chain.py). One
+The tiny model on synthetic_chain level 1 (`config.chain_config()`, the default run's configs/tiny.py). One
 supervised warm-start (shared by every run, saved as a Hugging Face folder), then for each
 variant and seed the same RL budget (`--steps` steps of the default's prompts x G samples) with
 `ict_jax.train.train`, and a final evaluation on held-out problems with the trainer's periodic
@@ -93,26 +93,28 @@ def _override(c, overrides: dict | None) -> None:
     setattr(getattr(c, section), name, value)
 
 
-def warm_started_hf(out: str, steps: int) -> str:
-  """Run chain_config()'s supervised warm-start once and save it as an HF folder."""
+def warm_started_hf(out: str, steps: int, overrides: dict | None = None) -> str:
+  """Run chain_config()'s supervised warm-start once and save it as an HF folder (with its
+  task_vocab.json: the folder's tokenizer, which every run from it uses)."""
   from flax import nnx
   from ict_jax.models.hf import save_pretrained
-  from ict_jax.setup import abstract_params, make_mesh, model_config
-  from ict_jax.tokenizer import Tokenizer
+  from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config
   from ict_jax.train import init_params, load_examples, warm_start
 
   hf_dir = os.path.join(out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     return hf_dir
   c = config_lib.chain_config()
+  _override(c, overrides)  # e.g. model.vocab=qwen: the shared warm-start is that model's
   c.warm_start.sft_steps = steps
   c.data.data_dir = os.path.join(out, "data")
   cfg = config_lib.validate(c)
   mesh = make_mesh(cfg)
-  mcfg = model_config(cfg, "")
+  tok = make_tokenizer(cfg, hf_dir, "", lambda split: load_examples(cfg, split, out))  # saved in hf_dir
+  mcfg = model_config(cfg, "", mesh, tok)
   graphdef, _, psh = abstract_params(mcfg, mesh)
   params = init_params(mcfg, cfg.train.seed, mesh, psh)
-  params = warm_start(graphdef, params, cfg, Tokenizer(), load_examples(cfg, "train", out), mesh)
+  params = warm_start(graphdef, params, cfg, tok, load_examples(cfg, "train", out), mesh)
   save_pretrained(nnx.merge(graphdef, params), hf_dir)
   return hf_dir
 
@@ -159,7 +161,7 @@ def baseline_one(seed: int, hf_dir: str, out: str, eval_prompts: int, overrides:
   from ict_jax.models.hf import load_pretrained
   from ict_jax.rewards.pool import RewardPool
   from ict_jax.setup import make_mesh
-  from ict_jax.tokenizer import Tokenizer
+  from ict_jax.task_vocab import load_tokenizer
   from ict_jax.train import load_examples
 
   workdir = os.path.join(out, "runs", f"{BASELINE}_seed{seed}")
@@ -173,7 +175,7 @@ def baseline_one(seed: int, hf_dir: str, out: str, eval_prompts: int, overrides:
   mesh = make_mesh(cfg)
   model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), mesh=mesh)
   graphdef, params = nnx.split(model, nnx.Param)
-  ev = PeriodicEval.from_config(cfg, Tokenizer(), load_examples(cfg, cfg.data.eval_split, out), mesh=mesh)
+  ev = PeriodicEval.from_config(cfg, load_tokenizer(hf_dir), load_examples(cfg, cfg.data.eval_split, out), mesh=mesh)
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
     res = ev((graphdef, params.to_pure_dict()), pool)
   result = {"variant": BASELINE, "seed": seed, "steps": 0, **{f"pass@{k}": res[f"eval_pass_at_{k}"] for k in KS}}
@@ -306,8 +308,10 @@ def main(argv=None) -> dict:
       key, value = kv.split("=")
       section, name = key.split(".")
       old = getattr(getattr(config_lib.chain_config(), section), name)
-      overrides[key] = type(old)(value)
-    hf_dir = warm_started_hf(a.out, a.sft_steps)
+      if isinstance(old, bool) and value not in ("True", "False"):
+        p.error(f"--set {key}: expected True or False, got {value!r}")
+      overrides[key] = value == "True" if isinstance(old, bool) else type(old)(value)
+    hf_dir = warm_started_hf(a.out, a.sft_steps, overrides)
     seeds = [int(s) for s in a.seeds.split(",")]
     ab_seeds = [int(s) for s in (a.ablation_seeds or a.seeds).split(",")]
     variants = [(m, s) for s in seeds for m in a.methods.split(",") if m]

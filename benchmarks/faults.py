@@ -147,8 +147,11 @@ def quick_flags(
     data_dir: str = "",
     extra=(),
 ) -> list[str]:
-  """The tiny default, shortened (as tests/test_train.py's `_quick`), as CLI overrides."""
+  """The one-step tiny config (configs/tiny_arith.py, `tiny_config()`), shortened as
+  tests/test_train.py's `_quick`, as CLI flags: 20 warm-start steps already give it rewards and
+  gradients (the default's worked solutions need hundreds)."""
   flags = [
+      f"--config={REPO / 'configs' / 'tiny_arith.py'}",
       f"--config.train.steps={steps}",
       f"--config.train.checkpoint_every={every}",
       f"--config.warm_start.sft_steps={sft}",
@@ -192,6 +195,8 @@ class Run:
       e["PYTHONPATH"] = os.pathsep.join([str(shim_dir), e["PYTHONPATH"]])
     else:
       e = env(devices, **extra)
+    # the config file before its overrides (absl reads --config.a.b only after --config)
+    flags = sorted(flags, key=lambda f: not f.startswith("--config="))
     self.cmd = [sys.executable, "-m", module, f"--workdir={self.workdir}", *flags]
     self.t0 = time.monotonic()
     with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:

@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ict_jax import config as config_lib  # noqa: E402
 from ict_jax.eval.run import evaluate  # noqa: E402
-from ict_jax.setup import abstract_params, make_mesh, model_config  # noqa: E402
-from ict_jax.tokenizer import Tokenizer  # noqa: E402
+from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config  # noqa: E402
 from ict_jax.train import init_params, load_examples, warm_start  # noqa: E402
 
 
@@ -34,10 +33,11 @@ def run(level: str, lr: float, steps: int, seed: int, checkpoints=(), workdir: s
   c.data.config, c.warm_start.sft_learning_rate, c.train.seed = level, lr, seed
   cfg = config_lib.validate(c)
   mesh = make_mesh(cfg)
-  mcfg = model_config(cfg, "", mesh)
-  graphdef, _, shardings = abstract_params(mcfg, mesh)
-  tok = Tokenizer()
   train_src, test_src = load_examples(cfg, "train", workdir), load_examples(cfg, "test", workdir)
+  # chain_config's task vocabulary (a file per level: the levels' texts differ)
+  tok = make_tokenizer(cfg, os.path.join(workdir, level), "", lambda split: load_examples(cfg, split, workdir))
+  mcfg = model_config(cfg, "", mesh, tok)
+  graphdef, _, shardings = abstract_params(mcfg, mesh)
   params, done = init_params(mcfg, seed, mesh, shardings), 0
   for upto in sorted(set(checkpoints) | {steps}):
     c.warm_start.sft_steps = upto - done  # continues the same run (a new batch order per chunk)

@@ -1,14 +1,15 @@
 """The embedded CPU default (what `python -m ict_jax.train` runs with no flags).
 
-A tiny Qwen2 with the real Qwen2.5 vocabulary, synthetic single-digit addition with bare
-prompts ("3+5=" -> "8"), a short supervised warm-start so the policy sometimes succeeds, then
-ICT (dense GRPO for the first 10 steps), with pass@1 / pass@4 on the held-out problems every 20
-steps. Finishes in minutes on 2 CPU cores; the reward rises. configs/tiny_chain.py is the same
-model on the worked-solution task `synthetic_chain`.
+The tiny Qwen2 over the task vocabulary (the ~30 Qwen2.5 tokens of the task's text) on
+`synthetic_chain` level 1, worked two-step solutions ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}"),
+rewarded on the boxed answer: a supervised warm-start on the worked solutions, then 400 ICT steps
+(dense GRPO for the first 10), with pass@1 / pass@4 on the 25 held-out problems every 100 steps.
+About 2 minutes on 2 CPU cores; the reward rises by ~0.15-0.19 (benchmarks/RESULTS.md).
+configs/tiny_arith.py is the one-step task.
 """
 
-from ict_jax.config import tiny_config
+from ict_jax.config import chain_config
 
 
 def get_config():
-  return tiny_config()
+  return chain_config()

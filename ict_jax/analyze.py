@@ -81,7 +81,7 @@ _CSS = """
 .ictv input.k-prob:checked~.controls .lmax.k-prob{display:inline}
 .ictv .row{display:flex;align-items:baseline;gap:10px;margin:3px 0;font-family:ui-monospace,monospace;font-size:15px}
 .ictv .meta{width:150px;flex:none;color:#555;font-size:12px;text-align:right}
-.ictv .ok{color:#137333;font-weight:600} .ictv .bad{color:#b3261e}
+.ictv .ok{color:#137333;font-weight:600} .ictv .bad{color:#b3261e} .ictv .none{color:#888;font-style:italic}
 .ictv .tok{display:inline-block;padding:2px 1px;margin:0 1px;border-radius:3px;border:2px solid transparent;white-space:pre;
   background:var(--js)!important}
 .ictv input.k-entropy:checked~.rows .tok{background:var(--entropy)!important}
@@ -116,11 +116,15 @@ def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> s
   cj, ch, cp = colour(j / LOG2), colour(h / hmax), colour(p)
   box = ";border-color:#111" if s else ""
   # A token holding only the first bytes of a character has no text of its own (the character
-  # shows whole at the token that completes it): a grey dot keeps its box visible.
+  # shows whole at the token that completes it), nor has an id past the tokenizer's vocabulary (an
+  # embedding padding row): a grey dot keeps its box visible.
   text, frag = (
       (html.escape(t), "")
       if t
-      else ('<span class="frag">·</span>', " | first bytes of a character a later token completes")
+      else (
+          '<span class="frag">·</span>',
+          " | no text: first bytes of a character a later token completes, or an embedding padding row",
+      )
   )
   return (
       f'<span class="tok{" sel" if s else ""}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
@@ -153,6 +157,8 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
         for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"])
     )
     ok = r["reward"] > 0
+    if not r["tokens"]:  # a completion masked out of the loss (loss.mask_truncated_completions)
+      toks = '<span class="none">truncated at rollout.max_new_tokens: no tokens trained</span>'
     lines.append(
         f'<div class="row"><div class="meta"><span class="{"ok" if ok else "bad"}">'
         f'{"correct" if ok else "wrong"}</span> A={r["advantage"]:+.2f}</div><div>{toks}</div></div>'

@@ -395,6 +395,20 @@ class _Setup:
   state: Any  # abstract TrainState
 
 
+def _task_tokenizer(cfg: Config):
+  """`model.vocab="task"`: the task vocabulary the trainer would build (the data prepared in a
+  temporary folder, unless `data.data_dir` holds it)."""
+  import tempfile
+
+  from ict_jax.data import load_split
+  from ict_jax.setup import make_tokenizer
+
+  with tempfile.TemporaryDirectory(prefix="ict_jax_aot_") as tmp:
+    data_dir = cfg.data.data_dir or tmp
+    load = lambda split: load_split(cfg.data.name, split, data_dir=data_dir, config=cfg.data.config or None)
+    return make_tokenizer(cfg, tmp, "", load)
+
+
 def _setup(cfg: Config, target: Target) -> _Setup:
   devices = target_devices(target)
   cfg, note = _without_missing_model_path(cfg)
@@ -407,7 +421,10 @@ def _setup(cfg: Config, target: Target) -> _Setup:
     ts.check_micro_batch(mb, mesh)
   except ValueError as e:
     raise AotError(f"--target {target.name}: {e}") from None
-  mcfg = model_config(cfg, cfg.model.path, mesh)  # "auto" attention: the target's kernel
+  tok = None
+  if cfg.model.vocab == "task" and not cfg.model.path:  # the embedding's rows come from the task's text
+    tok = _task_tokenizer(cfg)
+  mcfg = model_config(cfg, cfg.model.path, mesh, tok)  # "auto" attention: the target's kernel
   mcfg, cudnn_note = _without_missing_cudnn(mcfg)
   note = "; ".join(n for n in (note, cudnn_note) if n)
   graphdef, params, params_sharding = abstract_params(mcfg, mesh)

@@ -30,6 +30,8 @@ class ModelConfig:
   # einsum | dot_product | cudnn | splash (see models/attention.py)
   kernels: str = "auto"  # the kernels' formulation (ict_jax/cpu_paths.py): auto (cpu on a single
   # CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
+  vocab: str = "qwen"  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of the task's data, for
+  # a model trained from scratch; ict_jax/task_vocab.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,8 @@ class LossConfig:
   beta: float = 0.0  # k3 KL coefficient; a frozen reference is loaded when > 0
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
+  mask_truncated_completions: bool = False  # TRL's option: completions that reach
+  # rollout.max_new_tokens without a stop token get no loss (their reward still counts in the group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +164,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("none", "full", "minimal"),
+    "model.vocab": ("qwen", "task"),
     "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
     "model.kernels": ("auto", "portable", "cpu"),
     "data.prompt_style": ("plain", "chat"),
@@ -218,10 +223,10 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def tiny_config() -> ml_collections.ConfigDict:
-  """The embedded CPU run: a tiny Qwen2 (real Qwen2.5 vocabulary), synthetic single-digit
-  addition with bare prompts ("3+5="), a short supervised warm-start, then ICT for a few
-  minutes on 2 cores, with pass@1 / pass@4 on the 20 held-out problems every 20 steps. Values are
-  tuned so that the reward visibly rises; see configs/tiny.py."""
+  """The one-step task (configs/tiny_arith.py; the default before `chain_config()`): a tiny Qwen2
+  (real Qwen2.5 vocabulary), synthetic single-digit addition with bare prompts ("3+5="), a short
+  supervised warm-start, then ICT, with pass@1 / pass@4 on the 20 held-out problems every 20 steps.
+  The base of the tests' quick runs and of `chain_config()`."""
   c = default_config()
   c.model.preset = "tiny"
   c.data.name, c.data.config, c.data.prompt_style = "synthetic_arith", "level1", "plain"
@@ -244,31 +249,37 @@ def tiny_config() -> ml_collections.ConfigDict:
 
 
 def chain_config() -> ml_collections.ConfigDict:
-  """The tiny model on `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", worked
-  solutions rewarded on the boxed answer): a warm-start on the worked solutions, then ICT, with
-  pass@1 / pass@4 on the 25 held-out problems every 20 steps (configs/tiny_chain.py). RL moves the
-  held-out pass rate here (5 seeds: pass@1 23.6% warm-start -> 30.4% ICT, 33.2% GRPO), but the
-  training reward rises only +0.03..+0.12 in 40 ICT steps, short of the +0.15 the default needs, so
-  it is not the default (benchmarks/RESULTS.md, "GRPO vs 20-Entropy vs STAPO vs ICT")."""
+  """The embedded default (`python -m ict_jax.train` with no flags, configs/tiny.py): the tiny
+  model over the task vocabulary (the ~30 tokens of the task's text, ict_jax/task_vocab.py) on
+  `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", rewarded on the boxed answer):
+  300 warm-start steps on the worked solutions, then 400 ICT steps of 16 prompts x 8, with pass@1 /
+  pass@4 on the 25 held-out problems every 100 steps. Four seeds: the reward rises +0.15..+0.19
+  between the first and last fifth of the steps, in ~2 minutes each on 2 cores
+  (benchmarks/RESULTS.md, "The default run")."""
   c = tiny_config()
   c.data.name, c.data.config = "synthetic_chain", "level1"
-  c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 20
+  # 128 embedding rows instead of 151,936: the full vocabulary's LM head was ~all of a step's
+  # FLOPs, so a step is ~30x cheaper and the 6 minutes hold 400 RL steps instead of ~40, which
+  # is what this task's slow, steady rise needs (with the full vocabulary: +0.02..+0.07 in 40 steps)
+  c.model.vocab = "task"
+  c.rollout.prompts_per_step, c.rollout.max_new_tokens = 16, 20
   c.ict.chunk_size = 20
-  # RL lr 1e-4 with the paper's 10 dense warm-up steps: from this warm-start (seed 0) ICT at lr 5e-4
-  # collapsed once its sparse phase began (the box's format broke, reward 0.39 -> ~0.05), at 2e-4
-  # the reward drifted down (0.39 -> 0.30), at 1e-4 it held (0.39 -> 0.41 over 40 steps)
-  c.optim.learning_rate, c.ict.warmup_steps = 1e-4, 10
-  # warm-start lr 3e-3, not tiny_config's 1e-2: after 300 steps of 16 worked solutions (seed 0)
-  # the loss is 0.29 instead of 0.84 and the T=1 pass@1 / pass@8 on 32 training problems 0.30 / 0.81
-  # (at 1e-2 the RL phase started from rewards of 0.03-0.16); benchmarks/RESULTS.md
+  # lr 3e-4 with the paper's 10 dense warm-up steps: 1e-4 rose +0.09 in 400 steps, 1e-3 collapsed
+  # (seed 0); 16 prompts a step rise more steadily than 8
+  c.optim.learning_rate, c.ict.warmup_steps = 3e-4, 10
+  # without it the responses learn to run on past the box ("\\boxed{7}1}1=", to the 20-token limit:
+  # the answer reward is blind to it and a truncated success is reinforced like a finished one)
+  c.loss.mask_truncated_completions = True
+  # warm-start lr 3e-3: after 300 steps of 16 worked solutions the T=1 reward starts at ~0.5-0.6
   c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 300, 16, 3e-3
-  c.train.eval_prompts = 25
+  c.train.steps, c.train.checkpoint_every = 800, 100
+  c.train.eval_every, c.train.eval_prompts = 100, 25
   return c
 
 
 def get_config() -> ml_collections.ConfigDict:
   """`python -m ict_jax.train` with no --config loads this file: the embedded default."""
-  return tiny_config()
+  return chain_config()
 
 
 def _check_type(key: str, value: Any, typ) -> Any:

@@ -421,7 +421,11 @@ def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
     from ict_jax.config import ConfigError
 
     try:
-      run = setup.model_config(cfg, cfg.model.path)
+      if cfg.model.vocab == "task" and not cfg.model.path:  # the preset, its rows sized by task_vocab.json
+        qwen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab="qwen"))
+        run = setup.model_config(qwen, "").replace(vocab_size=dims["vocab_size"])
+      else:
+        run = setup.model_config(cfg, cfg.model.path)
       if matches(run):
         return run.replace(param_dtype=pdt)
       log.warning(
@@ -675,11 +679,17 @@ def to_hf(
 ) -> str:
   """Write the step's parameters as a Hugging Face folder (`config.json` + safetensors) that
   `transformers.AutoModelForCausalLM.from_pretrained` loads; `dtype` defaults to the saved one.
-  Call on every host with a multi-host mesh (process 0 writes). Returns `out_dir`."""
+  Call on every host with a multi-host mesh (process 0 writes). A run with a task vocabulary
+  (`model.vocab="task"`) gets its `task_vocab.json` copied along: it is the folder's tokenizer.
+  Returns `out_dir`."""
+  from ict_jax import sharding, task_vocab
   from ict_jax.models.hf import save_pretrained
 
   model = restore_model(ckpt, step, mesh=mesh, item=item)
   save_pretrained(model, os.fspath(out_dir), dtype=dtype)
+  vocab = task_vocab.find([os.fspath(ckpt.directory.parent)])
+  if vocab and sharding.is_main_process():
+    task_vocab.TaskTokenizer.load(vocab).save(out_dir)
   return os.fspath(out_dir)
 
 

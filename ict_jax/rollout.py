@@ -128,6 +128,7 @@ def collect(
     reward_kind: str,
     format_weight: float = 0.0,
     advantage_scale: str = "group",
+    mask_truncated: bool = False,
     mesh=None,
     rollout_dtype: str | None = None,
     decode_batch_size: int | str | None = None,
@@ -138,7 +139,12 @@ def collect(
   the first two are copied into `rollout_dtype` (default: the model's compute dtype) and the
   decoding layout first. decode_batch_size as in `sampling.generate` (an int that no longer
   divides the rows because over-long prompts were dropped shrinks to their gcd). stats["sample_s"]
-  covers the rollout copy, generation and fetching this host's rows."""
+  covers the rollout copy, generation and fetching this host's rows.
+
+  A completion is truncated when it reaches max_new_tokens without a stop token;
+  stats["truncated_rate"] is their share. mask_truncated (TRL's mask_truncated_completions)
+  zeroes their completion mask, so they get no loss and drop out of ICT's group mean; their
+  reward still counts in the group's advantages and in the reward statistics."""
   t0 = time.perf_counter()
   policy = rollout_policy(model_or_parts, dtype=rollout_dtype, mesh=mesh)
   kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
@@ -180,14 +186,17 @@ def collect(
     local = local + format_weight * fmt
     counts = [counts[0] + fstats.get("timeouts", 0), counts[1] + fstats.get("errors", 0)]
   reward_s = time.perf_counter() - t0
-  # per row: reward, length; the host's timeout and error counts ride on its first row
-  per_row = np.zeros((len(rows), 4), np.float32)
-  per_row[:, 0], per_row[:, 1] = local, mask.sum(axis=1)
+  stopped = ((mask != 0) & np.isin(ids, np.asarray(tokenizer.eos_ids, ids.dtype))).any(axis=1)
+  # per row: reward, length, truncated; the host's timeout and error counts ride on its first row
+  per_row = np.zeros((len(rows), 5), np.float32)
+  per_row[:, 0], per_row[:, 1], per_row[:, 2] = local, mask.sum(axis=1), ~stopped
   if len(rows):
-    per_row[0, 2:] = counts
+    per_row[0, 3:] = counts
   whole = gather_rows(rows, per_row, n)
-  timeouts, errors = (int(c) for c in whole[:, 2:].sum(axis=0))
-  rewards, lengths = whole[:, 0], whole[:, 1]
+  timeouts, errors = (int(c) for c in whole[:, 3:].sum(axis=0))
+  rewards, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
+  if mask_truncated and truncated.any():
+    c_mask = c_mask * (~truncated).astype(c_mask.dtype)[:, None]  # [rows, new]; keeps c_mask's sharding
   adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group_size, scale=advantage_scale))
   groups = rewards.reshape(-1, group_size)
   stats = dict(
@@ -198,6 +207,7 @@ def collect(
       response_len=float(lengths.mean()),
       max_response_len=int(lengths.max()),
       completion_tokens=int(lengths.sum()),
+      truncated_rate=float(truncated.mean()),
       prompts_skipped=skipped,
       reward_timeouts=timeouts,
       reward_errors=errors,

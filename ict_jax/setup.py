@@ -4,13 +4,14 @@ parameters with their shardings. Shared by `train.py` and `eval/` (nothing may i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from ict_jax import sharding
+from ict_jax import sharding, task_vocab
 from ict_jax.config import Config, ConfigError
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.hf import read_config
@@ -52,8 +53,9 @@ def resolve_kernels(choice: str, devices=None) -> str:
   return "cpu" if len(devices) == 1 and devices[0].platform == "cpu" else "portable"
 
 
-def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None) -> Qwen2Config:
-  """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`;
+def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=None) -> Qwen2Config:
+  """Architecture from the Hugging Face folder `hf_dir` (its config.json), else `model.preset`
+  with, for `model.vocab="task"`, the embedding sized for `tokenizer` (a `task_vocab.TaskTokenizer`);
   dtypes, the remat policy, the attention implementation and the kernels from `config.model`
   ("auto" resolved for the devices of `mesh`, default jax.devices())."""
   kw = dict(
@@ -66,9 +68,51 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None) -> Qwen2Con
   try:
     if hf_dir:
       return read_config(hf_dir, **kw)
+    if cfg.model.vocab == "task":
+      if tokenizer is None or not hasattr(tokenizer, "qwen_ids"):
+        raise ConfigError("config.model.vocab='task' sizes the embedding from the run's task_vocab.json; none given")
+      kw["vocab_size"] = task_vocab.model_vocab_size(tokenizer.vocab_size)
     return Qwen2Config.preset(cfg.model.preset, **kw)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
+
+
+def make_tokenizer(cfg: Config, workdir: str, hf_dir: str, load_split: Callable[[str], Any]):
+  """The run's tokenizer. A Hugging Face folder with a `task_vocab.json` brings its own task
+  vocabulary (copied to the workdir, whose checkpoints are this model's); `model.vocab="task"`
+  reads the workdir's (a resume) or builds one from the texts of the train and eval splits
+  (`load_split(name)` -> a random-access source) and saves it there before any checkpoint;
+  otherwise the full Qwen2.5 tokenizer."""
+  from ict_jax.tokenizer import Tokenizer
+
+  saved = task_vocab.find([hf_dir] if hf_dir else [workdir])
+  if not saved and (hf_dir or cfg.model.vocab == "qwen"):
+    if cfg.model.vocab == "task":
+      raise ConfigError(
+          f"config.model.vocab='task': {hf_dir} has no {task_vocab.FILENAME}; a pretrained model keeps "
+          "Qwen2.5's vocabulary (model.vocab='qwen')"
+      )
+    return Tokenizer()
+  if saved:
+    try:
+      tok = task_vocab.TaskTokenizer.load(saved)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if hf_dir and sharding.is_main_process():
+      tok.save(workdir)
+    return tok
+  from ict_jax.data.prompts import encode_prompts
+  from ict_jax.warm_start import sft_targets
+
+  texts = []
+  for split in (cfg.data.train_split, cfg.data.eval_split):
+    src = load_split(split)
+    exs, prompts, _ = encode_prompts([src[i] for i in range(len(src))], Tokenizer(), style=cfg.data.prompt_style)
+    texts += prompts + [str(e["answer"]) for e in exs] + [t for e in exs for t in sft_targets(e)]
+  tok = task_vocab.build(texts)
+  if sharding.is_main_process():
+    tok.save(workdir)
+  return tok
 
 
 def abstract_params(mcfg: Qwen2Config, mesh: Mesh) -> tuple[Any, Any, Any]:

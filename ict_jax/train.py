@@ -30,6 +30,7 @@ from ict_jax.setup import (
     abstract_params as make_abstract_params,
     decode_batch_size,
     make_mesh,
+    make_tokenizer,
     model_config,
     rollout_dtype,
 )
@@ -39,6 +40,7 @@ from ict_jax.preemption import Preemption
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import collect
 from ict_jax.throughput import Throughput
+from ict_jax.task_vocab import TaskTokenizer
 from ict_jax.tokenizer import Tokenizer
 from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, sft_targets, supervised_warm_start
@@ -180,15 +182,17 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     raise ConfigError(str(e)) from None
   roll_dtype = rollout_dtype(cfg, mesh)
   hf_dir = init_from_hf or cfg.model.path
-  mcfg = model_config(cfg, hf_dir, mesh)
+  train_src = load_examples(cfg, cfg.data.train_split, workdir)
+  tok = make_tokenizer(cfg, workdir, hf_dir, lambda split: load_examples(cfg, split, workdir))
+  if isinstance(tok, TaskTokenizer):
+    log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
+  mcfg = model_config(cfg, hf_dir, mesh, tok)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   throughput = Throughput(mcfg)  # the chip's peak: the table, or a matmul measured now (CPU)
   profile = config_lib.profile_range(cfg.train.profile_steps) if cfg.train.profile_steps else None
   state_sharding = ts.train_state_shardings(optimizer, abstract_params, params_sharding, mesh)
-  tok = Tokenizer()
-  train_src = load_examples(cfg, cfg.data.train_split, workdir)
 
   ckpt = Checkpointer(workdir, keep=cfg.train.keep_checkpoints, async_save=cfg.train.async_checkpointing)
   with_ref = cfg.loss.beta > 0
@@ -326,6 +330,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
               reward_kind=cfg.reward.kind,
               format_weight=cfg.reward.format_weight,
               advantage_scale=cfg.loss.advantage_scale,
+              mask_truncated=cfg.loss.mask_truncated_completions,
               mesh=mesh,
               rollout_dtype=roll_dtype,
               decode_batch_size=decode_batch_size(cfg),

@@ -98,6 +98,17 @@ def test_token_without_text_keeps_a_visible_box():
   assert ">&lt;b&gt;</span>" in plain and "frag" not in plain
 
 
+def test_a_completion_masked_out_of_the_loss_says_so(tmp_path):
+  """loss.mask_truncated_completions zeroes a truncated completion's mask, so its row has no
+  tokens: the page says why instead of showing an empty line."""
+  w = str(tmp_path / "run")
+  _write(w, ROWS + [_row(20, "1+4+4=", [], [], [], [], [], 0.0)])
+  analyze.main(["--workdir", w, "--no-png"])
+  page = open(os.path.join(w, "analysis", "step_20.html")).read()
+  assert page.count("truncated at rollout.max_new_tokens: no tokens trained") == 1
+  assert json.load(open(os.path.join(w, "analysis", "step_20.json")))["tokens"] == 10
+
+
 def test_page_and_command_line(tmp_path):
   w = str(tmp_path / "run")
   _write(w, ROWS)

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# tiny model, 2 prompts x G 8 = 16 rows, prompt bucket 16, 16 completion columns
-SMALL = ["--config", "configs/tiny.py", "--config.rollout.prompts_per_step=2", "--completion_len", "16"]
+# tiny model (the full Qwen2.5 vocabulary: configs/tiny_arith.py), 2 prompts x G 8 = 16 rows, prompt bucket 16, 16 completion columns
+SMALL = ["--config", "configs/tiny_arith.py", "--config.rollout.prompts_per_step=2", "--completion_len", "16"]
 # 4 prompts = 32 rows over fsdp 2 x tensor 4: a micro-batch of 16 puts one whole group on each
 # row shard, one of 32 two (groups stay on their chips, so only the row count differs)
 MESH_2X4 = ["--config.rollout.prompts_per_step=4", "--config.mesh.fsdp=2", "--config.mesh.tensor=4"]
@@ -95,6 +95,22 @@ def test_model_flops_are_flops_per_token_times_tokens(tpu_small):
   assert r["model_flops_per_step"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_default_config_compiles_over_its_task_vocabulary(tmp_path):
+  """configs/tiny.py (model.vocab="task"): aot builds the task vocabulary from the task's data, as
+  the trainer does, and compiles the 128-row model (20 tokens of synthetic_chain level 1)."""
+  from ict_jax.models.config import Qwen2Config
+
+  proc, r = aot(
+      "--config", "configs/tiny.py", "--config.rollout.prompts_per_step=2", "--completion_len", "16",
+      "--target", "v5e-8", "--part", "train", json_path=tmp_path / "default.json",
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  s = r["shapes"]
+  seq = s["prompt_len"] + s["completion_len"]
+  expected = Qwen2Config.preset("tiny", vocab_size=128).flops_per_token(seq) * s["rows"] * seq
+  assert r["model_flops_per_step"] == pytest.approx(expected, rel=1e-12) and r["fits"] is True
+
+
 def test_bigger_micro_batch_needs_more_temporaries(tpu_small):
   small, big = tpu_small[16][1], tpu_small[32][1]
   assert big["shapes"]["micro_batch_size"] == 32 and small["shapes"]["micro_batch_size"] == 16
@@ -107,7 +123,7 @@ def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
   a row."""
   proc, r = aot(
       "--config",
-      "configs/tiny.py",
+      "configs/tiny_arith.py",
       "--config.rollout.prompts_per_step=16",
       "--config.model.remat_policy=none",
       "--config.model.attention=einsum",

@@ -148,7 +148,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   from ict_jax.eval import loading
   from ict_jax.eval.run import evaluate_benchmarks, load_benchmarks, markdown_table, summary, write_results
   from ict_jax.rewards.pool import RewardPool
-  from ict_jax.tokenizer import Tokenizer
+  from ict_jax import task_vocab
 
   sharding.maybe_initialize_distributed()
   cfg = loading.read_run_config(a.workdir, a.step) if a.workdir else None
@@ -191,7 +191,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   with RewardPool(num_workers=workers, timeout_s=a.reward_timeout) as pool:
     results = evaluate_benchmarks(
         loaded.model,
-        Tokenizer(),
+        task_vocab.load_tokenizer(a.workdir or a.hf),
         benches,
         examples,
         seed=a.seed,

@@ -19,7 +19,7 @@ from etils import epath
 from flax import nnx
 
 from ict_jax import config as config_lib
-from ict_jax import setup
+from ict_jax import setup, task_vocab
 from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
 from ict_jax.config import Config, ConfigError
 
@@ -86,7 +86,7 @@ def load_workdir(
     step = reader.pick_step(step)
     cfg = config if config is not None else read_run_config(workdir, step)
     mesh = mesh if mesh is not None else setup.make_mesh(cfg)
-    mcfg = setup.model_config(cfg, cfg.model.path, mesh)
+    mcfg = setup.model_config(cfg, cfg.model.path, mesh, task_vocab.load_tokenizer(os.fspath(workdir)))
     if dtype is not None:
       mcfg = mcfg.replace(dtype=jnp.dtype(dtype).name)
     graphdef, abstract, _ = setup.abstract_params(mcfg, mesh)
