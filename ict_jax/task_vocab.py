@@ -17,7 +17,6 @@ Qwen2.5 keeps the full vocabulary (`model.vocab = "qwen"`).
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -25,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from etils import epath
 
-from ict_jax.tokenizer import FIRST_ADDED_ID, NUM_SPECIAL, Tokenizer
+from ict_jax.tokenizer import Tokenizer
 
 FILENAME = "task_vocab.json"
 FORMAT = "ict_jax.task_vocab/1"
@@ -41,8 +40,8 @@ def model_vocab_size(num_tokens: int) -> int:
 
 class TaskTokenizer(Tokenizer):
   """`Tokenizer` with compact ids: id k is the Qwen2.5 id `qwen_ids[k]`. Same interface (encode,
-  decode, decode_batch, decode_pieces, chat template, pad / stop ids); `vocab_size` is the
-  number of kept tokens."""
+  decode, decode_batch, decode_pieces, chat template, pad / stop ids): only encoding and the
+  `_to_qwen` map of decoding differ; `vocab_size` is the number of kept tokens."""
 
   def __init__(self, qwen_ids: Iterable[int], vocab_file: str | os.PathLike | None = None, source: str = ""):
     super().__init__(vocab_file)
@@ -63,16 +62,15 @@ class TaskTokenizer(Tokenizer):
     self.im_end_id = self._compact[self.im_end_id]
     self.eos_ids = (self.im_end_id, self.pad_id)
     self.vocab_size = len(kept)
-    self._special_ids = frozenset(
-        self._compact[q] for q in range(FIRST_ADDED_ID, FIRST_ADDED_ID + NUM_SPECIAL) if q in self._compact
-    )
 
   # ---- compact <-> Qwen2.5 ids ----------------------------------------------------------------
+  def _to_qwen(self, ids: np.ndarray) -> np.ndarray:
+    return self.qwen_ids[ids]
+
   def to_qwen(self, ids) -> np.ndarray:
     """Qwen2.5 ids of compact `ids` (any shape); ids outside the vocabulary (padding rows) are
     dropped, so the result is flat."""
-    a = np.asarray(ids, np.int64).reshape(-1)
-    return self.qwen_ids[a[(a >= 0) & (a < self.vocab_size)]]
+    return self._qwen_ids(ids)[0]
 
   def encode(self, text: str, allowed_special="all") -> list[int]:
     qwen = super().encode(text, allowed_special)
@@ -85,25 +83,6 @@ class TaskTokenizer(Tokenizer):
           f"{e.args[0]}), which the task vocabulary does not keep; it holds the tokens of the task's "
           "data only (config.model.vocab='task'). Use model.vocab='qwen' for open-ended text."
       ) from None
-
-  def decode(self, ids, skip_special_tokens: bool = False) -> str:
-    qwen = self.to_qwen(ids)
-    if skip_special_tokens:
-      qwen = qwen[(qwen < FIRST_ADDED_ID) | (qwen >= FIRST_ADDED_ID + NUM_SPECIAL)]
-    return self._enc.decode(qwen.tolist(), errors="replace")
-
-  def decode_batch(self, rows, skip_special_tokens: bool = False) -> list[str]:
-    return [self.decode(r, skip_special_tokens) for r in rows]
-
-  def decode_pieces(self, ids) -> list[str]:
-    flat = np.asarray(ids, np.int64).reshape(-1)
-    ok = (flat >= 0) & (flat < self.vocab_size)
-    data = iter(self._enc.decode_tokens_bytes(self.qwen_ids[flat[ok]].tolist()))
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces = [utf8.decode(next(data)) if k else "" for k in ok]
-    if ok.any():
-      pieces[int(np.flatnonzero(ok)[-1])] += utf8.decode(b"", final=True)
-    return pieces
 
   # ---- files ----------------------------------------------------------------------------------
   def save(self, directory: str | os.PathLike) -> str:

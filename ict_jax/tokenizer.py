@@ -113,7 +113,6 @@ class Tokenizer:
     self.im_end_id = ids["<|im_end|>"]  # 151645
     self.eos_ids = (self.im_end_id, self.pad_id)  # chat generation stops at either
     self.vocab_size = self._enc.n_vocab  # 151665; checkpoints pad the embedding
-    self._special_ids = frozenset(range(FIRST_ADDED_ID, FIRST_ADDED_ID + NUM_SPECIAL))
 
   # ---- ids <-> text -------------------------------------------------------------------------
   def encode(self, text: str, allowed_special: Literal["all"] | AbstractSet[str] = "all") -> list[int]:
@@ -127,12 +126,29 @@ class Tokenizer:
     text = unicodedata.normalize("NFC", text)
     return self._enc.encode(text, allowed_special=allowed_special, disallowed_special=())
 
+  def _qwen_ids(self, ids: Iterable[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> (the Qwen2.5 ids of those of `ids` inside the vocabulary, flat int64; the flat mask of
+    which were inside). Ids outside it (embedding padding rows >= vocab_size) decode to nothing, as
+    in Hugging Face."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    ok = (flat >= 0) & (flat < self.vocab_size)
+    return self._to_qwen(flat[ok]), ok
+
+  def _to_qwen(self, ids: np.ndarray) -> np.ndarray:
+    """Qwen2.5 ids of in-vocabulary ids: the same here; `task_vocab.TaskTokenizer` maps its
+    compact ids (the one difference of its decoding)."""
+    return ids
+
+  def _drop_special(self, qwen: np.ndarray) -> np.ndarray:
+    return qwen[(qwen < FIRST_ADDED_ID) | (qwen >= FIRST_ADDED_ID + NUM_SPECIAL)]
+
   def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
     """Text of ``ids``. Ids outside the vocabulary (e.g. embedding padding rows >= vocab_size)
     decode to nothing, as in Hugging Face; invalid UTF-8 becomes U+FFFD."""
-    flat = np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
-    keep = [i for i in flat if 0 <= i < self.vocab_size and not (skip_special_tokens and i in self._special_ids)]
-    return self._enc.decode(keep, errors="replace")
+    qwen, _ = self._qwen_ids(ids)
+    if skip_special_tokens:
+      qwen = self._drop_special(qwen)
+    return self._enc.decode(qwen.tolist(), errors="replace")
 
   def decode_batch(self, rows: Iterable[Iterable[int] | np.ndarray], skip_special_tokens: bool = False) -> list[str]:
     """``[decode(r, skip_special_tokens) for r in rows]`` in one call to tiktoken's
@@ -140,11 +156,8 @@ class Tokenizer:
     token in Python."""
     kept = []
     for row in rows:
-      a = np.asarray(row, dtype=np.int64).reshape(-1)
-      keep = (a >= 0) & (a < self.vocab_size)
-      if skip_special_tokens:
-        keep &= (a < FIRST_ADDED_ID) | (a >= FIRST_ADDED_ID + NUM_SPECIAL)
-      kept.append(a[keep].tolist())
+      qwen, _ = self._qwen_ids(row)
+      kept.append((self._drop_special(qwen) if skip_special_tokens else qwen).tolist())
     return self._enc.decode_batch(kept, errors="replace")
 
   def decode_pieces(self, ids: Iterable[int] | np.ndarray) -> list[str]:
@@ -152,14 +165,12 @@ class Tokenizer:
     to ``decode(ids)``. A character whose UTF-8 bytes span several tokens appears whole at the
     token that completes it (the earlier ones get ""), not as U+FFFD in each, which decoding the
     tokens one by one would give. Ids outside the vocabulary get ""."""
-    flat = np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
-    ok = [0 <= i < self.vocab_size for i in flat]
-    data = iter(self._enc.decode_tokens_bytes([i for i, k in zip(flat, ok) if k]))
+    qwen, ok = self._qwen_ids(ids)
+    data = iter(self._enc.decode_tokens_bytes(qwen.tolist()))
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces = [utf8.decode(next(data)) if k else "" for k in ok]
-    if any(ok):  # an unfinished character at the end: U+FFFD at the last token in the vocabulary
-      last = len(ok) - 1 - ok[::-1].index(True)
-      pieces[last] += utf8.decode(b"", final=True)
+    pieces = [utf8.decode(next(data)) if k else "" for k in ok.tolist()]
+    if ok.any():  # an unfinished character at the end: U+FFFD at the last token in the vocabulary
+      pieces[int(np.flatnonzero(ok)[-1])] += utf8.decode(b"", final=True)
     return pieces
 
   def token_to_id(self, token: str) -> int:
