@@ -69,7 +69,7 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=N
     if hf_dir:
       return read_config(hf_dir, **kw)
     if cfg.model.vocab == "task":
-      if tokenizer is None or not hasattr(tokenizer, "qwen_ids"):
+      if not isinstance(tokenizer, task_vocab.TaskTokenizer):
         raise ConfigError("config.model.vocab='task' sizes the embedding from the run's task_vocab.json; none given")
       kw["vocab_size"] = task_vocab.model_vocab_size(tokenizer.vocab_size)
     return Qwen2Config.preset(cfg.model.preset, **kw)
@@ -104,12 +104,12 @@ def make_tokenizer(cfg: Config, workdir: str, hf_dir: str, load_split: Callable[
   from ict_jax.data.prompts import encode_prompts
   from ict_jax.warm_start import sft_targets
 
-  texts = []
+  base, texts = Tokenizer(), []
   for split in (cfg.data.train_split, cfg.data.eval_split):
     src = load_split(split)
-    exs, prompts, _ = encode_prompts([src[i] for i in range(len(src))], Tokenizer(), style=cfg.data.prompt_style)
+    exs, prompts, _ = encode_prompts([src[i] for i in range(len(src))], base, style=cfg.data.prompt_style)
     texts += prompts + [str(e["answer"]) for e in exs] + [t for e in exs for t in sft_targets(e)]
-  tok = task_vocab.build(texts)
+  tok = task_vocab.build(texts, base)
   if sharding.is_main_process():
     tok.save(workdir)
   return tok

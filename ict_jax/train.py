@@ -183,7 +183,12 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   roll_dtype = rollout_dtype(cfg, mesh)
   hf_dir = init_from_hf or cfg.model.path
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
-  tok = make_tokenizer(cfg, workdir, hf_dir, lambda split: load_examples(cfg, split, workdir))
+  tok = make_tokenizer(
+      cfg,
+      workdir,
+      hf_dir,
+      lambda split: train_src if split == cfg.data.train_split else load_examples(cfg, split, workdir),
+  )
   if isinstance(tok, TaskTokenizer):
     log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
   mcfg = model_config(cfg, hf_dir, mesh, tok)
