@@ -152,6 +152,12 @@ class Emulator:
     """Sets client_env() in this process's os.environ (before any gs:// path is opened here)."""
     os.environ.update(self.client_env())
 
+  def read(self, name: str) -> bytes:
+    """The bytes of object `name` of the fixture's bucket, straight from the server (no gcsfs)."""
+    q = urllib.parse.quote(name, safe="")
+    with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{q}?alt=media", timeout=30) as r:
+      return r.read()
+
   def list(self, prefix: str = "") -> list[str]:
     """Object names under `prefix` in the fixture's bucket, straight from the server's JSON API."""
     names, token = [], ""
