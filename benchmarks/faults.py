@@ -181,7 +181,9 @@ class Run:
       module="ict_jax.train",
       extra_env=None,
   ):
-    self.workdir, self.logdir = Path(workdir), Path(logdir)
+    # a gs:// workdir stays a string (Path would fold "gs://b" into "gs:/b")
+    self.workdir = workdir if "://" in os.fspath(workdir) else Path(workdir)
+    self.logdir = Path(logdir)
     self.logdir.mkdir(parents=True, exist_ok=True)
     self.err_path, self.out_path = self.logdir / f"{name}.err", self.logdir / f"{name}.out"
     self.markers = self.logdir / f"{name}.markers" if markers else None
@@ -592,7 +594,7 @@ def truncated_checkpoint(root, *, data_dir="", ref=None, steps=6, every=2) -> di
   second = run_to_end(workdir, flags, logdir, "truncated_rerun2")
   start2 = resumed_from(second.stderr())
   aside = (
-      sorted(p.name for p in (workdir / "checkpoints_unreadable").glob("*"))
+      sorted(p.name for p in (workdir / "checkpoints_unreadable").glob("*") if p.is_dir())
       if (workdir / "checkpoints_unreadable").exists()
       else []
   )

@@ -16,6 +16,8 @@ import html
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -251,18 +253,36 @@ def screenshot(html_path: str, png_path: str, width: int = 1150, height: int = 9
 
 
 def analyze(workdir: str, step: int | None = None, out_dir: str | None = None, png: bool = True) -> dict[str, Any]:
-  """Write the page (and the PNG when Chromium is there) -> {"step", "html", "png", "stats"}."""
+  """Write the page (and the PNG when Chromium is there) -> {"step", "html", "png", "stats"}.
+
+  `workdir` and `out_dir` may be gs:// URLs: the files go through epath; Chromium renders the
+  page from a local copy and its PNG is copied up."""
+  from etils import epath
+
+  from ict_jax import storage
+
+  storage.check_backend(workdir, "--workdir")
   step, rows = token_view.load(workdir, step)
   stats = selection_stats(rows)
-  out_dir = out_dir or os.path.join(workdir, "analysis")
-  os.makedirs(out_dir, exist_ok=True)
-  page = os.path.join(out_dir, f"step_{step}.html")
-  with open(page, "w") as f:
-    f.write(render_html(step, rows, stats, os.path.abspath(workdir)))
-  with open(os.path.join(out_dir, f"step_{step}.json"), "w") as f:
-    json.dump(stats, f, indent=2)
-  image = screenshot(page, os.path.join(out_dir, f"step_{step}.png")) if png else None
-  return {"step": step, "html": page, "png": image, "stats": stats}
+  out = epath.Path(out_dir or os.path.join(os.fspath(workdir), "analysis"))
+  storage.check_backend(out, "--out")
+  out.mkdir(parents=True, exist_ok=True)
+  title = os.fspath(workdir) if storage.is_url(workdir) else os.path.abspath(workdir)
+  text = render_html(step, rows, stats, title)
+  page = out / f"step_{step}.html"
+  page.write_text(text)
+  (out / f"step_{step}.json").write_text(json.dumps(stats, indent=2))
+  image = None
+  if png:
+    with tempfile.TemporaryDirectory(prefix="ict_jax_analyze_") as tmp:
+      local_page = os.path.join(tmp, page.name)
+      with open(local_page, "w") as f:
+        f.write(text)
+      local_png = screenshot(local_page, os.path.join(tmp, f"step_{step}.png"))
+      if local_png is not None:
+        image = out / f"step_{step}.png"
+        image.write_bytes(Path(local_png).read_bytes())
+  return {"step": step, "html": os.fspath(page), "png": None if image is None else os.fspath(image), "stats": stats}
 
 
 def main(argv=None) -> None:

@@ -34,6 +34,12 @@ def resolve_path(path: str | os.PathLike) -> epath.Path:
   return epath.Path(path if "://" in path else os.path.abspath(path))
 
 
+_UNREADABLE_README = (
+    "Checkpoint steps that a restore could not read, moved here by ict_jax (Checkpointer.set_aside) so that\n"
+    "the run could fall back to the previous step and save these steps again. Nothing here is read.\n"
+)
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint directory that cannot be written, or no checkpoint that can be read."""
 
@@ -177,7 +183,8 @@ class Checkpointer:
     root = self.workdir / "checkpoints_unreadable"
     dst = root
     if jax.process_index() == 0:
-      root.mkdir(parents=True, exist_ok=True)
+      root.mkdir(parents=True, exist_ok=True)  # a no-op on object stores, which have no empty folders:
+      (root / "README.txt").write_text(_UNREADABLE_README)  # this object makes the folder exist there
       dst, n = root / str(int(step)), 0
       while dst.exists():
         n += 1

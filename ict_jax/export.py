@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m ict_jax.export", description=__doc__.split("\n\n")[0])
   p.add_argument("--workdir", required=True, help="a training workdir (or its checkpoints/ folder)")
   p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-  p.add_argument("--out", required=True, help="the Hugging Face folder to write")
+  p.add_argument("--out", required=True, help="the Hugging Face folder to write (local or gs://)")
   p.add_argument(
       "--dtype",
       choices=("float32", "bfloat16", "float16"),
@@ -50,9 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   logging.getLogger("absl").setLevel(logging.ERROR)
+  logging.getLogger("fsspec").setLevel(logging.WARNING)
   from ict_jax import inspect as ckpt_inspect
-  from ict_jax import sharding
+  from ict_jax import sharding, storage
   from ict_jax.checkpoint import CheckpointError
+  from ict_jax.config import ConfigError
+
+  try:  # gs:// without gcsfs: one line before any checkpoint is read
+    storage.check_backend(args.workdir, "--workdir")
+    storage.check_backend(args.out, "--out")
+  except ConfigError as e:
+    print(f"ict_jax.export: error: {e}", file=sys.stderr)
+    return 2
 
   try:
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None

@@ -367,6 +367,9 @@ def open_checkpoint(workdir_or_path: str | os.PathLike, step: int | None = None,
 
   `step` (default: the step of a step folder, else the latest) selects `.step`. `model_config`
   (a `Qwen2Config`) overrides the architecture read from the run's config."""
+  from ict_jax import storage
+
+  storage.check_backend(workdir_or_path, "checkpoint path")
   path = resolve_path(workdir_or_path)
   if not path.exists():
     raise CheckpointError(f"{os.fspath(path)!r} does not exist")
@@ -682,14 +685,26 @@ def to_hf(
   Call on every host with a multi-host mesh (process 0 writes). A run with a task vocabulary
   (`model.vocab="task"`) gets its `task_vocab.json` copied along: it is the folder's tokenizer.
   Returns `out_dir`."""
-  from ict_jax import sharding, task_vocab
+  import tempfile
+
+  from ict_jax import sharding, storage, task_vocab
   from ict_jax.models.hf import save_pretrained
 
+  storage.check_backend(out_dir, "the export folder")
   model = restore_model(ckpt, step, mesh=mesh, item=item)
-  save_pretrained(model, os.fspath(out_dir), dtype=dtype)
   vocab = task_vocab.find([os.fspath(ckpt.directory.parent)])
-  if vocab and sharding.is_main_process():
-    task_vocab.TaskTokenizer.load(vocab).save(out_dir)
+  if not storage.is_url(out_dir):
+    save_pretrained(model, os.fspath(out_dir), dtype=dtype)
+    if vocab and sharding.is_main_process():
+      task_vocab.TaskTokenizer.load(vocab).save(out_dir)
+    return os.fspath(out_dir)
+  # a bucket: safetensors writes local files, so the folder is made locally and copied up
+  with tempfile.TemporaryDirectory(prefix="ict_jax_export_") as tmp:
+    save_pretrained(model, tmp, dtype=dtype)
+    if sharding.is_main_process():
+      if vocab:
+        task_vocab.TaskTokenizer.load(vocab).save(tmp)
+      storage.upload(tmp, out_dir)
   return os.fspath(out_dir)
 
 

@@ -15,6 +15,7 @@ deleted and lines past it are dropped from the last part left, so the log stays 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -25,6 +26,7 @@ from etils import epath
 PART_STEPS = 100
 PART_BYTES = 1 << 20
 _PART = re.compile(r"^(\d+)\.jsonl$")
+log = logging.getLogger(__name__)
 
 
 def _write_whole(path: epath.Path, text: str) -> None:
@@ -54,6 +56,9 @@ def _step_of(line: str) -> int | None:
 
 def read_log(workdir: str | os.PathLike, name: str = "metrics") -> list[dict]:
   """Every record of log `name` ("metrics" or "samples") of a workdir, in step order."""
+  from ict_jax import storage
+
+  storage.check_backend(workdir, "read_log")  # gs:// without gcsfs: the package named, not a traceback
   rows = []
   for _, part in _parts(epath.Path(workdir) / name):
     for line in part.read_text().splitlines():
@@ -93,6 +98,13 @@ class JsonlLog:
     self._steps.add(step)
     self._bytes += sum(len(line) + 1 for line in lines)
     _write_whole(self.folder / f"{self._first:08d}.jsonl", "".join(line + "\n" for line in self._lines))
+
+
+def _summary_writer(logdir: str):
+  """tensorboardX's writer; it writes gs:// itself through google-cloud-storage (requirements.txt)."""
+  from tensorboardX import SummaryWriter
+
+  return SummaryWriter(logdir)
 
 
 def import_wandb():
@@ -147,16 +159,26 @@ class MetricsLogger:
     self._metrics = JsonlLog(root / "metrics", initial)
     self._samples = JsonlLog(root / "samples", initial)
     if tensorboard:
-      try:
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(os.fspath(root / "tb"))
-      except ImportError:  # optional
-        self._tb = None
+      self._tb = self._tensorboard(lambda: _summary_writer(os.fspath(root / "tb")), "open")
     if progress:
       from tqdm.auto import tqdm
 
       self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+  def _tensorboard(self, action, what: str):
+    """Run a TensorBoard call; a failure is one warning and TensorBoard is off for the rest of the
+    run (the metrics log has every number): the run never ends over its events file."""
+    try:
+      return action()
+    except Exception as e:  # pylint: disable=broad-except  # ImportError, OSError, the cloud client's errors
+      log.warning(
+          "TensorBoard: %s failed, continuing without events (the metrics log has every number): %s: %s",
+          what,
+          type(e).__name__,
+          str(e).splitlines()[0][:300] if str(e) else "",
+      )
+      self._tb = None
+      return None
 
   def write(self, record: dict[str, Any], samples: list[dict] | None = None) -> None:
     if not self.enabled:
@@ -166,8 +188,7 @@ class MetricsLogger:
     self._samples.write(step, [{"step": step, **sample} for sample in samples or ()])
     numbers = _numbers(record)
     if self._tb is not None:
-      for k, v in numbers.items():
-        self._tb.add_scalar(k, v, step)
+      self._tensorboard(lambda: [self._tb.add_scalar(k, v, step) for k, v in numbers.items()], "write")
     if self._wandb is not None:
       self._wandb.log(numbers, step=step)
     if self._bar is not None:
@@ -190,7 +211,7 @@ class MetricsLogger:
     if not self.enabled:
       return
     if self._tb is not None:
-      self._tb.close()
+      self._tensorboard(self._tb.close, "close")
     if self._wandb is not None:
       self._wandb.finish()
     if self._bar is not None:

@@ -89,8 +89,12 @@ class TaskTokenizer(Tokenizer):
     """Write `<directory>/task_vocab.json`; returns its path."""
     path = epath.Path(directory) / FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"format": FORMAT, "qwen_ids": self.qwen_ids.tolist()})
+    if "://" in os.fspath(path):  # one object PUT: whole or absent
+      path.write_text(text)
+      return os.fspath(path)
     tmp = path.parent / (FILENAME + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "qwen_ids": self.qwen_ids.tolist()}))
+    tmp.write_text(text)
     tmp.replace(path)  # never a half-written vocabulary next to a checkpoint
     return os.fspath(path)
 

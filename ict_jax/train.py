@@ -22,6 +22,7 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import sharding
+from ict_jax import storage
 from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
 from ict_jax.logs import MetricsLogger, import_wandb
@@ -73,8 +74,9 @@ def _name_oom(what: str, lower: str):
 
 
 def _check_workdir(workdir: str) -> None:
-  if "://" in workdir:
-    return  # cloud paths are Orbax's business
+  if storage.is_url(workdir):  # a missing gs:// backend is one line now, not a traceback mid-run
+    storage.check_backend(workdir, "--workdir")
+    return  # writability: Checkpointer's probe object, through the same backend
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{os.getpid()}")
@@ -83,6 +85,23 @@ def _check_workdir(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise ConfigError(f"--workdir {workdir}: not writable ({e.strerror or e})") from None
+
+
+def _profiler(action, *args) -> bool:
+  """Start or stop the `train.profile_steps` trace; a failure (e.g. the profiler's own storage
+  client cannot write to the workdir's bucket) is a warning and the run goes on untraced."""
+  try:
+    action(*args)
+    return True
+  except Exception as e:  # pylint: disable=broad-except  # jax.errors.JaxRuntimeError, OSError, ...
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    log.warning(
+        "train.profile_steps: jax.profiler.%s failed, training goes on without the trace (%s: %s)",
+        action.__name__,
+        type(e).__name__,
+        first[:300],
+    )
+    return False
 
 
 def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
@@ -99,7 +118,7 @@ def load_examples(cfg: Config, split: str, workdir: str):
   """The split as a random-access source; on several hosts process 0 builds it first."""
   from ict_jax.data import load_split
 
-  data_dir = cfg.data.data_dir or os.path.join(workdir, "data")
+  data_dir = storage.data_dir(cfg.data.data_dir, workdir)
   manual_dir = os.path.expanduser(cfg.data.manual_dir) if cfg.data.manual_dir else None
 
   def load():
@@ -172,6 +191,9 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   """Run (or resume) training; returns the metrics of the steps run in this call."""
   cfg = config_lib.validate(config_dict)
   _check_workdir(workdir)
+  storage.check_data_dir(cfg.data.data_dir, "config.data.data_dir")
+  if storage.is_url(workdir):
+    log.info("tfds data in %s (local: the workdir is a URL)", storage.data_dir(cfg.data.data_dir, workdir))
   if cfg.log.wandb_project:
     import_wandb()  # a missing package is one error now, not after the compile
   sharding.maybe_initialize_distributed()
@@ -314,8 +336,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           stop(step, position, "")
           break
         if profile and step + 1 == profile[0]:
-          jax.profiler.start_trace(os.fspath(resolve_path(workdir) / "profile"))
-          tracing = True
+          tracing = _profiler(jax.profiler.start_trace, os.fspath(resolve_path(workdir) / "profile"))
         examples = next(it)
         key = jax.random.fold_in(base_key, step)
         with _name_oom("the rollout", roll_advice):
@@ -402,15 +423,15 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
           tv.write(workdir, step + 1, tokens)
         done = step + 1
         if tracing and done == profile[1]:
-          jax.profiler.stop_trace()
           tracing = False
-          log.info("profile of steps %d-%d written to %s/profile", *profile, workdir)
+          if _profiler(jax.profiler.stop_trace):
+            log.info("profile of steps %d-%d written to %s/profile", *profile, workdir)
         if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
           save(done, force=True)
         last_step_s = time.perf_counter() - t1
     finally:
       if tracing:
-        jax.profiler.stop_trace()
+        _profiler(jax.profiler.stop_trace)
       ckpt.close()
       logger.close()
   return history
@@ -451,6 +472,7 @@ def main(argv=None) -> None:
   # make basicConfig a no-op and hide every INFO line (resume step, warm-start progress)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
   logging.getLogger("absl").setLevel(logging.WARNING)
+  logging.getLogger("fsspec").setLevel(logging.WARNING)  # gs://: a line per file opened otherwise
   try:
     train(cd, fl.workdir, init_from_hf=fl.init_from_hf)
   except ConfigError as e:

@@ -84,3 +84,40 @@ def test_local_parts_concatenate_in_step_order(tmp_path):
   text = "".join(p.read_text() for p in sorted((tmp_path / "metrics").glob("*.jsonl")))
   assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3]
   assert not [p for p in (tmp_path / "metrics").iterdir() if p.name.startswith(".")]  # no temp files
+
+
+class _BrokenWriter:
+  """A SummaryWriter whose writes fail from step `fail_at` on (a lost connection to the bucket)."""
+
+  def __init__(self, fail_at):
+    self.fail_at, self.scalars, self.closed = fail_at, [], False
+
+  def add_scalar(self, tag, value, step):
+    if step >= self.fail_at:
+      raise OSError("connection reset by peer")
+    self.scalars.append((tag, step))
+
+  def close(self):
+    self.closed = True
+
+
+@pytest.mark.parametrize("fail", ["open", "write"])
+def test_a_tensorboard_failure_is_one_warning_and_the_logs_go_on(tmp_path, monkeypatch, caplog, fail):
+  writer = _BrokenWriter(fail_at=3)
+
+  def open_writer(logdir):
+    if fail == "open":
+      raise ImportError("`google-cloud-storage` must be installed in order to use the 'gs://' protocol")
+    return writer
+
+  monkeypatch.setattr(logs, "_summary_writer", open_writer)
+  logger = logs.MetricsLogger(str(tmp_path), progress=False, initial=0)
+  for step in range(1, 6):
+    logger.write({"step": step, "loss": float(step)})
+  logger.close()
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "TensorBoard" in r.getMessage()]
+  expected = "google-cloud-storage" if fail == "open" else "connection reset by peer"
+  assert len(warnings) == 1 and expected in warnings[0], warnings
+  assert [r["step"] for r in logs.read_log(str(tmp_path))] == [1, 2, 3, 4, 5]
+  if fail == "write":  # steps before the failure reached TensorBoard; nothing is called after it
+    assert writer.scalars == [("loss", 1), ("loss", 2)] and not writer.closed

@@ -69,8 +69,9 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
       "--data_dir",
-      help="tfds data_dir for the built benchmarks (default: the run's "
-      "data.data_dir or <workdir>/data; <hf>/eval/data for --hf)",
+      help="tfds data_dir for the built benchmarks, a local folder (default: the run's "
+      "data.data_dir, else <workdir>/data, or $TFDS_DATA_DIR / ~/tensorflow_datasets for a gs:// workdir; "
+      "<hf>/eval/data for --hf)",
   )
   p.add_argument(
       "--manual_dir", help="folder with one sub-folder of files per benchmark " "(default: <data_dir>/manual)"
@@ -130,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   a = p.parse_args(argv)
   benches = _check_args(p, a)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.getLogger("fsspec").setLevel(logging.WARNING)  # gs://: a line per file opened otherwise
   logging.getLogger("absl").setLevel(logging.ERROR)
   from ict_jax.checkpoint import CheckpointError
   from ict_jax.config import ConfigError
@@ -150,12 +152,19 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   from ict_jax.rewards.pool import RewardPool
   from ict_jax import task_vocab
 
+  from ict_jax import storage
+
+  for what, path in (("--workdir", a.workdir), ("--hf", a.hf), ("--out", a.out)):
+    if path:
+      storage.check_backend(path, what)  # gs:// without gcsfs: one line, before anything is read
+  storage.check_data_dir(a.data_dir, "--data_dir")
   sharding.maybe_initialize_distributed()
   cfg = loading.read_run_config(a.workdir, a.step) if a.workdir else None
   if cfg is not None:
     prompt_style = a.prompt_style or cfg.data.prompt_style
     max_new_tokens = a.max_new_tokens or cfg.rollout.max_new_tokens
-    data_dir = a.data_dir or cfg.data.data_dir or os.path.join(a.workdir, "data")
+    storage.check_data_dir(cfg.data.data_dir, f"{a.workdir}: config.data.data_dir")
+    data_dir = storage.data_dir(a.data_dir or cfg.data.data_dir, a.workdir)
     workers = cfg.reward.num_workers if a.reward_workers is None else a.reward_workers
   else:
     prompt_style = a.prompt_style or "chat"
