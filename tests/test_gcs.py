@@ -165,7 +165,7 @@ def test_eval_restores_the_rewritten_step_and_writes_results(gcs, gcs_environ, r
   monkeypatch.setenv("TFDS_DATA_DIR", str(runs["root"] / "tfds"))
   results = main(
       [
-          *("--workdir", gcs.url("term"), "--benchmarks", "synthetic", "--k", "1", "--n", "2", "--mesh", "-1,1,1"),
+          *("--workdir", gcs.url("term"), "--benchmarks", "synthetic", "--k", "1", "--n", "2", "--mesh=-1,1,1"),
           *("--temperature", "1.0", "--reward_workers", "0", "--batch_size", "4", "--limit", "4", "--no_progress"),
       ]
   )
