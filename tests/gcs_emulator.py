@@ -7,9 +7,8 @@ implements the JSON API that gcsfs, google-cloud-storage and Orbax's tensorstore
 what an in-memory fsspec fake gets wrong (there are no folders: a prefix exists only while an
 object lives under it).
 
-Usage, in a test file (tests/ is on sys.path under pytest):
-
-    from gcs_emulator import gcs  # the session-scoped pytest fixture; re-export it by importing
+Usage, in a test file: tests/conftest.py registers the session-scoped fixtures `gcs` and
+`gcs_environ` for every test file (one server per session), so just name one as an argument:
 
     def test_x(gcs):
       subprocess.run([sys.executable, "-m", "ict_jax.train", "--workdir", gcs.url("run1"), ...],

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from gcs_emulator import gcs, gcs_environ  # pylint: disable=unused-import  # the fixtures
-
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("ict_faults_gcs", REPO / "benchmarks" / "faults.py")
 faults = importlib.util.module_from_spec(_spec)
