@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -72,12 +73,18 @@ def _name_oom(what: str, lower: str):
     ) from e
 
 
+def _workdir_probe(workdir: str) -> str:
+  """The file `_check_workdir` writes and removes: named by host and pid, since the processes of
+  a multi-node job share the workdir and two nodes can run the same pid."""
+  return os.path.join(workdir, f".write-test-{socket.gethostname()}-{os.getpid()}")
+
+
 def _check_workdir(workdir: str) -> None:
   if "://" in workdir:
     return  # cloud paths are Orbax's business
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+    probe = _workdir_probe(workdir)
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
