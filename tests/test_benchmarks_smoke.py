@@ -105,7 +105,7 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
 # test_every_benchmark_script_has_a_smoke_run.
 SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
-    "compare_methods.py": "tests/test_compare_methods.py",
+    "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
     "faults.py": "tests/test_faults.py",
@@ -181,6 +181,21 @@ def test_aot_table_compiles_one_recipe_into_its_own_folder(tmp_path):
   assert sampler["resident_bytes"] == pytest.approx(12 * _tiny_params() / 8, rel=1e-3)
   row = next(line for line in proc.stdout.splitlines() if line.startswith("| 0.5B | v5e-8 | 1, 8, 1 | 16 |"))
   assert ", yes |" in row and "not measured" not in row
+
+
+def test_compare_methods_one_seed_one_step(tmp_path):
+  """The comparison's own loop (warm-start, RL run, held-out evaluation, report) on one seed and
+  one step; tests/test_compare_methods.py checks its statistics."""
+  proc = _run_script(
+      "compare_methods.py", "--seeds", "0", "--steps", "1", "--sft_steps", "1", "--eval_prompts", "4",
+      "--methods", "ict", "--ablations", "", "--set", "rollout.prompts_per_step=2", "--out", str(tmp_path),
+  )  # fmt: skip
+  rows = _json_lines(proc)
+  assert [(r["variant"], r["seed"]) for r in rows] == [("warm-start", 0), ("ict", 0)]
+  assert all(0 <= r["pass@1"] <= r["pass@4"] <= 1 for r in rows)
+  results = json.load(open(tmp_path / "results.json"))
+  assert set(results) == {"summary", "runs"} and (tmp_path / "curves.png").stat().st_size > 0
+  assert "| ICT |" in (tmp_path / "table.md").read_text()
 
 
 def test_compile_head_tiny_on_v5e_8():
