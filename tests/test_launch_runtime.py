@@ -49,15 +49,18 @@ def _slurm_env(home: Path) -> dict:
   return out
 
 
-def _tpu_platform() -> str:
+def _tpu_env(workdir: str = "gs://b/r") -> dict:
+  """JAX_PLATFORMS and JAX_COMPILATION_CACHE_DIR of tpu_pod.sh's train command (dry run)."""
   res = subprocess.run(
-      ["bash", str(TPU), "--dry-run", "--name", "t", "--zone", "z", "--accelerator-type", "v5litepod-8",
-       "--config", "configs/tiny.py", "--workdir", "gs://b/r"],
+      ["bash", str(TPU), "--dry-run", "--name", "t", "--zone", "z", "--accelerator-type", "v5p-32",
+       "--config", "configs/tiny.py", "--workdir", workdir],
       cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=60,
   )  # fmt: skip
   assert res.returncode == 0, res.stderr
-  (platform,) = set(re.findall(r"JAX_PLATFORMS=(\w+)", res.stdout))
-  return platform
+  (run,) = [c for c in res.stdout.splitlines() if "ict_jax.train" in c]
+  (command,) = [a.split("=", 1)[1] for a in shlex.split(run[2:]) if a.startswith("--command=")]
+  words = shlex.split(command.replace(";", " "))
+  return dict(w.split("=", 1) for w in words if w.startswith(("JAX_PLATFORMS=", "JAX_COMPILATION_CACHE_DIR=")))
 
 
 def _train(workdir: Path, *flags: str, env: dict) -> subprocess.CompletedProcess:
@@ -69,7 +72,7 @@ def _train(workdir: Path, *flags: str, env: dict) -> subprocess.CompletedProcess
 def test_pinned_platform_is_an_error_where_it_is_missing(launcher, tmp_path):
   """This machine has no TPU and no usable GPU: with the launcher's JAX_PLATFORMS the trainer
   exits non-zero before writing a step, instead of training on the CPU."""
-  platform = _tpu_platform() if launcher == "tpu_pod.sh" else _slurm_env(tmp_path)["JAX_PLATFORMS"]
+  platform = (_tpu_env() if launcher == "tpu_pod.sh" else _slurm_env(tmp_path))["JAX_PLATFORMS"]
   assert platform == {"tpu_pod.sh": "tpu", "gpu_slurm.sbatch": "cuda"}[launcher]
   workdir = tmp_path / "run"
   proc = _train(workdir, "--config.train.steps=1", env=_clean_env(JAX_PLATFORMS=platform, CUDA_VISIBLE_DEVICES=""))
@@ -103,6 +106,27 @@ def test_restart_loads_the_step_and_sampler_from_the_compilation_cache(tmp_path)
   for program in ("jit_step_fn", "jit__generate_impl"):
     assert f"Persistent compilation cache hit for '{program}'" in again.stderr, program
   assert [r["step"] for r in read_log(str(workdir), "metrics")] == [1, 2]  # resumed, not restarted
+
+
+def test_tpu_default_cache_in_a_bucket_is_written_once_and_read_back():
+  """tpu_pod.sh's default cache for a gs:// workdir, WORKDIR/jax_cache, on a real GCS server
+  (fake-gcs-server): JAX writes the compiled program there through etils/gcsfs and a second
+  process (a restarted worker) loads it."""
+  emulator = pytest.importorskip("gcs_emulator", reason="tests/gcs_emulator.py starts the GCS server")
+  prog = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: jnp.tanh(x @ x) + 1)(jnp.ones((64, 64))).sum()))"
+  with emulator.gcs_emulator() as server:
+    cache = _tpu_env(server.url("runs/r1"))["JAX_COMPILATION_CACHE_DIR"]
+    assert cache == server.url("runs/r1/jax_cache")
+    env = server.env(_clean_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, JAX_LOG_COMPILES="1"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    runs = [
+        subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=300)
+        for _ in range(2)
+    ]
+  assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+  assert runs[0].stdout == runs[1].stdout == "8192.0\n"  # 64 x 64 entries of tanh(64) + 1
+  assert "Persistent compilation cache hit for 'jit__lambda'" not in runs[0].stderr
+  assert "Persistent compilation cache hit for 'jit__lambda'" in runs[1].stderr
 
 
 def test_workdir_probe_names_the_host(tmp_path, monkeypatch):
