@@ -1,6 +1,7 @@
 """The paper configs compiled for their targets with `python -m ict_jax.aot` -> a memory table.
 
     python benchmarks/aot_table.py [--only NAME,NAME] [--part train|sample|both] [--table_only]
+        [--out DIR] [--no_docs] [--aot_args="--config.KEY=VALUE ..."]
 
 Each run in RUNS and part (the train step, the sampler) is one `python -m ict_jax.aot --part PART`
 process (one at a time; a 1.5B / 7B compile takes minutes and GBs of host memory) whose JSON goes
@@ -9,6 +10,11 @@ again (delete it to redo). Then the tables of every JSON there are written betwe
 markers of benchmarks/RESULTS.md, the short recipe table between the AOT-RECIPES markers of
 README.md and launch/README.md, and all reports into benchmarks/results/aot.json. Runs without a
 JSON are listed as not measured.
+
+`--out DIR` keeps the JSONs in DIR/aot/ and DIR/aot.json instead of benchmarks/results/,
+`--no_docs` leaves RESULTS.md and the READMEs alone, and `--aot_args` adds arguments to every
+`ict_jax.aot` run (the CI smoke test, tests/test_benchmarks_smoke.py, compiles one recipe on the
+tiny model that way: `--aot_args="--config.model.preset=tiny --completion_len 16 ..."`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ import argparse
 import json
 import os
 import subprocess
+import shlex
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "aot")
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 BEGIN, END = "<!-- AOT-TABLE BEGIN (benchmarks/aot_table.py) -->", "<!-- AOT-TABLE END -->"
 RECIPE_READMES = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "launch", "README.md")]
@@ -57,12 +64,17 @@ PARTS = ("train", "sample")
 SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16", "1.5b_v5e-8": "1.5b_v5e-8_mb16"}
 
 
+# where the JSONs go (--out) and what every aot run gets on top of its own arguments (--aot_args)
+OUT = {"dir": RESULTS_DIR, "aot_args": []}
+
+
 def _path(name: str, part: str) -> str:
-  return os.path.join(OUT_DIR, f"{name}.{part}.json")
+  return os.path.join(OUT["dir"], "aot", f"{name}.{part}.json")
 
 
 def command(name: str, part: str) -> list[str]:
   model, target, extra = RUNS[name]
+  json_path = os.path.relpath(_path(name, part), ROOT)
   return [
       "python",
       "-m",
@@ -72,10 +84,11 @@ def command(name: str, part: str) -> list[str]:
       "--target",
       target,
       *extra,
+      *OUT["aot_args"],
       "--part",
       part,
       "--json",
-      f"benchmarks/results/aot/{name}.{part}.json",
+      json_path if not json_path.startswith("..") else _path(name, part),
   ]
 
 
@@ -236,9 +249,11 @@ def _replace_block(path: str, begin: str, end: str, body: str) -> None:
     f.write(text)
 
 
-def write_results(reports: dict[str, dict[str, dict]]) -> None:
-  with open(os.path.join(ROOT, "benchmarks", "results", "aot.json"), "w") as f:
+def write_results(reports: dict[str, dict[str, dict]], docs: bool = True) -> None:
+  with open(os.path.join(OUT["dir"], "aot.json"), "w") as f:
     json.dump(reports, f, indent=1, sort_keys=True)
+  if not docs:
+    return
   body = (
       f"Train step (`--part train`):\n\n{table(reports['train'])}\n\n"
       f"Sampler (`--part sample`; bytes a chip; the train state stays on the chips while sampling):\n\n"
@@ -251,7 +266,7 @@ def write_results(reports: dict[str, dict[str, dict]]) -> None:
 
 
 def load_reports() -> dict[str, dict[str, dict]]:
-  """{part: {name: report}} of every JSON in OUT_DIR."""
+  """{part: {name: report}} of every JSON in the output folder's aot/."""
   reports: dict[str, dict[str, dict]] = {part: {} for part in PARTS}
   for part in PARTS:
     for name in RUNS:
@@ -267,19 +282,23 @@ def main() -> None:
   ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
   ap.add_argument("--part", default="both", choices=(*PARTS, "both"), help="which programs to compile")
   ap.add_argument("--table_only", action="store_true", help="compile nothing; rewrite the table")
+  ap.add_argument("--out", default=RESULTS_DIR, help="folder of aot/NAME.PART.json and aot.json")
+  ap.add_argument("--no_docs", action="store_true", help="write the JSONs only, not RESULTS.md or the READMEs")
+  ap.add_argument("--aot_args", default="", help="extra arguments of every ict_jax.aot run (one string)")
   args = ap.parse_args()
+  OUT.update(dir=os.path.abspath(args.out), aot_args=shlex.split(args.aot_args))
   names = [n for n in args.only.split(",") if n] or list(RUNS)
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     sys.exit(f"aot_table: unknown run(s) {unknown}; runs are {list(RUNS)}")
-  os.makedirs(OUT_DIR, exist_ok=True)
+  os.makedirs(os.path.join(OUT["dir"], "aot"), exist_ok=True)
   parts = PARTS if args.part == "both" else (args.part,)
   if not args.table_only:
     for part in parts:
       for name in names:
         run(name, part)
   reports = load_reports()
-  write_results(reports)
+  write_results(reports, docs=not args.no_docs)
   print(recipes_table(reports))
 
 

@@ -2,44 +2,59 @@
 selection, and the gradient through the custom VJP with its sparse and dense backward), for the
 1.5B paper step's micro-batch on a TPU v5p-32 (compile-only devices, as `compile_step.py`).
 
-    PYTHONPATH=. python benchmarks/compile_head.py
+    python benchmarks/compile_head.py [--target v5p-32] [--rows 64 --columns 2048 --hidden 1536
+        --vocab 151936] [--chunk 128]
 
-h [64, 2048, 1536] bf16 and ids/mask [64, 2048] sharded by rows over fsdp 16, the tied head
-[151936, 1536] float32 sharded like the embedding. Prints one JSON line: compile CPU seconds,
-wall, the 1-minute load average and the temporaries per chip.
+h [rows, columns, hidden] bf16 and ids/mask [rows, columns] sharded by rows over fsdp (all the
+target's chips), the tied head [vocab, hidden] float32 sharded like the embedding; the defaults
+are the 1.5B paper step's micro-batch. Prints one JSON line: compile CPU seconds, wall, the
+1-minute load average, the shapes and the temporaries per chip.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compile_step  # noqa: E402  (libtpu location and the v5p-32 compile-only devices)
+import compile_step  # noqa: E402  (first: ict_jax.aot's compilers and compile-only devices)
 
-N, C, D, V, G = 64, 2048, 1536, 151936, 8
+G = 8  # the paper's group size
 
 
-def main() -> int:
-  if not os.path.isdir(compile_step.LIBS_DIR):
-    print(f"compile_head: error: no libtpu in {compile_step.LIBS_DIR}", file=sys.stderr)
-    return 2
-  sys.path.insert(0, compile_step.LIBS_DIR)
-  os.environ["JAX_PLATFORMS"] = "cpu"
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--target", default="v5p-32", choices=compile_step.TPU_TARGETS)
+  ap.add_argument("--rows", type=int, default=64, help="sequences of the micro-batch")
+  ap.add_argument("--columns", type=int, default=2048, help="completion positions")
+  ap.add_argument("--hidden", type=int, default=1536)
+  ap.add_argument("--vocab", type=int, default=151936)
+  ap.add_argument("--chunk", type=int, default=128, help="completion positions per LM-head chunk")
+  args = ap.parse_args(argv)
+  n, c, d, v = args.rows, args.columns, args.hidden, args.vocab
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from ict_jax import lm_head, selection, sharding
+  from ict_jax import aot, lm_head, selection, sharding
 
-  mesh = sharding.make_mesh({"data": 1, "fsdp": 16, "tensor": 1}, devices=compile_step._devices("v5p-32"))
+  try:
+    devices = compile_step._devices(args.target)
+  except aot.AotError as e:  # libtpu missing: the install line
+    print(f"compile_head: error: {e}", file=sys.stderr)
+    return 2
+  if n % len(devices) or n % G:
+    print(f"compile_head: error: --rows {n} must be a multiple of {len(devices)} chips and of G {G}", file=sys.stderr)
+    return 2
+  mesh = sharding.make_mesh({"data": 1, "fsdp": len(devices), "tensor": 1}, devices=devices)
   rows = NamedSharding(mesh, P(("data", "fsdp")))
-  h = jax.ShapeDtypeStruct((N, C, D), jnp.bfloat16, sharding=rows)
-  w = jax.ShapeDtypeStruct((V, D), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp")))
-  ids = jax.ShapeDtypeStruct((N, C), jnp.int32, sharding=rows)
-  mask = jax.ShapeDtypeStruct((N, C), jnp.int32, sharding=rows)
+  h = jax.ShapeDtypeStruct((n, c, d), jnp.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp")))
+  ids = jax.ShapeDtypeStruct((n, c), jnp.int32, sharding=rows)
+  mask = jax.ShapeDtypeStruct((n, c), jnp.int32, sharding=rows)
 
   def loss(h, w, ids, mask):
     logp, stats = lm_head.logp_and_stats(
@@ -49,8 +64,8 @@ def main() -> int:
         mask,
         temperature=1.0,
         group_size=G,
-        chunk_size=128,
-        grad_rows=lm_head.sparse_grad_rows("ict", 0.1, 0.2, N, C),
+        chunk_size=args.chunk,
+        grad_rows=lm_head.sparse_grad_rows("ict", 0.1, 0.2, n, c),
         vocab_major=True,
     )
     return jnp.sum(jnp.where(selection.ict_mask(stats["js"], mask, 0.1), logp, 0.0))
@@ -61,6 +76,13 @@ def main() -> int:
   compiled = lowered.compile()
   t1, c1 = time.perf_counter(), time.process_time()
   out = dict(
+      target=args.target,
+      chips=len(devices),
+      rows=n,
+      columns=c,
+      hidden=d,
+      vocab=v,
+      chunk=args.chunk,
       compile_cpu_s=round(c1 - c0, 1),
       compile_s=round(t1 - t0, 1),
       load_avg_1m=round(os.getloadavg()[0], 1),

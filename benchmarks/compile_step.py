@@ -5,8 +5,9 @@
 
 The step, its state and shardings come from the trainer's functions (`setup`, `train_step`); the
 model's architecture comes from `--preset` (the config's model.path is not read). `--target
-v5p-32` compiles for a TPU v5p-32 slice (16 chips, `v5:2x2x4` megacore) through libtpu's
-compile-only devices (libtpu from $ICT_JAX_AOT_LIBS, default ~/.cache/ict_jax/aot-libs, as
+v5p-32` compiles for a TPU v5p-32 slice (16 chips, `v5:2x2x4` megacore), and any other TPU target
+of `python -m ict_jax.aot`, through libtpu's compile-only devices as `ict_jax.aot` makes them
+(libtpu from $ICT_JAX_AOT_LIBS, default ~/.cache/ict_jax/aot-libs, or installed next to JAX, as
 `requirements-aot.txt` installs it); `--target cpu` compiles for this machine's CPU devices
 (--xla_force_host_platform_device_count sets how many). Prints one JSON line: lower_s (tracing to
 StableHLO), compile_s (XLA, wall) and compile_cpu_s (XLA, CPU time of all threads: steadier on a
@@ -23,38 +24,23 @@ import re
 import sys
 import time
 
-LIBS_DIR = os.path.expanduser(os.environ.get("ICT_JAX_AOT_LIBS", "~/.cache/ict_jax/aot-libs"))
-TPU_TARGETS = {  # name: (topology, chip config, host bounds, accelerator type, chips)
-    "v5p-32": ("v5:2x2x4", "megacore", (2, 2, 1), "v5p-32", 16),
-    "v5e-8": ("v5e:2x4", "default", (2, 2, 1), "v5litepod-8", 8),
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+# First, before JAX starts: ict_jax.aot puts the compilers' folder on sys.path, makes the CPU the
+# only runtime backend (a target's devices are compile-only) and turns the compilation cache off
+# (compile_s is a compile, never a load).
+from ict_jax import aot  # noqa: E402
+
+TPU_TARGETS = [name for name, t in aot.TARGETS.items() if t.platform == "tpu"]
 
 
 def _devices(target: str):
+  """The CPU's devices, or a TPU target's compile-only devices (`ict_jax.aot.target_devices`)."""
   import jax
 
   if target == "cpu":
     return jax.devices()
-  topology, chip_config, bounds, accel, chips = TPU_TARGETS[target]
-  import libtpu
-
-  os.environ.setdefault("TPU_LIBRARY_PATH", libtpu.get_library_path())
-  for k, v in (
-      ("TPU_SKIP_MDS_QUERY", "1"),
-      ("TPU_WORKER_HOSTNAMES", "localhost"),
-      ("TPU_WORKER_ID", "0"),
-      ("TPU_ACCELERATOR_TYPE", accel),
-      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-  ):  # compile-only: another process may hold libtpu
-    os.environ.setdefault(k, v)
-  from jax.experimental import topologies
-
-  topo = topologies.get_topology_desc(
-      platform="tpu", topology_name=topology, chip_config_name=chip_config, chips_per_host_bounds=bounds, num_slices=1
-  )
-  devices = list(topo.devices)
-  assert len(devices) == chips, (target, len(devices))
-  return devices
+  return aot.target_devices(aot.TARGETS[target])
 
 
 def main(argv=None) -> int:
@@ -70,16 +56,6 @@ def main(argv=None) -> int:
   p.add_argument("--set", action="append", default=[], help="config overrides key=value (python literal)")
   p.add_argument("--json", default="")
   args = p.parse_args(argv)
-  if args.target not in ("cpu",):
-    if not os.path.isdir(LIBS_DIR):
-      print(
-          f"compile_step: error: no libtpu in {LIBS_DIR} (pip install --no-deps --target "
-          f"{LIBS_DIR} libtpu==0.0.42.1)",
-          file=sys.stderr,
-      )
-      return 2
-    sys.path.insert(0, LIBS_DIR)
-  os.environ["JAX_PLATFORMS"] = "cpu"
   import ast
   import importlib.util
 
@@ -89,8 +65,6 @@ def main(argv=None) -> int:
 
   from ict_jax import config as config_lib, sharding, train_step as ts
   from ict_jax.setup import abstract_params, model_config
-
-  jax.config.update("jax_enable_compilation_cache", False)
 
   spec = importlib.util.spec_from_file_location("cfg_module", args.config)
   module = importlib.util.module_from_spec(spec)
@@ -109,7 +83,11 @@ def main(argv=None) -> int:
       node = node[k]
     node[last] = ast.literal_eval(value) if value[:1] in "0123456789-[({'\"TF" else value
   cfg = config_lib.validate(c)
-  devices = _devices(args.target)
+  try:
+    devices = _devices(args.target)
+  except aot.AotError as e:  # libtpu missing: the install line
+    print(f"compile_step: error: {e}", file=sys.stderr)
+    return 2
   mesh = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}, devices=devices)
   mcfg = model_config(cfg, "", mesh)
   if args.layers:

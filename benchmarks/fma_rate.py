@@ -5,12 +5,16 @@ the cores' issue rate: the ceiling any float32 matmul on these cores can reach. 
 core (`threads` of them, inheriting the caller's CPU affinity) run at once; their rates add up.
 Needs a C compiler (`cc`); returns None without one.
 
-    python benchmarks/fma_rate.py [--threads 2]      # prints GFLOP/s (2 flops per FMA lane)
+    python benchmarks/fma_rate.py [--threads 2] [--iters 50000000] [--repeats 3]
+
+prints one JSON object: `gflops` (2 flops per FMA lane; null without a C compiler), the settings
+and the CPUs the loops may run on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -75,4 +79,18 @@ def fma_gflops(threads: int, iters: int = 50_000_000, repeats: int = 3) -> float
 if __name__ == "__main__":
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--threads", type=int, default=2)
-  print(fma_gflops(ap.parse_args().threads))
+  ap.add_argument("--iters", type=int, default=50_000_000, help="loop iterations of each process")
+  ap.add_argument("--repeats", type=int, default=3, help="the best of this many runs")
+  args = ap.parse_args()
+  gflops = fma_gflops(args.threads, args.iters, args.repeats)
+  print(
+      json.dumps(
+          dict(
+              gflops=gflops,
+              threads=args.threads,
+              iters=args.iters,
+              repeats=args.repeats,
+              cpus=sorted(os.sched_getaffinity(0)),
+          )
+      )
+  )

@@ -18,6 +18,10 @@ the first `--threads` cores (`os.sched_setaffinity`, like `taskset`) before JAX 
 one JSON object.
 
     python benchmarks/selection.py [--threads 2] [--repeats 3] [--chunk 128]
+        [--preset bench] [--vocab V] [--batch 8 --prompt 64 --completion 192]
+
+`--preset` (any `Qwen2Config` preset, e.g. "tiny"), `--vocab` and the shape flags shrink the run; the CI smoke
+test (tests/test_benchmarks_smoke.py) runs it that way.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def main(argv=None) -> None:
   ap.add_argument("--prompt", type=int, default=64)
   ap.add_argument("--completion", type=int, default=192)
   ap.add_argument("--chunk", type=int, default=128)
+  ap.add_argument("--preset", default="bench", help="the model: a Qwen2Config preset")
+  ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the preset's)")
   args = ap.parse_args(argv)
   cpus = step_bench._pin(args.threads)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,7 +63,9 @@ def main(argv=None) -> None:
 
   from ict_jax.setup import resolve_kernels
 
-  mcfg = Qwen2Config.preset("bench", kernels=resolve_kernels("auto"))  # "cpu" on one CPU device
+  mcfg = Qwen2Config.preset(args.preset, kernels=resolve_kernels("auto"))  # "cpu" on one CPU device
+  if args.vocab:
+    mcfg = mcfg.replace(vocab_size=args.vocab)
   graphdef, state = nnx.split(init_model(mcfg, seed=0))
   params = state.to_pure_dict()
   base = ts.StepConfig(group_size=8, temperature=1.0, warmup_steps=0, chunk_size=args.chunk)
@@ -103,10 +111,11 @@ def main(argv=None) -> None:
     chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
     return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
 
-  class Head:  # duck-types the two model methods completion_logp_and_stats uses
+  class Head:  # duck-types what completion_logp_and_stats uses of the model: two methods and cfg
 
     def __init__(self, h, w):
       self.h, self.w = h, w
+      self.cfg = mcfg  # cfg.kernels picks the head's formulation, as the step's model does
 
     def hidden_states(self, ids, mask):
       return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
@@ -160,7 +169,8 @@ def main(argv=None) -> None:
       json.dumps(
           {
               "benchmark": "selection_overhead",
-              "model": "bench",
+              "model": args.preset,
+              "vocab": mcfg.vocab_size,
               "dtype": "float32",
               "batch": args.batch,
               "prompt_len": args.prompt,

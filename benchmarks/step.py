@@ -30,6 +30,9 @@ LM head + 6 L H_q d_head S for causal attention, the PaLM/Megatron convention) a
     python benchmarks/step.py --config configs/qwen2_5_1_5b_math.py --dtype bfloat16 \
         [--layers 2] [--batch 16 --prompt 256 --completion 768] [--peak_tflops 790]
 
+`--layers`, `--vocab` and the shape flags shrink either model (the CI smoke test runs
+`--layers 1 --vocab 512` on a few tokens).
+
 With `--config`, the model of that config (its `model.path` if it exists, else the Qwen2.5 preset
 named in the file name) gets random weights, the step settings come from the config, and there is
 no torch run; tokens/s and MFU = model FLOP/s / (peak_tflops * 1e12) are reported (peak default
@@ -70,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--config", default="", help="a configs/*.py file: its model with random weights")
   ap.add_argument("--dtype", default="", help="compute dtype (default: float32, or the config's)")
   ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
+  ap.add_argument("--vocab", type=int, default=0, help="override vocab_size (small runs)")
   ap.add_argument("--batch", type=int, default=0)
   ap.add_argument("--prompt", type=int, default=0)
   ap.add_argument("--completion", type=int, default=0)
@@ -138,6 +142,8 @@ def model_config(args, cfg=None):
     )
   if args.layers:
     mcfg = mcfg.replace(num_hidden_layers=args.layers)
+  if args.vocab:
+    mcfg = mcfg.replace(vocab_size=args.vocab)
   return mcfg
 
 

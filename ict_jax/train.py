@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -73,13 +74,19 @@ def _name_oom(what: str, lower: str):
     ) from e
 
 
+def _workdir_probe(workdir: str) -> str:
+  """The file `_check_workdir` writes and removes: named by host and pid, since the processes of
+  a multi-node job share the workdir and two nodes can run the same pid."""
+  return os.path.join(workdir, f".write-test-{socket.gethostname()}-{os.getpid()}")
+
+
 def _check_workdir(workdir: str) -> None:
   if storage.is_url(workdir):  # a missing gs:// backend is one line now, not a traceback mid-run
     storage.check_backend(workdir, "--workdir")
     return  # writability: Checkpointer's probe object, through the same backend
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+    probe = _workdir_probe(workdir)
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)

@@ -10,7 +10,10 @@
 #   1. describe the TPU VM; create it when describe finds none;
 #   2. put the code on every worker: `git archive HEAD` + scp, or `git clone --repo URL`;
 #   3. install a Python 3.11 venv with requirements.txt and jax[tpu] on every worker;
-#   4. start `python -m ict_jax.train` on all workers at once, under nohup, logging to a file;
+#   4. start `python -m ict_jax.train` on all workers at once, under nohup, logging to a file, with
+#      JAX_PLATFORMS=tpu (a TPU runtime that fails to start is an error, never a run on the CPU)
+#      and JAX's persistent compilation cache in --compilation-cache (a restart loads the
+#      compiled programs instead of compiling them again);
 #   5. follow worker 0's log (Ctrl-C stops following; training keeps running).
 # Stop a run with `bash launch/tpu_pod.sh --stop --name NAME --zone ZONE`.
 set -euo pipefail
@@ -23,6 +26,7 @@ readonly R_VENV='"$HOME/ict-jax-venv"'
 readonly R_LOGS='"$HOME/ict-jax-logs"'
 readonly R_PIDFILE='"$HOME/ict-jax-logs/train.pid"'
 readonly R_TARBALL='"$HOME/ict-jax.tar.gz"'
+readonly R_JAX_CACHE='"$HOME/.cache/ict_jax/jax_cache"'
 
 usage() {
   cat <<'EOF'
@@ -46,6 +50,11 @@ Options:
   --repo URL               git clone URL on every worker instead of copying this checkout
   --branch REF             branch or tag to clone (with --repo)
   --python VERSION         Python for the workers' venv (default 3.11; JAX 0.10 needs >= 3.11)
+  --compilation-cache DIR  JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR);
+                           default WORKDIR/jax_cache for a gs:// workdir (it outlives a
+                           deleted Spot VM, and every worker reads what worker 0 writes: JAX
+                           writes entries from process 0 only), else ~/.cache/ict_jax/jax_cache
+                           on each worker
   --stop                   stop the run started by this script on every worker, then exit
   --dry-run                print every command (prefixed '+ ') and run none
   -h, --help               this help
@@ -81,14 +90,14 @@ run() {
 }
 
 # ---------------------------------------------------------------------------- flags
-NAME="" ZONE="" ACCEL="" VERSION="" PROJECT="" CONFIG="" WORKDIR="" REPO="" BRANCH=""
+NAME="" ZONE="" ACCEL="" VERSION="" PROJECT="" CONFIG="" WORKDIR="" REPO="" BRANCH="" JAX_CACHE=""
 PYTHON_VERSION="3.11" SPOT=0 RESERVED=0 STOP=0
 TRAIN_ARGS=()
 while (( $# )); do
   flag=$1 value="" has_value=0 nshift=1
   if [[ $flag == --*=* ]]; then value=${flag#*=} flag=${flag%%=*} has_value=1; fi
   case $flag in
-    --name|--zone|--accelerator-type|--version|--project|--config|--workdir|--repo|--branch|--python)
+    --name|--zone|--accelerator-type|--version|--project|--config|--workdir|--repo|--branch|--python|--compilation-cache)
       if (( ! has_value )); then
         (( $# >= 2 )) || die "$flag needs a value"
         value=$2 nshift=2
@@ -106,6 +115,7 @@ while (( $# )); do
         --repo) REPO=$value ;;
         --branch) BRANCH=$value ;;
         --python) PYTHON_VERSION=$value ;;
+        --compilation-cache) JAX_CACHE=$value ;;
       esac ;;
     --spot|--reserved|--stop|--dry-run|-h|--help)
       (( ! has_value )) || die "$flag takes no value"
@@ -166,6 +176,8 @@ fi
 (( ! (SPOT && RESERVED) )) || die "--spot and --reserved exclude each other"
 [[ -z $BRANCH || -n $REPO ]] || die "--branch needs --repo"
 [[ $PYTHON_VERSION =~ ^3\.[0-9]+$ ]] || die "--python '$PYTHON_VERSION': expected e.g. 3.11"
+[[ -z $JAX_CACHE || $JAX_CACHE == /* || $JAX_CACHE == gs://* ]] \
+  || die "--compilation-cache '$JAX_CACHE': give an absolute path on the workers or gs://..."
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z $REPO && ! -f $REPO_ROOT/$CONFIG ]]; then
@@ -202,7 +214,16 @@ cd $R_CODE; uv pip install --python $R_VENV/bin/python -r requirements.txt $(quo
 TRAIN=(-m ict_jax.train --config "$CONFIG" --workdir "$WORKDIR" "${TRAIN_ARGS[@]}")
 # ICT_JAX_DISTRIBUTED=1 asks ict_jax.sharding to call jax.distributed.initialize(): on TPU VMs
 # the pod topology comes from the metadata server, not from environment variables.
-TRAIN_ENV="PYTHONUNBUFFERED=1"
+# JAX_PLATFORMS=tpu: a TPU runtime that does not start (libtpu missing, chips held by another
+# process) stops the run with JAX's error instead of training on the host CPU.
+if [[ -n $JAX_CACHE ]]; then
+  R_CACHE_DIR=$(quote_word "$JAX_CACHE")
+elif [[ $WORKDIR == gs://* ]]; then
+  R_CACHE_DIR=$(quote_word "${WORKDIR%/}/jax_cache")
+else
+  R_CACHE_DIR=$R_JAX_CACHE
+fi
+TRAIN_ENV="PYTHONUNBUFFERED=1 JAX_PLATFORMS=tpu JAX_COMPILATION_CACHE_DIR=$R_CACHE_DIR"
 if (( MULTI_HOST )); then TRAIN_ENV+=" ICT_JAX_DISTRIBUTED=1"; fi
 R_RUN="$R_GUARD; cd $R_CODE && mkdir -p $R_LOGS && \
 { nohup env $TRAIN_ENV $R_VENV/bin/python $(quote_words "${TRAIN[@]}") > $R_LOG 2>&1 < /dev/null & \

@@ -97,3 +97,196 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
   assert out["new_tokens"] == 4 and out["batch"] == 2
   assert greedy["ours_tokens_per_s"] == pytest.approx(2 * 4 / min(greedy["ours_s"]), rel=0.02)
   assert greedy["greedy_tokens_equal_fraction"] == 1.0  # same weights, same argmax
+
+
+# ---- every script of benchmarks/, at tiny shapes ------------------------------------------------
+# Each script in benchmarks/ -> the test that runs it: a test of this module, or another test file
+# that runs it (which must name the script). A new script without an entry fails
+# test_every_benchmark_script_has_a_smoke_run.
+SMOKE = {
+    "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
+    "compare_methods.py": "test_compare_methods_one_seed_one_step",
+    "compile_head.py": "test_compile_head_tiny_on_v5e_8",
+    "compile_step.py": "test_compile_step_tiny_on_v5e_8",
+    "faults.py": "tests/test_faults.py",
+    "fma_rate.py": "test_fma_rate_prints_json",
+    "iteration.py": "test_iteration_smoke_prints_consistent_json",
+    "length.py": "test_length_trims_to_the_bucket",
+    "sampling.py": "test_sampling_runs_standalone_from_any_directory",
+    "selection.py": "test_selection_tiny",
+    "step.py": "test_step_tiny_matches_torch",
+    "warm_start_sweep.py": "test_warm_start_sweep_one_spec",
+}
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+  scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
+  assert scripts == sorted(SMOKE), "add the new benchmark script to SMOKE, with a smoke test"
+  for script, where in SMOKE.items():
+    if where.startswith("tests/"):
+      with open(os.path.join(ROOT, where)) as f:
+        assert f'"{script}"' in f.read(), f"{where} does not run benchmarks/{script}"
+    else:
+      assert callable(globals().get(where)), f"{script}: no test named {where} in this module"
+
+
+def _run_script(script: str, *args: str, cwd=ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+  """`python benchmarks/SCRIPT ARGS` as a user runs it: one CPU device (not the test setup's 8),
+  cheap XLA:CPU code generation."""
+  env = dict(os.environ)
+  flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+  env["XLA_FLAGS"] = (flags + " " + CHEAP_XLA).strip()
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+      capture_output=True,
+      text=True,
+      env=env,
+      cwd=cwd,
+      timeout=timeout,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def _json_lines(proc) -> list[dict]:
+  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _tiny_params() -> int:
+  from ict_jax.models.config import Qwen2Config
+
+  return Qwen2Config.preset("tiny").num_params()
+
+
+def test_aot_table_compiles_one_recipe_into_its_own_folder(tmp_path):
+  """One recipe on the tiny model through `python -m ict_jax.aot` (both programs), its JSONs in
+  --out; --no_docs leaves README.md, launch/README.md and RESULTS.md untouched."""
+  docs = [os.path.join(ROOT, p) for p in ("README.md", os.path.join("launch", "README.md"), "benchmarks/RESULTS.md")]
+  before = [open(p).read() for p in docs]
+  name = "0.5b_v5e-8_mb16"
+  tiny = "--config.model.preset=tiny --config.rollout.prompts_per_step=2 --prompt_len 16 --completion_len 16"
+  proc = _run_script("aot_table.py", "--only", name, "--out", str(tmp_path), "--no_docs", f"--aot_args={tiny}")
+  assert [open(p).read() for p in docs] == before
+  reports = json.load(open(tmp_path / "aot.json"))
+  assert sorted(reports) == ["sample", "train"] and list(reports["train"]) == [name] == list(reports["sample"])
+  train, sample = reports["train"][name], reports["sample"][name]
+  assert train["command"].endswith(f"{tiny} --part train --json {tmp_path}/aot/{name}.train.json")
+  assert train["fits"] is True and train["shapes"]["micro_batch_size"] == 16 and train["chips"] == 8
+  assert train["shapes"]["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+  sampler = sample["sampler"]
+  for key in ("peak_bytes_per_device", "resident_bytes", "decode_batch_size", "decode_step_bytes", "fits"):
+    assert key in sampler, key
+  # what stays on the chips while sampling: float32 parameters + Adam's two moments, 12 B a
+  # parameter over the 8 chips (launch/README.md's arithmetic; small vectors replicate)
+  assert sampler["resident_bytes"] == pytest.approx(12 * _tiny_params() / 8, rel=1e-3)
+  row = next(line for line in proc.stdout.splitlines() if line.startswith("| 0.5B | v5e-8 | 1, 8, 1 | 16 |"))
+  assert ", yes |" in row and "not measured" not in row
+
+
+def test_compare_methods_one_seed_one_step(tmp_path):
+  """The comparison's own loop (warm-start, RL run, held-out evaluation, report) on one seed and
+  one step; tests/test_compare_methods.py checks its statistics."""
+  proc = _run_script(
+      "compare_methods.py", "--seeds", "0", "--steps", "1", "--sft_steps", "1", "--eval_prompts", "4",
+      "--methods", "ict", "--ablations", "", "--set", "rollout.prompts_per_step=2", "--out", str(tmp_path),
+  )  # fmt: skip
+  rows = _json_lines(proc)
+  assert [(r["variant"], r["seed"]) for r in rows] == [("warm-start", 0), ("ict", 0)]
+  assert all(0 <= r["pass@1"] <= r["pass@4"] <= 1 for r in rows)
+  results = json.load(open(tmp_path / "results.json"))
+  assert set(results) == {"summary", "runs"} and (tmp_path / "curves.png").stat().st_size > 0
+  assert "| ICT |" in (tmp_path / "table.md").read_text()
+
+
+def test_compile_head_tiny_on_v5e_8():
+  proc = _run_script(
+      "compile_head.py", "--target", "v5e-8", "--rows", "16", "--columns", "32", "--hidden", "64", "--vocab", "1024",
+      "--chunk", "16",
+  )  # fmt: skip
+  (out,) = _json_lines(proc)
+  assert (out["target"], out["chips"], out["rows"], out["columns"], out["vocab"]) == ("v5e-8", 8, 16, 32, 1024)
+  assert out["compile_s"] > 0 and out["compile_cpu_s"] >= 0 and out["temp_gib"] >= 0 and "load_avg_1m" in out
+
+
+def test_compile_step_tiny_on_v5e_8():
+  proc = _run_script(
+      "compile_step.py", "--config", "configs/tiny_arith.py", "--preset", "tiny", "--target", "v5e-8",
+      "--rows", "16", "--micro_batch", "16", "--prompt", "16", "--completion", "16",
+  )  # fmt: skip
+  (out,) = _json_lines(proc)
+  assert out["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and (out["rows"], out["micro_batch"]) == (16, 16)
+  for key in ("lower_s", "compile_s", "compile_cpu_s", "temp_gib", "output_gib", "load_avg_1m"):
+    assert out[key] >= 0, key
+  # the arguments a chip holds: the float32 state (12 B a parameter) over 8 chips + the batch
+  assert out["argument_gib"] == pytest.approx(12 * _tiny_params() / 8 / 2**30, abs=6e-4)
+  assert out["collectives"]["all-gather"] > 0  # FSDP gathers the weights
+
+
+def test_fma_rate_prints_json():
+  import shutil
+
+  out = json.loads(_run_script("fma_rate.py", "--iters", "200000", "--repeats", "1").stdout)
+  assert (out["threads"], out["iters"], out["repeats"]) == (2, 200000, 1) and out["cpus"]
+  if shutil.which("cc") or shutil.which("gcc"):
+    assert out["gflops"] > 0
+  else:
+    assert out["gflops"] is None
+
+
+def test_length_trims_to_the_bucket():
+  from ict_jax.sampling import bucket_length
+
+  proc = _run_script(
+      "length.py", "--max_new", "32", "--lengths", "8,32", "--batch", "8", "--prompt", "8", "--vocab", "256",
+      "--hidden", "32", "--layers", "1", "--repeats", "1",
+  )  # fmt: skip
+  (out,) = _json_lines(proc)
+  assert [r["width"] for r in out["trimmed"]] == [min(32, bucket_length(8)), 32]
+  assert out["untrimmed"]["width"] == 32 and out["untrimmed"]["longest"] == 8
+  assert out["trimmed"][0]["temp_bytes"] < out["untrimmed"]["temp_bytes"]  # fewer columns, fewer bytes
+  assert all(r["step_s"] > 0 for r in out["trimmed"]) and out["backend"] == "cpu"
+
+
+def test_selection_tiny():
+  """`python benchmarks/selection.py` once crashed (`'Head' object has no attribute 'cfg'`)."""
+  proc = _run_script(
+      "selection.py", "--preset", "tiny", "--vocab", "512", "--batch", "8", "--prompt", "8", "--completion", "16",
+      "--chunk", "8", "--repeats", "1",
+  )  # fmt: skip
+  (out,) = _json_lines(proc)
+  assert (out["model"], out["vocab"], out["completion_len"]) == ("tiny", 512, 16)
+  assert out["overhead_ratio"] == pytest.approx(out["ict_step_s"] / out["grpo_step_s"], rel=1e-2)
+  assert out["selected_frac"]["grpo"] == 1.0 and 0 < out["selected_frac"]["ict"] < 0.5
+  rows = out["sparse_rows"]
+  assert 0 < rows["selected"] <= rows["capacity"] < rows["of"] == 8 * 16
+  assert set(out["breakdown"]) == {
+      "logp_only_no_remat_fwd_bwd_s",
+      "logp_only_fwd_bwd_s",
+      "fused_dense_fwd_bwd_s",
+      "fused_sparse_fwd_bwd_s",
+      "fused_forward_only_s",
+  }
+  assert all(len(v) == 1 for v in out["all_s"].values())
+
+
+@pytest.mark.skipif(not (_have("torch") and _have("transformers")), reason="needs torch, transformers")
+def test_step_tiny_matches_torch():
+  proc = _run_script(
+      "step.py", "--layers", "1", "--vocab", "512", "--batch", "8", "--prompt", "8", "--completion", "16",
+      "--chunk", "8", "--repeats", "1",
+  )  # fmt: skip
+  out = _json_lines(proc)[-1]
+  assert out["model"]["vocab"] == 512 and out["model"]["layers"] == 1 and out["tokens_per_step"] == 8 * 24
+  assert out["logp_max_abs_diff"] < 1e-4  # the same weights and batch through PyTorch
+  assert out["speedup_vs_torch"] == pytest.approx(out["torch"]["step_s"] / out["ours"]["step_s"], rel=1e-2)
+  assert out["ours"]["method"] == "ict" and 0 < out["ours"]["selected_frac"] < 0.5
+
+
+def test_warm_start_sweep_one_spec(tmp_path):
+  proc = _run_script("warm_start_sweep.py", "level1:3e-3:2:0", "--workdir", str(tmp_path))
+  (out,) = _json_lines(proc)
+  assert (out["level"], out["lr"], out["steps"], out["seed"]) == ("level1", 0.003, 2, 0)
+  for split in ("train", "test"):
+    r = out[split]
+    assert 0 <= r["pass@1"] <= r["pass@8"] <= 1 and r["mean_response_tokens"] > 0
+  assert " -> " in out["example"]

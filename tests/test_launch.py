@@ -193,6 +193,9 @@ def test_tpu_remote_scripts_run_train_with_exact_args_and_log(fakes):
   assert argv == ["-m", "ict_jax.train", "--config", BASE["--config"], "--workdir", BASE["--workdir"], *PASSTHROUGH]
   child_env = dict(kv.split("=", 1) for kv in (home / "env").read_bytes().decode().split("\0") if kv)
   assert child_env["PYTHONUNBUFFERED"] == "1" and child_env["ICT_JAX_DISTRIBUTED"] == "1"
+  # a TPU runtime that fails is an error, not a CPU run; the cache is where every worker reads
+  assert child_env["JAX_PLATFORMS"] == "tpu"
+  assert child_env["JAX_COMPILATION_CACHE_DIR"] == "gs://bkt/runs/r1/jax_cache"
   pid = int((home / "ict-jax-logs" / "train.pid").read_text())
   assert pid > 0
   _no_calls(fakes)
@@ -210,6 +213,35 @@ def _wait_for_text(path: Path, text: str, timeout: float = 10.0) -> None:
   end = time.monotonic() + timeout
   while text not in path.read_text() and time.monotonic() < end:
     time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "accel,workdir,flag,expected",
+    [
+        ("v5litepod-8", "/data/runs/r1", None, "{home}/.cache/ict_jax/jax_cache"),  # expanded on the worker
+        ("v5p-32", "gs://bkt/runs/r1/", None, "gs://bkt/runs/r1/jax_cache"),
+        ("v5p-32", "gs://bkt/runs/r1", "/mnt/jax cache", "/mnt/jax cache"),
+        ("v5litepod-8", "/data/runs/r1", "gs://bkt/jax_cache", "gs://bkt/jax_cache"),
+    ],
+)
+def test_tpu_compilation_cache_reaches_the_trainer(fakes, accel, workdir, flag, expected):
+  flags = dict(BASE, **{"--accelerator-type": accel, "--workdir": workdir})
+  res = run_tpu(fakes, "--dry-run", *(["--compilation-cache", flag] if flag else []), flags=flags)
+  assert res.returncode == 0, res.stderr
+  run = option(gcloud_tpu(commands(res.stdout), "ssh")[2], "--command")
+  home = _sandbox_home(fakes["tmp"])
+  out = subprocess.run(["bash", "-c", run], env=dict(fakes["env"], HOME=str(home)), capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  _wait_for(home / "env")
+  child_env = dict(kv.split("=", 1) for kv in (home / "env").read_bytes().decode().split("\0") if kv)
+  assert child_env["JAX_COMPILATION_CACHE_DIR"] == expected.format(home=home)
+  assert child_env["JAX_PLATFORMS"] == "tpu"
+
+
+def test_tpu_relative_compilation_cache_is_refused(fakes):
+  res = run_tpu(fakes, "--dry-run", "--compilation-cache", "cache")
+  assert res.returncode == 2 and "--compilation-cache 'cache': give an absolute path" in res.stderr
+  _no_calls(fakes)
 
 
 def test_tpu_remote_guard_protects_a_live_run_and_stop_ends_it(fakes):
@@ -353,6 +385,7 @@ def test_tpu_help_lists_every_flag(fakes):
       "--repo",
       "--branch",
       "--python",
+      "--compilation-cache",
       "--stop",
       "--dry-run",
       "--help",
@@ -481,6 +514,8 @@ def test_slurm_dry_run_env_and_srun(slurm):
   assert env["JAX_NUM_PROCESSES"] == "4"
   assert task == "task SLURM_PROCID=2: JAX_PROCESS_ID=2"
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"].split()
+  assert env["JAX_PLATFORMS"] == "cuda"  # a CUDA plugin that fails is an error, not a CPU run
+  assert env["JAX_COMPILATION_CACHE_DIR"] == os.path.expanduser("~/.cache/ict_jax/jax_cache")
   assert srun[0] == "srun" and "--ntasks-per-node=1" in srun and "--nodes=4" in srun
   i = srun.index("-m")
   assert srun[i - 1 :] == [
@@ -503,6 +538,8 @@ def test_slurm_overrides(slurm):
   env, _, _ = parse_dry_run(res.stdout)
   assert env["JAX_COORDINATOR_ADDRESS"] == "gpu-07:4321"
   assert env["XLA_FLAGS"].split()[-1] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+  env, _, _ = parse_dry_run(run_slurm(slurm, DRY_RUN="1", JAX_COMPILATION_CACHE_DIR="/shared/jax cache").stdout)
+  assert env["JAX_COMPILATION_CACHE_DIR"] == "/shared/jax cache"
   ports = {
       parse_dry_run(run_slurm(slurm, DRY_RUN="1", SLURM_JOB_ID=j).stdout)[0]["JAX_COORDINATOR_ADDRESS"]
       for j in ("100", "101")
@@ -566,6 +603,8 @@ def test_slurm_real_path_with_fake_srun_starts_one_process_per_node(slurm):
     assert env["JAX_PROCESS_ID"] == str(r)
     assert env["JAX_NUM_PROCESSES"] == "4"
     assert env["JAX_COORDINATOR_ADDRESS"].startswith("gpu-07:")
+    assert env["JAX_PLATFORMS"] == "cuda"
+    assert env["JAX_COMPILATION_CACHE_DIR"] == os.path.expanduser("~/.cache/ict_jax/jax_cache")
     argv = (d / "argv").read_bytes().decode().split("\0")[:-1]
     assert argv == ["-m", "ict_jax.train", "--config", "configs/c.py", "--workdir", "/shared/runs/r 1", "--config.x=1"]
     assert (d / "cwd").read_text().strip() == f"cwd={slurm['repo']}"
