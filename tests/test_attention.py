@@ -87,6 +87,18 @@ def test_seq_lengths_formulation_matches_einsum(n, k):
   assert np.all(out[np.asarray(seg) == 0] == 0) and np.isfinite(out).all()  # padding: zeros
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)])
+def test_seq_lengths_formulation_under_a_mesh(mesh_shape):
+  """Rows over data x fsdp, heads over tensor; with tensor 4 the 2 KV heads do not split like the
+  4 query heads, so they are repeated (cuDNN's partitioner needs q, k, v sharded alike)."""
+  q, kk, v, seg = _mixed_rows(8, 24, 4, 2, 16)
+  seg = seg.at[5:].set(seg[:3])
+  with jax.set_mesh(sharding.make_mesh(mesh_shape)):
+    got = jax.jit(lambda *a: attn.seq_lengths_attention(*a, implementation="xla"))(q, kk, v, seg)
+  real = np.asarray(seg) > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, kk, v, seg))[real], atol=1e-5)
+
+
 def test_cudnn_takes_float32_through_xla():
   q, kk, v, seg = _mixed_rows(5, 24, 4, 2, 16)
   got = attn.attend(q, kk, v, seg, "cudnn")  # float32: cuDNN has no kernel; XLA, same call

@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ict_jax.models.axes import logical_to_spec
+from ict_jax.models.axes import constrain, logical_to_spec
 
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
@@ -93,15 +93,27 @@ def seq_lengths_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, i
   A row's real tokens are one run [start, start + n) (left padding before it, right padding
   after). Rotating the row left by `start` puts them at [0, n): then real token i sees exactly
   the real tokens 0..i under PADDING_CAUSAL with query and key lengths n. Exact for real tokens;
-  padding queries come back as zeros (a padding-only row gets length 1, so no row is empty)."""
+  padding queries come back as zeros (a padding-only row gets length 1, so no row is empty).
+  Under a mesh q, k and v are given one sharding (cuDNN's partitioner needs it; K heads that do
+  not split over `tensor` like the N query heads are repeated to N)."""
   real = segment_ids > 0
   start = jnp.argmax(real, axis=1).astype(jnp.int32)  # the first real token (0 if none)
   lengths = jnp.maximum(jnp.sum(real, axis=1, dtype=jnp.int32), 1)
-  rotate = lambda x: _rotate_rows(x, start)
+  q, k, v = (_rotate_rows(x, start) for x in (q, k, v))
+  heads, kv_heads = ("act_batch", "act_length", "act_heads", None), ("act_batch", "act_length", "act_kv_heads", None)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:  # cuDNN's partitioner takes q, k and v sharded alike
+    shape = dict(mesh.shape)
+    if logical_to_spec(heads, q.shape, shape) != logical_to_spec(kv_heads, k.shape, shape):
+      # the K heads do not split over `tensor` as the N query heads do: repeat them to N
+      # (GQA as MHA, the same values; query head n reads KV head n // G either way)
+      k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+      kv_heads = heads
+    q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
   out = jax.nn.dot_product_attention(
-      rotate(q),
-      rotate(k),
-      rotate(v),
+      q,
+      k,
+      v,
       is_causal=True,
       query_seq_lengths=lengths,
       key_value_seq_lengths=lengths,
