@@ -16,6 +16,9 @@ so what compiles here is what runs there. Then it compiles for the target's devi
 - GPU: the CUDA PJRT plugin with an XLA GPU target spec (`gpu_specs/`). XLA:GPU has no such
   error, so peak bytes are compared with HBM x XLA_PYTHON_CLIENT_MEM_FRACTION (0.90, the value
   `launch/gpu_slurm.sbatch` sets).
+  The cuDNN attention (`model.attention` cudnn, auto's choice for 16-bit compute) compiles as the
+  trainer runs it: without the cuDNN library here, JAX's cuDNN version probe is answered for the
+  trace (`_cudnn_tracing`; the report's note says so, and that cuDNN's workspace is not counted).
 
 Prints per chip: arguments, outputs, temporaries, generated code, the usable HBM, fits and the
 margin; compile seconds; the collectives of the optimised HLO by kind; model FLOPs per step
