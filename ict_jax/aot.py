@@ -366,8 +366,8 @@ def _cudnn_loadable() -> bool:
 
 
 # The cuDNN version JAX's probe reports while tracing for a GPU target on a machine without the
-# library (9.12: the oldest jax-cuda13-plugin[with-cuda] accepts). JAX only gates features on it (MLA, compute
-# capability 10.3); nothing of it enters the program.
+# library (9.12: the oldest jax-cuda13-plugin[with-cuda] accepts). JAX only gates features on it
+# (MLA, compute capability 10.3); nothing of it enters the program.
 CUDNN_VERSION_FOR_TRACING = 91200
 
 
