@@ -133,11 +133,12 @@ def model_config(args, cfg=None):
       mcfg = Qwen2Config.preset(names[0] if names else cfg.model.preset)
     from ict_jax.setup import resolve_attention
 
+    dtype = args.dtype or cfg.model.dtype
     mcfg = mcfg.replace(
-        dtype=args.dtype or cfg.model.dtype,
+        dtype=dtype,
         param_dtype=cfg.model.param_dtype,
         remat_policy=cfg.model.remat_policy,
-        attention=resolve_attention(cfg.model.attention),
+        attention=resolve_attention(cfg.model.attention, dtype=dtype),
         kernels=resolve_kernels(cfg.model.kernels),
     )
   if args.layers:

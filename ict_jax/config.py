@@ -26,8 +26,8 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"  # master weights: float32 only for training (see validate)
   remat_policy: str = "none"  # the scanned layer's remat in the train step: none|full|minimal
-  attention: str = "auto"  # train-step attention: auto (TPU splash, GPU cudnn, CPU einsum),
-  # einsum | dot_product | cudnn | splash (see models/attention.py)
+  attention: str = "auto"  # train-step attention: auto (TPU splash, GPU cudnn (a float32 model:
+  # dot_product), CPU einsum), einsum | dot_product | cudnn | splash (see models/attention.py)
   kernels: str = "auto"  # the kernels' formulation (ict_jax/cpu_paths.py): auto (cpu on a single
   # CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
   vocab: str = "qwen"  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of the task's data, for
@@ -369,6 +369,11 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
         f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
         f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
         f"model.dtype=bfloat16 and keep model.param_dtype=float32"
+    )
+  if cfg.model.attention == "cudnn" and cfg.model.dtype == "float32":
+    raise ConfigError(
+        "config.model.attention: 'cudnn' (cuDNN flash attention) computes in float16/bfloat16 "
+        "only; with model.dtype=float32 use 'dot_product' or 'auto' (which picks it)"
     )
   dbs = cfg.rollout.decode_batch_size
   if dbs not in ("auto", "all"):

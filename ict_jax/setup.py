@@ -30,17 +30,23 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
 
 
 # model.attention "auto" by the platform of the mesh's devices: the flash kernels on
-# accelerators, the reference einsum on CPU (and on anything else).
+# accelerators, the reference einsum on CPU (and on anything else). cuDNN's flash attention
+# computes in float16/bfloat16 only: a float32 model on GPU gets XLA's fused op instead.
 AUTO_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def resolve_attention(choice: str, mesh: Mesh | None = None) -> str:
+def resolve_attention(choice: str, mesh: Mesh | None = None, dtype: str = "bfloat16") -> str:
   """`config.model.attention` -> a concrete implementation; "auto" looks at the devices of
-  `mesh` (default: jax.devices()), once, here, so the model never checks the backend."""
+  `mesh` (default: jax.devices()), once, here, so the model never checks the backend, and at
+  the compute `dtype` (cuDNN has no float32 flash attention: "dot_product" there)."""
   if choice != "auto":
     return choice
   device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-  return AUTO_ATTENTION.get(device.platform, "einsum")
+  choice = AUTO_ATTENTION.get(device.platform, "einsum")
+  if choice == "cudnn" and dtype not in CUDNN_DTYPES:
+    return "dot_product"
+  return choice
 
 
 def resolve_kernels(choice: str, devices=None) -> str:
@@ -62,7 +68,7 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=N
       dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype,
       remat_policy=cfg.model.remat_policy,
-      attention=resolve_attention(cfg.model.attention, mesh),
+      attention=resolve_attention(cfg.model.attention, mesh, cfg.model.dtype),
       kernels=resolve_kernels(cfg.model.kernels, None if mesh is None else mesh.devices.flat),
   )
   try:

@@ -169,6 +169,24 @@ class _Concat:
     return self.sources[k][i - int(self.offsets[k])]
 
 
+def fitting_prompts(cfg: Config, tok: Tokenizer, train_src):
+  """The train split without the prompts over data.max_prompt_len tokens (each logged with its
+  file and row), so every rollout batch has prompts_per_step prompts and the step its rows."""
+  from ict_jax.data.prompts import drop_long_prompts
+
+  try:
+    src, _ = drop_long_prompts(
+        train_src,
+        tok,
+        style=cfg.data.prompt_style,
+        max_len=cfg.data.max_prompt_len,
+        dataset=f"{cfg.data.name} {cfg.data.train_split}",
+    )
+  except ValueError as e:
+    raise ConfigError(f"config.data.max_prompt_len: {e}") from None
+  return src
+
+
 def warm_start(graphdef, params, cfg: Config, tok: Tokenizer, train_src, mesh):
   ws = cfg.warm_start
   from ict_jax.data.prompts import encode_prompts
@@ -220,6 +238,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   )
   if isinstance(tok, TaskTokenizer):
     log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
+  train_src = fitting_prompts(cfg, tok, train_src)
   mcfg = model_config(cfg, hf_dir, mesh, tok)
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)

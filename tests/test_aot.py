@@ -144,9 +144,18 @@ def test_oversized_config_does_not_fit_and_exits_1(tmp_path):
 
 
 def test_gpu_target_compiles_and_compares_peak_with_hbm(tmp_path):
-  """--part both (the default): the train step and the sampler, one JSON, fits only if both do."""
-  proc, r = aot(*SMALL, "--target", "h100-8", json_path=tmp_path / "gpu.json")
+  """--part both (the default): the train step and the sampler, one JSON, fits only if both do.
+  bfloat16 compute: model.attention=auto is cudnn on GPU, and the cuDNN attention is what
+  compiles (this machine has no cuDNN library: JAX's version probe is answered for the trace),
+  with the 4 query heads over tensor 4 and the 2 KV heads repeated to match (cuDNN's partitioner
+  takes q, k and v sharded alike)."""
+  args = (*SMALL, *MESH_2X4, "--config.model.dtype=bfloat16", "--target", "h100-8")
+  proc, r = aot(*args, json_path=tmp_path / "gpu.json")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert r["shapes"]["attention"] == "cudnn" and r["sampler"]["shapes"]["attention"] == "cudnn"
+  assert r["cudnn_attention_calls"] >= 2  # the forward and backward custom calls of the step
+  assert r["sampler"]["cudnn_attention_calls"] >= 1  # the prefill
+  assert "attention: cudnn (" in proc.stdout and "dot_product" not in proc.stdout
   assert r["fits"] is True and r["part"] == "both"
   assert r["hbm_bytes_per_device"] == int(84978434048 * 0.90)  # spec's HBM x launch's 0.90
   assert 0 < r["peak_bytes_per_device"] < r["hbm_bytes_per_device"]

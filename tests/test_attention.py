@@ -1,11 +1,15 @@
 """Attention implementations against the einsum reference: values and gradients on real tokens,
 GQA, left- and right-padded rows; "auto" resolved once in set-up; the splash kernel in the Pallas
-interpreter (CPU) and compiled for a TPU v5e topology this machine does not have (libtpu)."""
+interpreter (CPU) and compiled for a TPU v5e topology this machine does not have (libtpu); the
+cudnn formulation (rotated rows, sequence lengths) through XLA, and its cuDNN call traced, with
+cuDNN's layout checks, in the train step, scoring and the sampler's prefill (cuDNN's version
+probe stubbed: this machine has no cuDNN library)."""
 
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import chex
 import jax
@@ -14,8 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
+
 from ict_jax import config as config_lib
-from ict_jax import setup, sharding
+from ict_jax import sampling, setup, sharding
+from ict_jax import train_step as ts
 from ict_jax.models import attention as attn
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
@@ -56,6 +63,120 @@ def test_dot_product_matches_einsum(n, k):
   _check_parity(attn.dot_product_attention, q, kk, v, seg, atol=1e-5)
 
 
+def _mixed_rows(b, t, n, k, h, seed=0):
+  """q, k, v and segment ids of the rows the callers pass: a left-padded prompt (the prefill), a
+  right-padded warm-start row, a left-padded prompt + right-padded completion (the train step,
+  scoring), a full row and a padding-only row."""
+  q, kk, v, _ = _qkv(b, t, n, k, h, seed)
+  seg = np.ones((b, t), np.int32)
+  seg[0, :5] = 0
+  seg[1, t - 7 :] = 0
+  seg[2, :3], seg[2, t - 4 :] = 0, 0
+  seg[4] = 0
+  return q, kk, v, jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("n,k", [(4, 2), (4, 1)])
+def test_seq_lengths_formulation_matches_einsum(n, k):
+  """cudnn's formulation (each row rotated so its real tokens start at 0, PADDING_CAUSAL lengths)
+  run through XLA's implementation of the same jax.nn call: values and gradients on real tokens."""
+  q, kk, v, seg = _mixed_rows(5, 24, n, k, 16)
+  fn = lambda q, k, v, s: attn.seq_lengths_attention(q, k, v, s, implementation="xla")
+  _check_parity(fn, q, kk, v, seg, atol=1e-5)
+  out = np.asarray(fn(q, kk, v, seg))
+  assert np.all(out[np.asarray(seg) == 0] == 0) and np.isfinite(out).all()  # padding: zeros
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)])
+def test_seq_lengths_formulation_under_a_mesh(mesh_shape):
+  """Rows over data x fsdp, heads over tensor; with tensor 4 the 2 KV heads do not split like the
+  4 query heads, so they are repeated (cuDNN's partitioner needs q, k, v sharded alike)."""
+  q, kk, v, seg = _mixed_rows(8, 24, 4, 2, 16)
+  seg = seg.at[5:].set(seg[:3])
+  with jax.set_mesh(sharding.make_mesh(mesh_shape)):
+    got = jax.jit(lambda *a: attn.seq_lengths_attention(*a, implementation="xla"))(q, kk, v, seg)
+  real = np.asarray(seg) > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, kk, v, seg))[real], atol=1e-5)
+
+
+def test_cudnn_takes_float32_through_xla():
+  q, kk, v, seg = _mixed_rows(5, 24, 4, 2, 16)
+  got = attn.attend(q, kk, v, seg, "cudnn")  # float32: cuDNN has no kernel; XLA, same call
+  real = np.asarray(seg) > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(attn.einsum_attention(q, kk, v, seg))[real], atol=1e-5)
+
+
+@pytest.fixture
+def cudnn_probe(monkeypatch):
+  """JAX asks the cuDNN library for its version while tracing cuDNN attention (then runs the
+  layout checks); this machine has no cuDNN, so the probe answers 9.12."""
+  monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91200)
+
+
+def _cudnn_calls(jaxpr) -> set[str]:
+  text = str(jaxpr)
+  return {name for name in ("dot_product_attention_fwd", "dot_product_attention_bwd") if name in text}
+
+
+def test_cudnn_rejects_the_key_mask_but_takes_the_sequence_lengths(cudnn_probe):
+  """What broke every GPU run: a [B, 1, 1, S] key mask is refused at trace time; the rotated
+  rows with sequence lengths trace (forward and backward) in bfloat16."""
+  q, kk, v, seg = _mixed_rows(5, 32, 4, 2, 16)
+  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
+  with pytest.raises(ValueError, match="Bias must have same seq length as QKV"):
+    jax.make_jaxpr(lambda *a: attn.dot_product_attention(*a, implementation="cudnn"))(q, kk, v, seg)
+  loss = lambda q, k, v: jnp.sum(attn.attend(q, k, v, seg, "cudnn").astype(jnp.float32) ** 2)
+  assert _cudnn_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)) == {
+      "dot_product_attention_fwd",
+      "dot_product_attention_bwd",
+  }
+
+
+def _cudnn_model():
+  cfg = _small(dtype="bfloat16", attention="cudnn", hidden_size=64)  # head_dim 16: a multiple of 8
+  return cfg, nnx.split(init_model(cfg, seed=0), nnx.Param)
+
+
+def _rollout_batch(rows=4, prompt=8, completion=8):
+  rng = np.random.RandomState(0)
+  pmask = (np.arange(prompt)[None] >= np.array([3, 0, 5, 2])[:, None]).astype(np.int32)  # left-padded
+  cmask = (np.arange(completion)[None] < np.array([8, 2, 5, 0])[:, None]).astype(np.int32)  # right-padded
+  return dict(
+      prompt_ids=jnp.asarray(rng.randint(1, 128, (rows, prompt)) * pmask, jnp.int32),
+      prompt_mask=jnp.asarray(pmask),
+      completion_ids=jnp.asarray(rng.randint(1, 128, (rows, completion)) * cmask, jnp.int32),
+      completion_mask=jnp.asarray(cmask),
+      advantages=jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32),
+  )
+
+
+def test_cudnn_traces_in_the_train_step_and_scoring(cudnn_probe):
+  """The train step (`make_train_step`, a micro-batch of one group) and scoring
+  (`completion_logp_and_stats`, what the token view calls) with model.attention=cudnn in
+  bfloat16 over left-padded prompts and right-padded completions: cuDNN's checks pass."""
+  _, (graphdef, params) = _cudnn_model()
+  batch = _rollout_batch()
+  optimizer = ts.make_optimizer(config_lib.OptimConfig(), total_steps=4)
+  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=2, micro_batch_size=2), optimizer, donate=False)
+  state = ts.init_train_state(params, optimizer, step=0)
+  assert _cudnn_calls(step.trace(state, batch, None).jaxpr) == {
+      "dot_product_attention_fwd",
+      "dot_product_attention_bwd",
+  }
+  score = lambda p: ts.completion_logp_and_stats(nnx.merge(graphdef, p), batch, temperature=1.0, group_size=2)
+  assert "dot_product_attention_fwd" in _cudnn_calls(jax.make_jaxpr(score)(params))
+
+
+def test_cudnn_traces_in_the_samplers_prefill(cudnn_probe):
+  """The sampler's program (`lower_generate`, as ict_jax.aot compiles it) with the bfloat16
+  rollout copy: tracing passes cuDNN's checks; only lowering for this CPU has no rule for cuDNN's
+  custom call (ict_jax.aot compiles it for a GPU target: tests/test_aot.py)."""
+  cfg, _ = _cudnn_model()
+  policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16")
+  with pytest.raises(NotImplementedError, match="dot_product_attention_fwd.* not found for platform cpu"):
+    sampling.lower_generate(policy, 4, 8, 8)
+
+
 def test_splash_kernel_in_interpreter_matches_einsum():
   q, k, v, seg = _qkv(2, 128, 4, 2, 16)  # 128: the kernel's smallest tile (TPU lane width)
   fn = lambda q, k, v, s: attn.splash_attention(q, k, v, s, interpret=True)
@@ -81,16 +202,8 @@ def test_splash_pads_lengths_off_the_lane_width():
 
 
 def _small(**kw):
-  return Qwen2Config(
-      vocab_size=128,
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      rope_theta=10000.0,
-      **kw,
-  )
+  dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+  return Qwen2Config(vocab_size=128, rope_theta=10000.0, **{**dims, **kw})
 
 
 def test_model_with_dot_product_attention_matches_einsum():
@@ -117,6 +230,14 @@ def test_auto_is_resolved_in_setup_from_the_mesh_devices():
   cfg = config_lib.validate(c)
   assert setup.model_config(cfg, "", sharding.make_mesh((1, -1, 1))).attention == "einsum"  # CPU
   assert setup.resolve_attention("dot_product") == "dot_product"
+  gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))  # a GPU mesh
+  assert setup.resolve_attention("auto", gpu, "bfloat16") == "cudnn"
+  assert setup.resolve_attention("auto", gpu, "float32") == "dot_product"  # cuDNN: 16-bit only
+  c.model.attention = "cudnn"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.attention: 'cudnn' .* float16/bfloat16"):
+    config_lib.validate(c)  # model.dtype float32
+  c.model.dtype = "bfloat16"
+  assert config_lib.validate(c).model.attention == "cudnn"
   c.model.attention = "flash"
   with pytest.raises(config_lib.ConfigError, match=r"config\.model\.attention: expected one of"):
     config_lib.validate(c)

@@ -330,3 +330,18 @@ def test_prompt_iterator_over_tfds_source(tmp_path):
   batches = [next(it) for _ in range(5)]  # 40 = 2 epochs of 20
   ids = [e["id"] for b in batches for e in b]
   assert sorted(ids[:20]) == sorted(ids[20:]) == sorted(e["id"] for e in all_examples(src))
+
+
+def test_drop_long_prompts_keeps_the_fitting_ones_in_order():
+  """Plain prompts against a character tokenizer (one token a character): the ones over max_len
+  are left out and reported by id; none fitting is one error naming the limit."""
+  from ict_jax.data.prompts import drop_long_prompts
+
+  chars = type("Chars", (), {"encode": staticmethod(list)})()
+  src = [{"id": f"t:{i}", "prompt": "x" * n, "answer": "1"} for i, n in enumerate([3, 9, 5, 12, 4])]
+  kept, dropped = drop_long_prompts(src, chars, style="plain", max_len=5, dataset="toy train")
+  assert [kept[i]["id"] for i in range(len(kept))] == ["t:0", "t:2", "t:4"]
+  assert dropped == [{"id": "t:1", "tokens": 9}, {"id": "t:3", "tokens": 12}]
+  assert drop_long_prompts(src, chars, style="plain", max_len=12)[0] is src  # nothing left out
+  with pytest.raises(ValueError, match=r"toy train: none of the 5 prompts fits data.max_prompt_len=2 tokens"):
+    drop_long_prompts(src, chars, style="plain", max_len=2, dataset="toy train")

@@ -1,6 +1,7 @@
 """The training program: learning, logs, checkpoints, resume, meshes, HF init, bad input."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -142,6 +143,51 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   for ra, rb in zip(a, b):
     for key in ("reward_mean", "entropy", "loss", "grad_norm", "js_selected", "response_len"):
       np.testing.assert_allclose(rb[key], ra[key], rtol=1e-4, atol=1e-6, err_msg=f"step {ra['step']} {key}")
+
+
+def _gsm8k_files_with_long_questions(manual):
+  """GSM8K-format train files (JSONL and Parquet, both read for the split) of 10 word problems,
+  3 of them over a 128-token prompt (MATH's long [asy] problems in miniature); a short test file.
+  -> the ids (file:row) of the long ones."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  short = lambda i: {
+      "question": f"Tom has {i} apples and buys {i + 2} more. How many now?",
+      "answer": f"#### {2 * i + 2}",
+  }
+  long = lambda i: {
+      "question": " ".join(["Tom counts the apples in the basket again."] * 40) + f" {i}?",
+      "answer": "#### 1",
+  }
+  jsonl = [short(1), long(2), short(3), short(4), short(5), long(6)]
+  parquet = [short(7), short(8), long(9), short(10)]
+  manual.mkdir(parents=True)
+  (manual / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in jsonl))
+  pq.write_table(pa.Table.from_pylist(parquet), manual / "train-00000-of-00001.parquet")
+  (manual / "test.jsonl").write_text(json.dumps(short(11)) + "\n")
+  return {"gsm8k/train.jsonl:2", "gsm8k/train.jsonl:6", "gsm8k/train-00000-of-00001.parquet:3"}
+
+
+def test_over_long_prompts_are_left_out_when_the_data_is_loaded(tmp_path, caplog):
+  """The paper configs' step settings (G = 8, a micro-batch smaller than the batch) on GSM8K files
+  with questions over data.max_prompt_len: every draw of 8 prompts from these 10 holds a long one,
+  which the rollout used to drop (56 or fewer rows) and the step then refused ("micro_batch_size
+  16 must divide the batch"). Now the long ones are left out at start-up, logged with file and
+  row, and every step gets 8 x 8 rows."""
+  long_ids = _gsm8k_files_with_long_questions(tmp_path / "manual")
+  c = _quick(**{"train.steps": 1, "train.micro_batch_size": 16, "warm_start.sft_steps": 0})
+  c.data.name, c.data.config, c.data.prompt_style, c.data.max_prompt_len = "gsm8k", "", "chat", 128
+  c.data.manual_dir, c.data.data_dir = str(tmp_path / "manual"), str(tmp_path / "data")
+  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 8, 8, 4
+  c.reward.kind = "math"
+  with caplog.at_level(logging.WARNING, logger="ict_jax.data"):
+    out = train(c, str(tmp_path / "run"), progress=False)
+  assert [r["step"] for r in out] == [1]
+  assert all(r["prompts_skipped"] == 0 for r in out)
+  for ident in long_ids:
+    assert f"leaving out {ident}: its prompt has " in caplog.text
+  assert "3 of 10 prompts are over data.max_prompt_len=128 tokens and left out (7 kept)" in caplog.text
 
 
 def test_periodic_eval_logs_pass_at_k(tmp_path):

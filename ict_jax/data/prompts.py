@@ -76,3 +76,56 @@ def encode_prompts(
       texts.append(text)
       ids.append(toks)
   return kept, texts, ids
+
+
+class Subset:
+  """Random access to the examples of `source` at `indices`, in that order."""
+
+  def __init__(self, source, indices):
+    self.source, self.indices = source, list(indices)
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, i: int):
+    return self.source[self.indices[i]]
+
+
+def drop_long_prompts(source, tokenizer, *, style: str, max_len: int, dataset: str = ""):
+  """-> (the examples of `source` whose prompt fits `max_len` tokens, the ones left out).
+
+  The prompts are formatted and tokenized as the rollouts do (`encode_prompts`), so a batch
+  drawn from the result never loses a prompt to the length limit and the train step always gets
+  prompts_per_step x group_size rows. Each example left out is logged with its id (for files the
+  user supplied, `dataset/file:row`) and its token count, like the rows a build skips; returned
+  as {"id", "tokens"} dicts. ValueError when no prompt fits."""
+  from ict_jax.data.readers import MAX_WARNINGS_PER_FILE, logger
+
+  examples = [source[i] for i in range(len(source))]
+  _, _, encoded = encode_prompts(examples, tokenizer, style=style)  # every one, in order
+  keep, dropped = [], []
+  for i, (ex, ids) in enumerate(zip(examples, encoded)):
+    if len(ids) <= max_len:
+      keep.append(i)
+      continue
+    dropped.append({"id": str(ex.get("id", i)), "tokens": len(ids)})
+    if len(dropped) <= MAX_WARNINGS_PER_FILE:
+      logger.warning(
+          "%s: leaving out %s: its prompt has %d tokens, over data.max_prompt_len=%d",
+          dataset,
+          dropped[-1]["id"],
+          dropped[-1]["tokens"],
+          max_len,
+      )
+  if not keep:
+    raise ValueError(f"{dataset}: none of the {len(examples)} prompts fits data.max_prompt_len={max_len} tokens")
+  if dropped:
+    logger.warning(
+        "%s: %d of %d prompts are over data.max_prompt_len=%d tokens and left out (%d kept)",
+        dataset,
+        len(dropped),
+        len(examples),
+        max_len,
+        len(keep),
+    )
+  return (Subset(source, keep) if dropped else source), dropped

@@ -7,13 +7,21 @@ here takes q [B, T, N, H] (rotary applied, unscaled), k and v [B, T, K, H] (GQA:
 
   "einsum"       the reference (also `Attention`'s cache path): scores materialised; CPU default.
   "dot_product"  `jax.nn.dot_product_attention(implementation="xla")`: the portable fused op.
-  "cudnn"        the same with implementation="cudnn": cuDNN flash attention on NVIDIA GPUs.
+  "cudnn"        cuDNN flash attention on NVIDIA GPUs (`jax.nn.dot_product_attention(
+                 implementation="cudnn")`). cuDNN takes no [B, 1, 1, S] key mask (a bias must be
+                 [.., T, S]) and reads padding as sequence lengths, i.e. right padding only: each
+                 row is rotated so its real tokens start at 0 (`seq_lengths_attention`), attended
+                 with PADDING_CAUSAL and rotated back. It computes in float16/bfloat16 only;
+                 float32 inputs (a rollout or eval dtype override) take XLA's implementation of
+                 the same call.
   "splash"       the Pallas TPU splash-attention kernel (flash, blockwise; causal mask blocks are
                  skipped), run per shard under `shard_map` when a mesh is set.
 
 Real tokens attend causally to the real tokens of their row in every implementation. Padding
 query rows (never read by a loss) differ: "splash" lets padding attend to padding (segment ids,
-so no row is empty), the others give them a uniform or arbitrary finite mix.
+so no row is empty), "cudnn" gives them zeros, the others a uniform or arbitrary finite mix.
+"cudnn" needs the real tokens of a row to be one run (left-padded prompt, right-padded
+completion: what the train step, scoring, the warm start and the sampler's prefill pass).
 Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
 devices); nothing here looks at the backend.
 """
@@ -25,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ict_jax.models.axes import logical_to_spec
+from ict_jax.models.axes import constrain, logical_to_spec
 
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
@@ -52,6 +60,74 @@ def dot_product_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, i
   """`jax.nn.dot_product_attention`, causal, keys masked by `segment_ids` [B, 1, 1, S]."""
   mask = (segment_ids > 0)[:, None, None, :]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+def _gather_rows(x: Array, shift: Array) -> Array:
+  """out[b, i] = x[b, (i + shift[b]) % T] for x [B, T, ...] and shift [B] (int32)."""
+  t = x.shape[1]
+  idx = (jnp.arange(t, dtype=jnp.int32)[None] + shift[:, None]) % t  # [B, T]
+  return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@jax.custom_vjp
+def _rotate_rows(x: Array, shift: Array) -> Array:
+  """Rotate each row of x [B, T, ...] left by shift[b]. A permutation, so its gradient is the
+  opposite rotation (a gather again, not the scatter-add autodiff would make of the gather)."""
+  return _gather_rows(x, shift)
+
+
+def _rotate_rows_fwd(x, shift):
+  return _gather_rows(x, shift), shift
+
+
+def _rotate_rows_bwd(shift, g):
+  return _gather_rows(g, -shift), None
+
+
+_rotate_rows.defvjp(_rotate_rows_fwd, _rotate_rows_bwd)
+
+
+def seq_lengths_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, implementation: str) -> Array:
+  """Causal attention with padding given as sequence lengths, the form cuDNN takes.
+
+  A row's real tokens are one run [start, start + n) (left padding before it, right padding
+  after). Rotating the row left by `start` puts them at [0, n): then real token i sees exactly
+  the real tokens 0..i under PADDING_CAUSAL with query and key lengths n. Exact for real tokens;
+  padding queries come back as zeros (a padding-only row gets length 1, so no row is empty).
+  Under a mesh q, k and v are given one sharding (cuDNN's partitioner needs it; K heads that do
+  not split over `tensor` like the N query heads are repeated to N)."""
+  real = segment_ids > 0
+  start = jnp.argmax(real, axis=1).astype(jnp.int32)  # the first real token (0 if none)
+  lengths = jnp.maximum(jnp.sum(real, axis=1, dtype=jnp.int32), 1)
+  q, k, v = (_rotate_rows(x, start) for x in (q, k, v))
+  heads, kv_heads = ("act_batch", "act_length", "act_heads", None), ("act_batch", "act_length", "act_kv_heads", None)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:  # cuDNN's partitioner takes q, k and v sharded alike
+    shape = dict(mesh.shape)
+    if logical_to_spec(heads, q.shape, shape) != logical_to_spec(kv_heads, k.shape, shape):
+      # the K heads do not split over `tensor` as the N query heads do: repeat them to N
+      # (GQA as MHA, the same values; query head n reads KV head n // G either way)
+      k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+      kv_heads = heads
+    q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
+  out = jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      is_causal=True,
+      query_seq_lengths=lengths,
+      key_value_seq_lengths=lengths,
+      implementation=implementation,
+  )
+  out = _rotate_rows(out, -start)
+  return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def cudnn_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+  """cuDNN flash attention (`seq_lengths_attention`); float32 inputs, which cuDNN refuses, take
+  XLA's implementation of the same call."""
+  implementation = "xla" if q.dtype == jnp.float32 else "cudnn"
+  return seq_lengths_attention(q, k, v, segment_ids, implementation=implementation)
 
 
 @functools.lru_cache(maxsize=32)
@@ -122,7 +198,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str
   if implementation == "dot_product":
     return dot_product_attention(q, k, v, segment_ids, implementation="xla")
   if implementation == "cudnn":
-    return dot_product_attention(q, k, v, segment_ids, implementation="cudnn")
+    return cudnn_attention(q, k, v, segment_ids)
   if implementation == "splash":
     return splash_attention(q, k, v, segment_ids)
   raise ValueError(f"attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
