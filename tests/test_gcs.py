@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from gcs_emulator import gcs, gcs_environ  # pylint: disable=unused-import  # the fixtures
-
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("ict_faults_gcs", REPO / "benchmarks" / "faults.py")
 faults = importlib.util.module_from_spec(_spec)
@@ -165,7 +163,7 @@ def test_eval_restores_the_rewritten_step_and_writes_results(gcs, gcs_environ, r
   monkeypatch.setenv("TFDS_DATA_DIR", str(runs["root"] / "tfds"))
   results = main(
       [
-          *("--workdir", gcs.url("term"), "--benchmarks", "synthetic", "--k", "1", "--n", "2", "--mesh", "-1,1,1"),
+          *("--workdir", gcs.url("term"), "--benchmarks", "synthetic", "--k", "1", "--n", "2", "--mesh=-1,1,1"),
           *("--temperature", "1.0", "--reward_workers", "0", "--batch_size", "4", "--limit", "4", "--no_progress"),
       ]
   )

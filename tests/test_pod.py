@@ -1,7 +1,8 @@
 """A pod on one box: the v5p-32 host layout (4 processes x 2 devices, `jax.distributed` on
 localhost) runs the whole program, `python -m ict_jax.train` (rollouts, rewards, the step,
 periodic eval, checkpoints, the token view), the way launch/tpu_pod.sh starts it on each host,
-on a gs:// workdir served by a real Cloud Storage server (tests/gcs_emulator.py).
+on a gs:// workdir served by a real Cloud Storage server (tests/gcs_emulator.py; its `gcs` and
+`gcs_environ` fixtures are registered in tests/conftest.py).
 
 Three runs of one small config are shared by the tests: an uninterrupted one; one where a
 SIGTERM to one process makes every process save the same step and exit 0, then resumed to the
@@ -26,7 +27,6 @@ import numpy as np
 import pytest
 from etils import epath
 
-from gcs_emulator import gcs, gcs_environ  # pylint: disable=unused-import  # the fixtures
 from ict_jax import token_view
 from ict_jax.logs import read_log
 
