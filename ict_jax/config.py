@@ -137,6 +137,9 @@ class TrainConfig:
   eval_samples: int = 4  # samples per held-out prompt for pass@k at eval time
   eval_prompts: int = 64
   sigterm_grace_s: float = 30.0
+  # several processes: the coordination service declares a process dead after this long without
+  # its heartbeat and ends every other one (jax.distributed.initialize's heartbeat_timeout_seconds)
+  heartbeat_timeout_s: int = 100
   profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
 
 
@@ -193,6 +196,7 @@ _POSITIVE = (
     "reward.timeout_s",
     "train.eval_samples",
     "train.eval_prompts",
+    "train.heartbeat_timeout_s",
 )
 _NON_NEGATIVE = (
     "ict.warmup_steps",

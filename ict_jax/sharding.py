@@ -79,14 +79,18 @@ def put_global(x, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def maybe_initialize_distributed() -> bool:
+def maybe_initialize_distributed(heartbeat_timeout_s: int | None = None) -> bool:
   """Call `jax.distributed.initialize()` when the environment describes a multi-host job.
 
   ICT_JAX_DISTRIBUTED=1 (set by launch/tpu_pod.sh on multi-host slices; JAX reads the pod
   layout from the TPU metadata server), TPU_WORKER_HOSTNAMES with several hosts (GKE), SLURM
   with several tasks, or an explicit JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES,
-  JAX_PROCESS_ID). Returns whether it
-  initialised."""
+  JAX_PROCESS_ID). Returns whether it initialised.
+
+  `heartbeat_timeout_s` (None: JAX's default, 100 s): a process whose heartbeat the coordination
+  service misses this long is declared dead and every other process is terminated, so a host
+  that dies mid-collective ends the job within about this bound instead of leaving the others
+  waiting in a collective it will never join."""
   env = os.environ
   kwargs: dict[str, Any] = {}
   if env.get("JAX_COORDINATOR_ADDRESS"):
@@ -105,6 +109,8 @@ def maybe_initialize_distributed() -> bool:
     pass  # jax auto-detects SLURM and Cloud TPU pod topologies (launch/tpu_pod.sh sets the flag)
   else:
     return False
+  if heartbeat_timeout_s is not None:
+    kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
   jax.distributed.initialize(**kwargs)
   log.info("jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count())
   return True

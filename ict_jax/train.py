@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -221,7 +222,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     log.info("tfds data in %s (local: the workdir is a URL)", storage.data_dir(cfg.data.data_dir, workdir))
   if cfg.log.wandb_project:
     import_wandb()  # a missing package is one error now, not after the compile
-  sharding.maybe_initialize_distributed()
+  sharding.maybe_initialize_distributed(cfg.train.heartbeat_timeout_s)
   mesh = make_mesh(cfg)
   try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
     ts.check_micro_batch(cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
@@ -506,12 +507,25 @@ def main(argv=None) -> None:
   except OutOfDeviceMemory as e:
     print(f"ict_jax.train: error: {e}", file=sys.stderr)
     sys.exit(1)
+  except Exception:  # pylint: disable=broad-except
+    if not jax.distributed.is_initialized():
+      raise
+    # several processes: typically a peer died and this host's collective with it failed. Leave
+    # now: JAX's exit handler would wait in the coordination service's shutdown barrier for every
+    # process, which a dead one never reaches, until train.heartbeat_timeout_s has passed
+    traceback.print_exc()
+    _exit(1)
   if Preemption.stopped:
     # the checkpoint is committed and the logs are closed: skip the interpreter teardown
     # (seconds of XLA / TensorStore destructors), which the grace period cannot spare
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+  """Exit now, without the interpreter teardown (and, on several processes, JAX's shutdown barrier)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 if __name__ == "__main__":

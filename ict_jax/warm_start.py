@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax.models.axes import constrain
@@ -62,6 +63,18 @@ def build_sft_examples(prompts: Sequence[Sequence[int]], answers: Sequence[Seque
   return ids, mask, pos, pos_mask
 
 
+def _compile_together(step, params, opt_state, batch):
+  """Several processes: compile the step for the shardings it keeps (the state resharded to its
+  outputs' shardings, so one program serves every step), then wait for every host. On CPU hosts
+  (gloo) a collective's first rendezvous waits only 30 s for a host that is still compiling,
+  which a loaded machine exceeds."""
+  compiled = step.lower(params, opt_state, *batch).compile()
+  params, opt_state = jax.device_put((params, opt_state), tuple(compiled.output_shardings[:2]))
+  compiled = step.lower(params, opt_state, *batch).compile()
+  multihost_utils.sync_global_devices("ict_jax warm-start")
+  return compiled, params, opt_state
+
+
 def supervised_warm_start(
     graphdef,
     params,
@@ -96,6 +109,8 @@ def supervised_warm_start(
       batch = [ids[idx], mask[idx], pos[idx], pos_mask[idx]]
       if mesh is not None:  # global arrays, also across hosts
         batch = [put_global(x, NamedSharding(mesh, P())) for x in batch]
+      if i == 0 and jax.process_count() > 1:
+        step, params, opt_state = _compile_together(step, params, opt_state, batch)
       params, opt_state, loss = step(params, opt_state, *batch)
       if log is not None and (i + 1) % max(1, steps // 4) == 0:
         log(f"warm-start step {i + 1}/{steps}: loss {float(loss):.3f}")
