@@ -498,13 +498,13 @@ def bytes_per_device(tree) -> int:
 
 
 def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, top_p, *, graphdef, prompt_len, kw):
-  """One step of the sampler's decode loop (`sampling._decode_rows`'s while-loop body, without
+  """One step of the sampler's decode loop (`sampling.decode._decode_rows`'s while-loop body, without
   writing the outputs): token i - 1 [b] in, its KV written at slot prompt_len + i - 1, token i
   sampled."""
   model = nnx.merge(graphdef, state)
   logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_len + i - 1, kv_mask)
   kernels = model.cfg.kernels
-  tok, _ = sampling._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
+  tok, _ = sampling.rules._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
   return tok, cache
 
 

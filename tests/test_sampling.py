@@ -1,4 +1,4 @@
-"""sampling.py against transformers' generate / logits warpers and a full forward pass."""
+"""ict_jax.sampling against transformers' generate / logits warpers and a full forward pass."""
 
 import functools
 import os
@@ -200,7 +200,7 @@ def test_top_p_threshold_is_the_smallest_nucleus(scale):
   logits = rng.randn(3, 3000).astype(np.float32) * scale
   e = np.exp(logits - logits.max(-1, keepdims=True))
   top_p = np.float32(0.8)
-  t = np.asarray(jax.jit(sampling._top_p_threshold)(jnp.asarray(e), top_p))
+  t = np.asarray(jax.jit(sampling.rules._top_p_threshold)(jnp.asarray(e), top_p))
   for row, thr in zip(e, t):
     desc = np.sort(row)[::-1].astype(np.float64)
     n = int(np.searchsorted(np.cumsum(desc), top_p * desc.sum()) + 1)  # smallest prefix
@@ -287,11 +287,11 @@ def test_bucketed_shapes_reuse_one_compilation(model):
   ids, mask = _prompts()
   kw = dict(rng=jax.random.key(0), eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True)
   generate(model, ids, mask, max_new_tokens=5, temperature=0.7, **kw)
-  before = sampling._generate_jit._cache_size()
+  before = sampling.decode._generate_jit._cache_size()
   out = generate(model, ids[:, 2:], mask[:, 2:], max_new_tokens=9, temperature=0.7, **kw)
   assert out[0].shape == (4, 9) and out[3].shape == (4, 9, VOCAB)  # cut back from the buckets
   generate(model, ids, mask, max_new_tokens=3, temperature=0.5, **dict(kw, eos_token_ids=(1,)))
-  assert sampling._generate_jit._cache_size() == before
+  assert sampling.decode._generate_jit._cache_size() == before
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
@@ -323,10 +323,10 @@ def test_bad_inputs_raise_before_compiling(model, change, match):
   ids, mask = _prompts()
   kw = dict(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, temperature=1.0, rng=jax.random.key(0))
   kw.update(change)
-  before = sampling._generate_jit._cache_size()
+  before = sampling.decode._generate_jit._cache_size()
   with pytest.raises(ValueError, match=match):
     generate(model, **kw)
-  assert sampling._generate_jit._cache_size() == before
+  assert sampling.decode._generate_jit._cache_size() == before
 
 
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])

@@ -1,0 +1,52 @@
+"""Jitted generation for rollouts and evaluation: `generate(model, prompt_ids, prompt_mask, ...)`.
+
+One module a concern:
+  rules.py    sampling one token per row: temperature, top-k, top-p, greedy (`sample_logits`).
+  policy.py   the rollout copy of the policy: weights cast and laid out for decoding once a step.
+  decode.py   the jitted prefill + KV-cache decode loop, decode sub-batches (`sample_fn`).
+  plan.py     length buckets and the decode sub-batch size from the devices' memory.
+  host.py     `generate` (validation, bucketing, the mesh) and `lower_generate` (AOT).
+"""
+
+from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, decode_head, decode_one, sample_fn
+from ict_jax.sampling.host import generate, lower_generate
+from ict_jax.sampling.plan import (
+    auto_decode_batch_size,
+    bucket_length,
+    decode_row_bytes,
+    free_device_bytes,
+    resolve_decode_batch_size,
+)
+from ict_jax.sampling.policy import (
+    DECODE_RULES,
+    ROLLOUT_DTYPES,
+    RolloutPolicy,
+    abstract_rollout_policy,
+    as_rollout_policy,
+    decode_shardings,
+    make_rollout_policy,
+)
+from ict_jax.sampling.rules import sample_logits
+
+__all__ = [
+    "generate",
+    "sample_fn",
+    "sample_logits",
+    "bucket_length",
+    "make_rollout_policy",
+    "as_rollout_policy",
+    "abstract_rollout_policy",
+    "RolloutPolicy",
+    "decode_shardings",
+    "decode_head",
+    "decode_one",
+    "lower_generate",
+    "decode_row_bytes",
+    "auto_decode_batch_size",
+    "free_device_bytes",
+    "resolve_decode_batch_size",
+    "DECODE_RULES",
+    "ROLLOUT_DTYPES",
+    "QWEN_EOS_IDS",
+    "QWEN_PAD_ID",
+]
