@@ -3,18 +3,21 @@
 One module a concern:
   rules.py    sampling one token per row: temperature, top-k, top-p, greedy (`sample_logits`).
   policy.py   the rollout copy of the policy: weights cast and laid out for decoding once a step.
-  decode.py   the jitted prefill + KV-cache decode loop, decode sub-batches (`sample_fn`).
-  plan.py     length buckets and the decode sub-batch size from the devices' memory.
+  decode.py   the jitted prefill (once per prompt) + KV-cache decode loop, sub-batches (`sample_fn`).
+  plan.py     length buckets, the decode sub-batch size and which rows share a prefilled prompt.
   host.py     `generate` (validation, bucketing, the mesh) and `lower_generate` (AOT).
 """
 
-from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, decode_head, decode_one, sample_fn
-from ict_jax.sampling.host import generate, lower_generate
+from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, decode_head, decode_one, prefill, sample_fn
+from ict_jax.sampling.host import generate, lower_generate, prompt_sharding
 from ict_jax.sampling.plan import (
+    DecodeLayout,
     auto_decode_batch_size,
     bucket_length,
+    decode_layout,
     decode_row_bytes,
     free_device_bytes,
+    kv_bytes,
     resolve_decode_batch_size,
 )
 from ict_jax.sampling.policy import (
@@ -40,7 +43,12 @@ __all__ = [
     "decode_shardings",
     "decode_head",
     "decode_one",
+    "prefill",
     "lower_generate",
+    "prompt_sharding",
+    "DecodeLayout",
+    "decode_layout",
+    "kv_bytes",
     "decode_row_bytes",
     "auto_decode_batch_size",
     "free_device_bytes",

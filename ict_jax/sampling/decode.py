@@ -1,12 +1,13 @@
-"""The jitted generator: prefill + KV-cache decode loop, EOS stop, decode sub-batches.
+"""The jitted generator: prefill once per prompt + KV-cache decode loop, EOS stop, sub-batches.
 
-Layout. Prompts are left-padded [B, P]; the cache holds S = P_bucket + N_bucket slots: the prompt in
-slots [0, P_bucket) and completion token i in slot P_bucket + i. Keys are visible when their slot is
-<= the query's slot and `kv_mask` is 1 (prompt mask, then ones). RoPE positions come from the
-prompt (`cumsum(mask) - 1`) and continue with `num_prompt_tokens + i` for completion token i, so
-left padding never shifts a position (same as `transformers` with an attention mask). Prefill
-attends over the prompt only (`hidden_states(prefill=True)`: [P, P] scores, not [P, P + N]) and
-writes its keys/values into slots [0, P_bucket).
+Layout. Prompts are left-padded [U, P] and each is decoded by R consecutive rows (its samples):
+B = U x R rows. A prompt is prefilled once (`hidden_states(prefill=True)`: [P, P] scores) into a
+prompt cache [L, U, K, P, H] that its R rows read as a shared prefix (`Qwen2.hidden_states(prefix=
+...)`: one block of prompt slots per prompt, not per row); the decode cache [L, B, K, N, H] holds
+completion token i in slot i. So prefill FLOPs and the prompt's KV memory are per prompt, not per
+sample. RoPE positions come from the prompt (`cumsum(mask) - 1`) and continue with
+`num_prompt_tokens + i` for completion token i, so left padding never shifts a position (same as
+`transformers` with an attention mask).
 
 Decode is one `[B, 1]` forward per step inside a `lax.while_loop` that stops when every row has
 emitted an EOS token or `max_new_tokens` tokens. The EOS token itself is part of the completion
@@ -31,6 +32,7 @@ from flax import nnx
 
 from ict_jax import cpu_paths
 from ict_jax.models.axes import constrain
+from ict_jax.models.qwen2 import LayerCache
 from ict_jax.sampling.rules import _sample_step
 
 Array = jax.Array
@@ -48,16 +50,31 @@ def decode_head(model, h: Array) -> Array:
   return model.next_token_logits(h)
 
 
-def decode_one(model, tok: Array, num_prompt: Array, i, cache, cache_index, kv_mask: Array):
+def prefill(model, prompt_ids: Array, prompt_mask: Array) -> tuple[Array, LayerCache]:
+  """Prompts [u, P] left-padded -> (logits [u, V] of the first completion token, the prompt cache
+  [L, u, K, P, H] that `decode_one` reads as the shared prefix of the prompt's rows)."""
+  mask = prompt_mask.astype(jnp.int32)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  cache = model.init_cache(*prompt_ids.shape)
+  h, cache = model.hidden_states(
+      prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
+  )  # [P, P] scores
+  return decode_head(model, h[:, -1]), cache  # left padding: the last slot is real
+
+
+def decode_one(model, tok: Array, num_prompt: Array, i, cache, prompt_cache, prompt_mask: Array):
   """One step of the decode loop: completion token i - 1 (tok [b]) in, its keys/values written at
-  cache slot `cache_index` -> (logits [b, V] of completion token i, the updated cache)."""
+  slot i - 1 of the decode cache [L, b, K, N, H] -> (logits [b, V] of completion token i, the
+  updated cache). Row r reads the prompt cache [L, u, K, P, H] (`prefill`) at row r // (b / u)
+  where `prompt_mask` [u, P] is 1, then the completion slots before i - 1 and its own new slot."""
   h, cache = model.hidden_states(
       tok[:, None],
       jnp.ones((tok.shape[0], 1), jnp.int32),
       positions=(num_prompt + i - 1)[:, None],
       cache=cache,
-      cache_index=cache_index,
-      kv_mask=kv_mask,
+      cache_index=i - 1,
+      prefix=prompt_cache,
+      prefix_mask=prompt_mask,
   )
   return decode_head(model, h[:, 0]), cache
 
@@ -74,29 +91,29 @@ def _decode_rows(
     pad_id,
     *,
     max_len: int,
+    samples: int,
     greedy: bool,
     top_k: int,
     use_top_p: bool,
     return_logprobs: bool,
     return_logits: bool,
 ) -> dict:
-  """One decode batch: prompt_ids/mask [b, P] -> {ids, mask[, logprobs][, logits]} [b, max_len(, V)].
+  """One decode batch: prompts [u, P], `samples` rows each ->
+  {ids, mask[, logprobs][, logits]} [u * samples, max_len(, V)], row k * samples + s sample s of
+  prompt k.
 
-  Prefill, then a `lax.while_loop` of [b, 1] steps that stops when every row has emitted an EOS
-  token or num_new tokens."""
-  b, p = prompt_ids.shape
-  mask = prompt_mask.astype(jnp.int32)
+  Prefill the u prompts, then a `lax.while_loop` of [b, 1] steps that stops when every row has
+  emitted an EOS token or num_new tokens."""
+  u = prompt_ids.shape[0]
+  b = u * samples
   rows = ("act_batch", None)
-  num_prompt = jnp.sum(mask, axis=-1)  # [b]; the position of the first completion token
-  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-  kv_mask = constrain(jnp.concatenate([mask, jnp.ones((b, max_len), jnp.int32)], axis=1), rows)
-
-  cache = model.init_cache(b, p + max_len)
-  h, cache = model.hidden_states(
-      prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
-  )  # [P, P] scores
+  per_row = lambda x: jnp.repeat(x, samples, axis=0)  # [u, ...] -> [b, ...]
+  prompt_mask = prompt_mask.astype(jnp.int32)
+  num_prompt = per_row(jnp.sum(prompt_mask, axis=-1))  # [b]; the position of the first completion token
+  logits, prompt_cache = prefill(model, prompt_ids, prompt_mask)
+  logits = per_row(logits)  # [b, V]: the samples of a prompt draw from the same first logits
+  cache = model.init_cache(b, max_len)
   kernels = model.cfg.kernels
-  logits = decode_head(model, h[:, -1])  # left padding: the last slot is real
 
   def emit(i, logits, done, out):
     """Sample completion token i from logits [b, V] and write it into the outputs."""
@@ -135,8 +152,8 @@ def _decode_rows(
     return (i < num_new) & ~jnp.all(done)
 
   def body(carry):
-    i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, in slot p + i - 1
-    logits, cache = decode_one(model, tok, num_prompt, i, cache, p + i - 1, kv_mask)
+    i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, into slot i - 1
+    logits, cache = decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask)
     tok, done, out = emit(i, logits, done, out)
     return i + 1, cache, tok, done, out
 
@@ -163,19 +180,23 @@ def _generate_impl(
     return_logits: bool,
     return_logprobs: bool = True,
     sub_batches: int = 1,
+    samples: int = 1,
 ):
-  """prompt_ids/mask [B, P] left-padded -> ids [B, max_len], mask(, logprobs)(, logits [B, N, V]).
+  """prompt_ids/mask [U, P] left-padded, `samples` (R) rows each -> ids [U * R, max_len],
+  mask(, logprobs)(, logits [U * R, N, V]); row k * R + s is sample s of prompt k.
 
   num_new (<= max_len), temperature, top_p, eos_ids [E] (-1 = none) and pad_id are traced, so they
-  never cause a recompile; rows whose prompt mask is all 0 (batch padding) emit nothing.
+  never cause a recompile; prompts whose mask is all 0 (batch padding) emit nothing.
 
-  sub_batches n > 1 decodes the rows as n sub-batches of B / n, one after the other
-  (`lax.map`), so only one sub-batch's KV cache is live. Sub-batch j holds rows j, j + n,
-  j + 2n, ...: viewed as [B / n, n], rows sharded in blocks over ("data", "fsdp") stay on their
-  devices and every sub-batch spans all of them. Sub-batch j samples with `fold_in(rng, j)`."""
+  sub_batches n > 1 decodes the prompts as n sub-batches of U / n prompts (U * R / n rows), one
+  after the other (`lax.map`), so only one sub-batch's KV cache is live. Sub-batch j holds prompts
+  j, j + n, j + 2n, ...: viewed as [U / n, n], prompts sharded in blocks over ("data", "fsdp")
+  stay on their devices and every sub-batch spans all of them. Sub-batch j samples with
+  `fold_in(rng, j)`."""
   model = nnx.merge(graphdef, state)
   kw = dict(
       max_len=max_len,
+      samples=samples,
       greedy=greedy,
       top_k=top_k,
       use_top_p=use_top_p,
@@ -186,26 +207,39 @@ def _generate_impl(
   if sub_batches == 1:
     out = _decode_rows(model, prompt_ids, prompt_mask, rng, *scalars, **kw)
   else:
-    b, p = prompt_ids.shape
-    per = b // sub_batches
+    u, p = prompt_ids.shape
+    per = u // sub_batches
     split = lambda x: jnp.swapaxes(
         constrain(x.reshape(per, sub_batches, p), ("act_batch", None, None)), 0, 1
-    )  # [n, B/n, P]
+    )  # [n, U/n, P]
 
     def one(args):
       j, ids, mask = args
       return _decode_rows(model, ids, mask, jax.random.fold_in(rng, j), *scalars, **kw)
 
     out = jax.lax.map(one, (jnp.arange(sub_batches), split(prompt_ids), split(prompt_mask)))
-    out = {
-        k: constrain(jnp.swapaxes(v, 0, 1), ("act_batch",) + (None,) * (v.ndim - 1)).reshape(b, *v.shape[2:])
-        for k, v in out.items()
-    }  # [B/n, n, ...] -> [B, ...]
+    join = lambda v: constrain(
+        jnp.swapaxes(v.reshape(sub_batches, per, samples, *v.shape[2:]), 0, 1),
+        ("act_batch",) + (None,) * v.ndim,
+    ).reshape(
+        u * samples, *v.shape[2:]
+    )  # [n, U/n * R, ...] -> [U/n, n, R, ...] -> [U * R, ...]
+    out = {k: join(v) for k, v in out.items()}
   names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
   return tuple(out[k] for k in names)
 
 
-_STATIC = ("graphdef", "max_len", "greedy", "top_k", "use_top_p", "return_logits", "return_logprobs", "sub_batches")
+_STATIC = (
+    "graphdef",
+    "max_len",
+    "greedy",
+    "top_k",
+    "use_top_p",
+    "return_logits",
+    "return_logprobs",
+    "sub_batches",
+    "samples",
+)
 _generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
 
 
@@ -223,13 +257,15 @@ def sample_fn(
     eos_token_ids: Sequence[int] = QWEN_EOS_IDS,
     pad_id: int = QWEN_PAD_ID,
     return_logits: bool = False,
+    num_samples: int = 1,
 ):
-  """Pure generator for use inside other jitted code (no validation, no bucketing, no repeats).
+  """Pure generator for use inside other jitted code (no validation, no bucketing).
 
   graphdef, state = nnx.split(model); prompt_ids/mask [B, P] left-padded, every row with at least
-  one token; max_new_tokens a Python int (the output width). Returns (ids [B, N] int32,
-  mask [B, N] int32, logprobs [B, N] float32) and, with return_logits, the raw float32 logits
-  [B, N, V] each token was sampled from."""
+  one token, each prompt prefilled once and decoded by num_samples (G) rows; max_new_tokens a
+  Python int (the output width). Returns (ids [B * G, N] int32, mask [B * G, N] int32, logprobs
+  [B * G, N] float32), rows g * G .. g * G + G - 1 prompt g's, and, with return_logits, the raw
+  float32 logits [B * G, N, V] each token was sampled from."""
   greedy = isinstance(temperature, (int, float)) and temperature == 0
   return _generate_impl(
       state,
@@ -247,6 +283,7 @@ def sample_fn(
       top_k=int(top_k),
       use_top_p=not (isinstance(top_p, (int, float)) and top_p >= 1.0),
       return_logits=return_logits,
+      samples=int(num_samples),
   )
 
 

@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
+from ict_jax.models.axes import logical_to_spec
 from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, _eos_array, _generate_jit
-from ict_jax.sampling.plan import _check_int, bucket_length, resolve_decode_batch_size
+from ict_jax.sampling.plan import _check_int, bucket_length, decode_layout, resolve_decode_batch_size
 from ict_jax.sampling.policy import ROLLOUT_DTYPES, RolloutPolicy, _find_mesh, as_rollout_policy
-from ict_jax.sharding import batch_sharding, put_global, replicated
+from ict_jax.sharding import put_global, replicated
 
 Array = jax.Array
 
@@ -72,7 +73,9 @@ def generate(
   """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
   `RolloutPolicy` (`make_rollout_policy`, used as is).
 
-  Each prompt is repeated `num_samples` (G) times consecutively: rows g*G .. g*G+G-1 are prompt g.
+  Each prompt gets `num_samples` (G) rows: rows g*G .. g*G+G-1 are prompt g. A prompt is prefilled
+  once and its keys/values read by its G rows (G / R times for R = gcd(decode_batch_size, G) when
+  a sub-batch cannot hold whole groups; `plan.decode_layout`).
   Returns (completion_ids [B*G, max_new_tokens] int32, completion_mask int32 (EOS included),
   logprobs float32 (0 where the mask is 0)), logprobs left out with return_logprobs=False, plus
   the raw logits [B*G, max_new_tokens, V] with return_logits. eos_token_ids None means Qwen's
@@ -117,16 +120,24 @@ def generate(
 
   mesh = mesh if mesh is not None else _find_mesh(state)
   rows_per_shard = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  ids, mask = np.repeat(ids, g, axis=0), np.repeat(mask, g, axis=0)
-  n_rows = ids.shape[0]
+  n_rows = ids.shape[0] * g
   p_bucket = bucket_length(ids.shape[1], buckets)
   n_bucket = bucket_length(n_new, buckets)
   sub = resolve_decode_batch_size(
-      decode_batch_size, n_rows, cfg=cfg, cache_len=p_bucket + n_bucket, mesh=mesh, dtype=rollout_dtype or cfg.dtype
+      decode_batch_size,
+      n_rows,
+      cfg=cfg,
+      prompt_len=p_bucket,
+      new_len=n_bucket,
+      group_size=g,
+      mesh=mesh,
+      dtype=rollout_dtype or cfg.dtype,
   )
-  sub_batches = n_rows // sub
-  per_sub = -(-sub // rows_per_shard) * rows_per_shard  # batch padding rows have an all-0 mask:
-  widths = ((0, sub_batches * per_sub - n_rows), (p_bucket - ids.shape[1], 0))  # they emit nothing
+  layout = decode_layout(n_rows, g, sub, rows_per_shard)
+  # each prompt prefilled G / R times (once when a sub-batch holds whole groups), decoded by R rows;
+  # padding prompts (all-0 mask) emit nothing
+  ids, mask = np.repeat(ids, g // layout.samples, axis=0), np.repeat(mask, g // layout.samples, axis=0)
+  widths = ((0, layout.prefill_rows - ids.shape[0]), (p_bucket - ids.shape[1], 0))
   ids = np.pad(ids, widths, constant_values=pad_id)
   mask = np.pad(mask, widths)
 
@@ -138,7 +149,8 @@ def generate(
       use_top_p=bool(top_p < 1.0),
       return_logits=bool(return_logits),
       return_logprobs=bool(return_logprobs),
-      sub_batches=sub_batches,
+      sub_batches=layout.sub_batches,
+      samples=layout.samples,
   )
   scalars = (
       np.int32(n_new),
@@ -152,14 +164,20 @@ def generate(
     graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=mesh)  # as is if one already
     static["graphdef"] = graphdef
     if mesh is not None:
-      ids = put_global(ids, batch_sharding(mesh))
-      mask = put_global(mask, batch_sharding(mesh))
+      ids = put_global(ids, prompt_sharding(mesh, ids.shape[0]))
+      mask = put_global(mask, prompt_sharding(mesh, ids.shape[0]))
       rng = jax.random.wrap_key_data(
           put_global(jax.random.key_data(rng), replicated(mesh)), impl=jax.random.key_impl(rng)
       )
       scalars = tuple(put_global(x, replicated(mesh)) for x in scalars)  # one cache entry per mesh
     out = _generate_jit(state, ids, mask, rng, *scalars, **static)
   return tuple(x[:n_rows, :n_new] for x in out)
+
+
+def prompt_sharding(mesh: Mesh, n_prompts: int) -> NamedSharding:
+  """Prompt rows over as many of ("data", "fsdp") as divide them (the rest replicated): with a
+  group's rows sharing one prefilled prompt, there may be fewer prompts than row shards."""
+  return NamedSharding(mesh, logical_to_spec(("act_batch", None), (n_prompts, 1), dict(mesh.shape)))
 
 
 def lower_generate(
@@ -174,25 +192,27 @@ def lower_generate(
     use_top_p: bool = False,
     decode_batch_size: int | None = None,
     return_logprobs: bool = False,
+    num_samples: int = 1,
 ) -> jax.stages.Lowered:
   """The sampler's program lowered for abstract inputs, without running it (e.g. for absent
   accelerators: `.compile()` it, then read `memory_analysis()` / `cost_analysis()`).
 
   policy: a RolloutPolicy whose state may hold `jax.ShapeDtypeStruct`s carrying shardings
-  (e.g. `decode_shardings` over a topology's mesh); batch rows (prompts x samples, a multiple
-  of the mesh's data x fsdp times the number of sub-batches); prompt_len and max_new_tokens the
-  bucketed widths. Temperature, top_p, EOS ids and the number of new tokens stay runtime inputs
-  (traced), as in `generate`."""
+  (e.g. `decode_shardings` over a topology's mesh); batch rows (prompts x num_samples, laid out and
+  padded as `generate` does: `plan.decode_layout`); prompt_len and max_new_tokens the bucketed
+  widths. Temperature, top_p, EOS ids and the number of new tokens stay runtime inputs (traced),
+  as in `generate`."""
   sub = batch if decode_batch_size is None else decode_batch_size
-  if batch % sub:
-    raise ValueError(f"lower_generate: decode_batch_size {sub} does not divide batch {batch}")
-  rows = None if mesh is None else batch_sharding(mesh)
+  if batch % sub or batch % num_samples:
+    raise ValueError(f"lower_generate: decode_batch_size {sub} and num_samples {num_samples} must divide batch {batch}")
+  layout = decode_layout(batch, num_samples, sub, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
+  prompts = None if mesh is None else prompt_sharding(mesh, layout.prefill_rows)
   repl = None if mesh is None else replicated(mesh)
   sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
   args = (
       policy.state,
-      sds((batch, prompt_len), jnp.int32, rows),
-      sds((batch, prompt_len), jnp.int32, rows),
+      sds((layout.prefill_rows, prompt_len), jnp.int32, prompts),
+      sds((layout.prefill_rows, prompt_len), jnp.int32, prompts),
       sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, repl),
       sds((), jnp.int32, repl),
       sds((), jnp.float32, repl),
@@ -208,7 +228,8 @@ def lower_generate(
       use_top_p=use_top_p,
       return_logits=False,
       return_logprobs=return_logprobs,
-      sub_batches=batch // sub,
+      sub_batches=layout.sub_batches,
+      samples=layout.samples,
   )
   ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
   with ctx:

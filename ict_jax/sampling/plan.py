@@ -1,14 +1,16 @@
-"""Shapes and memory of a rollout: length buckets and the decode sub-batch size.
+"""Shapes and memory of a rollout: length buckets, the decode sub-batches and their layout.
 
 Prompt length and max_new_tokens are rounded up to buckets (powers of two from 16, or a given
 list), so few programs are compiled. `decode_batch_size` decodes the rows in sub-batches (one KV
-cache live at a time), "auto" sizing them from the devices' free memory (`decode_row_bytes`).
+cache live at a time), "auto" sizing them from the devices' free memory (`decode_row_bytes` a
+decoded row, `kv_bytes` a prefilled prompt). `decode_layout` says which rows share a prefilled
+prompt and how much batch padding each sub-batch gets.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,36 +35,88 @@ def _check_int(name: str, value, minimum: int) -> int:
   return int(value)
 
 
+# ---- the layout of the rows -----------------------------------------------------------------------
+class DecodeLayout(NamedTuple):
+  """How the n_rows = prompts x G rows of a rollout are decoded: `sub_batches` sub-batches, each
+  prefilling `prompts` prompt rows (batch padding included) whose keys/values `samples` (R, a
+  divisor of G) consecutive decode rows read. A prompt is prefilled G / R times: once when a
+  sub-batch holds whole groups (decode_batch_size a multiple of G)."""
+
+  sub_batches: int
+  prompts: int
+  samples: int
+
+  @property
+  def rows(self) -> int:
+    """Decode rows of one sub-batch, batch padding included."""
+    return self.prompts * self.samples
+
+  @property
+  def prefill_rows(self) -> int:
+    """Prompt rows prefilled over the whole rollout, batch padding included."""
+    return self.sub_batches * self.prompts
+
+
+def decode_layout(n_rows: int, group_size: int, decode_batch_size: int, rows_per_shard: int) -> DecodeLayout:
+  """The layout of n_rows rows (groups of group_size consecutive rows share a prompt) decoded in
+  sub-batches of decode_batch_size rows (a divisor of n_rows): R = gcd(decode_batch_size,
+  group_size) rows share a prefilled prompt, and each sub-batch gets the fewest padding prompts
+  (all-0 mask: they emit nothing) that make its rows a multiple of rows_per_shard."""
+  samples = math.gcd(decode_batch_size, group_size)
+  step = rows_per_shard // math.gcd(samples, rows_per_shard)  # prompts whose rows fill the shards
+  prompts = -(-(decode_batch_size // samples) // step) * step
+  return DecodeLayout(n_rows // decode_batch_size, prompts, samples)
+
+
 # ---- the memory plan ----------------------------------------------------------------------------
 _AUTO_HEADROOM = 0.8  # share of the free device memory the decode batch may plan for
 _LOGIT_COPIES = 8  # float32 [V] vectors per row planned for the head's output and the sampler
 
 
+def _split(n: int, t: int) -> int:
+  return n // t if n % t == 0 else n
+
+
+def kv_bytes(cfg, slots: int, mesh: Mesh | None, dtype: str) -> int:
+  """Device bytes of one row's keys and values over `slots` cache slots on each device: 2 x layers
+  x KV heads x slots x head_dim in `dtype`, KV heads split over "tensor" when it divides them."""
+  kv = _split(cfg.num_key_value_heads, 1 if mesh is None else mesh.shape["tensor"])
+  return 2 * cfg.num_hidden_layers * kv * slots * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
 def decode_row_bytes(cfg, cache_len: int, mesh: Mesh | None, dtype: str) -> int:
-  """Device bytes one decoded row needs on each device: its KV cache (2 x layers x KV heads x
-  cache_len x head_dim in `dtype`, KV heads split over "tensor" when it divides them) plus
-  `_LOGIT_COPIES` float32 vectors of the vocabulary (split likewise) for the logits and the
-  sampler's temporaries."""
-  t = 1 if mesh is None else mesh.shape["tensor"]
-  kv = cfg.num_key_value_heads // t if cfg.num_key_value_heads % t == 0 else cfg.num_key_value_heads
-  vocab = cfg.vocab_size // t if cfg.vocab_size % t == 0 else cfg.vocab_size
-  cache = 2 * cfg.num_hidden_layers * kv * cache_len * cfg.head_dim * jnp.dtype(dtype).itemsize
-  return cache + _LOGIT_COPIES * vocab * 4
+  """Device bytes one decoded row needs on each device: its KV cache of cache_len slots
+  (`kv_bytes`; the completion's, the prompt's being shared) plus `_LOGIT_COPIES` float32 vectors
+  of the vocabulary (split over "tensor" likewise) for the logits and the sampler's temporaries."""
+  vocab = _split(cfg.vocab_size, 1 if mesh is None else mesh.shape["tensor"])
+  return kv_bytes(cfg, cache_len, mesh, dtype) + _LOGIT_COPIES * vocab * 4
 
 
-def auto_decode_batch_size(n_rows: int, rows_per_shard: int, row_bytes: int, free_bytes: int | None) -> int:
-  """The largest divisor d of n_rows whose sub-batch (ceil(d / rows_per_shard) rows on each
-  device, `row_bytes` each) fits in `_AUTO_HEADROOM` of `free_bytes`; all rows when the backend
-  reports no memory statistics (free_bytes None, e.g. CPU)."""
+def auto_decode_batch_size(
+    n_rows: int,
+    rows_per_shard: int,
+    row_bytes: int,
+    free_bytes: int | None,
+    *,
+    group_size: int = 1,
+    prompt_bytes: int = 0,
+) -> int:
+  """The largest divisor d of n_rows whose sub-batch fits in `_AUTO_HEADROOM` of `free_bytes`:
+  its decode rows (`decode_layout`, ceil(rows / rows_per_shard) on each device) at `row_bytes`
+  each plus its prefilled prompts at `prompt_bytes` each (a device's share when they divide over
+  the row shards, else all); all rows when the backend reports no memory statistics (free_bytes
+  None, e.g. CPU)."""
   if free_bytes is None:
     return n_rows
   budget = _AUTO_HEADROOM * free_bytes
   for d in sorted((d for d in range(1, n_rows + 1) if n_rows % d == 0), reverse=True):
-    if -(-d // rows_per_shard) * row_bytes <= budget:
+    layout = decode_layout(n_rows, group_size, d, rows_per_shard)
+    need = -(-layout.rows // rows_per_shard) * row_bytes + _split(layout.prompts, rows_per_shard) * prompt_bytes
+    if need <= budget:
       return d
   raise ValueError(
       f"decode_batch_size=auto: not even one row per device fits: it needs "
-      f"{row_bytes / 2**20:.1f} MiB and {free_bytes / 2**20:.1f} MiB are free"
+      f"{(row_bytes + prompt_bytes) / 2**20:.1f} MiB and {free_bytes / 2**20:.1f} MiB are free"
   )
 
 
@@ -77,10 +131,20 @@ def free_device_bytes(devices) -> int | None:
 
 
 def resolve_decode_batch_size(
-    decode_batch_size, n_rows: int, *, cfg, cache_len: int, mesh: Mesh | None, dtype: str
+    decode_batch_size,
+    n_rows: int,
+    *,
+    cfg,
+    prompt_len: int,
+    new_len: int,
+    group_size: int,
+    mesh: Mesh | None,
+    dtype: str,
 ) -> int:
   """None: all rows; "auto": `auto_decode_batch_size` from the free memory of the mesh's
-  devices (all rows on CPU); an int must divide n_rows. Raises ValueError before compiling."""
+  devices (all rows on CPU) for prompts of prompt_len slots shared by groups of group_size rows
+  and new_len completion slots a row; an int must divide n_rows. Raises ValueError before
+  compiling."""
   if decode_batch_size is None:
     return n_rows
   rps = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
@@ -91,7 +155,9 @@ def resolve_decode_batch_size(
       from jax.experimental import multihost_utils
 
       free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
-    return auto_decode_batch_size(n_rows, rps, decode_row_bytes(cfg, cache_len, mesh, dtype), free)
+    row = decode_row_bytes(cfg, new_len, mesh, dtype)
+    prompt = kv_bytes(cfg, prompt_len, mesh, dtype)
+    return auto_decode_batch_size(n_rows, rps, row, free, group_size=group_size, prompt_bytes=prompt)
   size = _check_int("decode_batch_size", decode_batch_size, 1)
   if n_rows % size:
     raise ValueError(f"generate: decode_batch_size {size} does not divide the {n_rows} rows " "(prompts x num_samples)")
