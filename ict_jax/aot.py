@@ -183,6 +183,9 @@ class Report:
   # sub-batch holds whole groups; batch padding included) and their forward FLOPs
   prefill_rows: int | None = None
   prefill_flops: float | None = None
+  # the sampler: KV cache slots the decode steps read over a whole rollout / the slots written when
+  # read (`sampling.kv_read_over_filled`: completions all running to the end, decode phases as compiled)
+  kv_read_over_filled: float | None = None
 
   @property
   def margin_bytes(self) -> int | None:
@@ -633,6 +636,8 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
   report.decode_batch_size = sub
   report.prefill_rows = layout.prefill_rows
   report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
+  phases = sampling.decode_phases(new_len)
+  report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
   # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
   # is not per step; this is the body as its own program, its cache donated (updated in place)
   cache = decode_cache(mcfg, mesh, layout.rows, new_len, dtype)
@@ -655,6 +660,7 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
       rows_per_device=layout.rows // shards,
       prompts_per_sub_batch=layout.prompts,
       samples_per_prompt=layout.samples,
+      decode_phases=list(phases),
       prompt_len=prompt_len,
       completion_len=new_len,
       mesh=dict(mesh.shape),
@@ -684,7 +690,8 @@ def format_report(r: Report, target: Target) -> str:
         f"({s.get('prompt_len')} + {s.get('completion_len')}) tokens, decode batch "
         f"{s.get('decode_batch_size')} ({s.get('sub_batches')} sub-batches, {s.get('rows_per_device')} rows a chip); "
         f"{r.prefill_rows} prompt rows prefilled ({s.get('samples_per_prompt')} rows read each), "
-        f"{r.prefill_flops:.3e} prefill FLOPs"
+        f"{r.prefill_flops:.3e} prefill FLOPs; decode in {len(s.get('decode_phases', ()))} length-bounded "
+        f"phases: KV slots read / written {r.kv_read_over_filled:.3f}"
     )
   else:
     head = (

@@ -196,6 +196,10 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
   assert s["prefill_rows"] == 2 and s["shapes"]["samples_per_prompt"] == 8
   c = Qwen2Config.preset("tiny")
   assert s["prefill_flops"] == 2 * 16 * c.flops_per_token(16, training=False)
+  # 16 completion columns are one decode phase: steps 1..15 read 2 x 16 prompt + 16 x 16 completion
+  # slots, of which 2 x 16 + 16 x (i - 1) are written
+  assert s["shapes"]["decode_phases"] == [16]
+  assert s["kv_read_over_filled"] == pytest.approx(15 * (32 + 256) / (15 * 32 + 16 * 105))
   # the minimum a step reads: the bf16 rollout copy, whole on every chip (tensor 1; fsdp holds no
   # weight when decoding), this chip's 2 rows of the 16 completion slots and the 2 prompts' 16
   # slots (2 prompts do not split over 8 chips: each chip holds both)

@@ -124,7 +124,8 @@ class Attention(nnx.Module):
     `cfg.attention` names the implementation (`models/attention.py`). When decoding, `cache` is
     this layer's OLD keys/values [B,K,S,H] (before the T new positions are written: read before
     write, so the stacked cache is only read inside the layer scan) and `mask` the additive biases
-    (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens.
+    (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens;
+    only the first S slots of the cache, as many as `old` has biases, are read.
     `prefix` [U,K,P,H] (U dividing B) adds a block of P slots read by B/U consecutive rows each
     (a prompt's keys/values shared by its samples), its biases [U,1,1,1,1,P] first in `mask`."""
     cfg, dt = self.cfg, x.dtype
@@ -140,7 +141,8 @@ class Attention(nnx.Module):
       out = attend(q, k, v, mask, cfg.attention)
     else:  # decoding: one softmax over the (prefix,) S old cache slots and the T new tokens
       old_bias, new_bias = mask[-2:]
-      ck, cv = cache.k.astype(dt), cache.v.astype(dt)  # [B,K,S,H], heads-major: the dots need no transpose
+      s = old_bias.shape[-1]  # the slots that may hold keys (`hidden_states`' cache_read_len): read only those
+      ck, cv = cache.k[:, :, :s].astype(dt), cache.v[:, :, :s].astype(dt)  # [B,K,S,H], heads-major
       b, t = q.shape[:2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
       scale = cfg.head_dim**-0.5
@@ -325,6 +327,7 @@ class Qwen2(nnx.Module):
       prefill: bool = False,
       prefix: LayerCache | None = None,
       prefix_mask: Array | None = None,
+      cache_read_len: int | None = None,
   ):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
@@ -335,7 +338,9 @@ class Qwen2(nnx.Module):
     nothing visible yet, so the T tokens attend to each other only (scores [.., T, T], not
     [.., T, S]: a prompt does not pay for the max_new_tokens slots). `prefix` (decoding only) is a
     read-only `LayerCache` [L, U, K, P, H] before the cache, e.g. a prompt prefilled once for its
-    B/U samples: rows [u*B/U, (u+1)*B/U) attend to its row u where `prefix_mask` [U, P] is 1."""
+    B/U samples: rows [u*B/U, (u+1)*B/U) attend to its row u where `prefix_mask` [U, P] is 1.
+    `cache_read_len` (static, decoding only): read only the first that many cache slots, which must
+    hold every slot written before cache_index (the decode loop's length-bounded phases)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
@@ -345,12 +350,12 @@ class Qwen2(nnx.Module):
     if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask
     else:  # biases of the S old cache slots and of the T new tokens (see `Attention`)
-      s = cache.k.shape[3]
+      s = cache.k.shape[3] if cache_read_len is None else cache_read_len
       bias = lambda allowed: jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
       old = jnp.arange(s)[None, :] < cache_index  # [1, S]: slots written before this call
       causal = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]  # [1, T, T]
       if kv_mask is not None:
-        old = old & (kv_mask > 0)  # [B, S]
+        old = old & (kv_mask[:, :s] > 0)  # [B, S]
         new_valid = jax.lax.dynamic_slice_in_dim(kv_mask, cache_index, t, axis=1) > 0  # [B, T]
         causal = causal & new_valid[:, None, :]
       mask = (bias(old[:, None, :]), bias(causal))  # [B|1,1,1,1,S], [B|1,1,1,T,T]

@@ -4,7 +4,8 @@ One module a concern:
   rules.py    sampling one token per row: temperature, top-k, top-p, greedy (`sample_logits`).
   policy.py   the rollout copy of the policy: weights cast and laid out for decoding once a step.
   decode.py   the jitted prefill (once per prompt) + KV-cache decode loop, sub-batches (`sample_fn`).
-  plan.py     length buckets, the decode sub-batch size and which rows share a prefilled prompt.
+  plan.py     length buckets, the decode sub-batch size, which rows share a prefilled prompt, and
+              the decode loop's length-bounded phases.
   host.py     `generate` (validation, bucketing, the mesh) and `lower_generate` (AOT).
 """
 
@@ -15,9 +16,11 @@ from ict_jax.sampling.plan import (
     auto_decode_batch_size,
     bucket_length,
     decode_layout,
+    decode_phases,
     decode_row_bytes,
     free_device_bytes,
     kv_bytes,
+    kv_read_over_filled,
     resolve_decode_batch_size,
 )
 from ict_jax.sampling.policy import (
@@ -48,6 +51,8 @@ __all__ = [
     "prompt_sharding",
     "DecodeLayout",
     "decode_layout",
+    "decode_phases",
+    "kv_read_over_filled",
     "kv_bytes",
     "decode_row_bytes",
     "auto_decode_batch_size",

@@ -9,11 +9,13 @@ sample. RoPE positions come from the prompt (`cumsum(mask) - 1`) and continue wi
 `num_prompt_tokens + i` for completion token i, so left padding never shifts a position (same as
 `transformers` with an attention mask).
 
-Decode is one `[B, 1]` forward per step inside a `lax.while_loop` that stops when every row has
-emitted an EOS token or `max_new_tokens` tokens. The EOS token itself is part of the completion
-(mask 1); later positions hold `pad_id` with mask 0 and log-prob 0. Each step's logits [B, V]
-(`Qwen2.next_token_logits`, or `cpu_paths.head_logits` for `kernels == "cpu"`) are sampled by
-`rules._sample_step`.
+Decode is one `[B, 1]` forward per step inside `lax.while_loop`s that stop when every row has
+emitted an EOS token or `max_new_tokens` tokens: one loop a length-bounded phase
+(`plan.decode_phases`), whose steps read only the completion slots within its bound (compiled
+with it), so a rollout reads ~1 + 1 / 16 of the slots written, not ~2x. The EOS token itself is
+part of the completion (mask 1); later positions hold `pad_id` with mask 0 and log-prob 0. Each
+step's logits [B, V] (`Qwen2.next_token_logits`, or `cpu_paths.head_logits` for
+`kernels == "cpu"`) are sampled by `rules._sample_step`.
 
 Compilation. The jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
 flags). temperature, top_p and the actual max_new_tokens are traced values, so changing them does
@@ -33,6 +35,7 @@ from flax import nnx
 from ict_jax import cpu_paths
 from ict_jax.models.axes import constrain
 from ict_jax.models.qwen2 import LayerCache
+from ict_jax.sampling.plan import decode_phases
 from ict_jax.sampling.rules import _sample_step
 
 Array = jax.Array
@@ -62,11 +65,14 @@ def prefill(model, prompt_ids: Array, prompt_mask: Array) -> tuple[Array, LayerC
   return decode_head(model, h[:, -1]), cache  # left padding: the last slot is real
 
 
-def decode_one(model, tok: Array, num_prompt: Array, i, cache, prompt_cache, prompt_mask: Array):
+def decode_one(
+    model, tok: Array, num_prompt: Array, i, cache, prompt_cache, prompt_mask: Array, read_len: int | None = None
+):
   """One step of the decode loop: completion token i - 1 (tok [b]) in, its keys/values written at
   slot i - 1 of the decode cache [L, b, K, N, H] -> (logits [b, V] of completion token i, the
   updated cache). Row r reads the prompt cache [L, u, K, P, H] (`prefill`) at row r // (b / u)
-  where `prompt_mask` [u, P] is 1, then the completion slots before i - 1 and its own new slot."""
+  where `prompt_mask` [u, P] is 1, then the completion slots before i - 1 and its own new slot;
+  read_len (static, >= i - 1) bounds the completion slots read (default all N)."""
   h, cache = model.hidden_states(
       tok[:, None],
       jnp.ones((tok.shape[0], 1), jnp.int32),
@@ -75,6 +81,7 @@ def decode_one(model, tok: Array, num_prompt: Array, i, cache, prompt_cache, pro
       cache_index=i - 1,
       prefix=prompt_cache,
       prefix_mask=prompt_mask,
+      cache_read_len=read_len,
   )
   return decode_head(model, h[:, 0]), cache
 
@@ -102,8 +109,9 @@ def _decode_rows(
   {ids, mask[, logprobs][, logits]} [u * samples, max_len(, V)], row k * samples + s sample s of
   prompt k.
 
-  Prefill the u prompts, then a `lax.while_loop` of [b, 1] steps that stops when every row has
-  emitted an EOS token or num_new tokens."""
+  Prefill the u prompts, then [b, 1] steps that stop when every row has emitted an EOS token or
+  num_new tokens, in length-bounded phases (`plan.decode_phases`): one `lax.while_loop` a phase,
+  whose steps read only the completion slots within its bound."""
   u = prompt_ids.shape[0]
   b = u * samples
   rows = ("act_batch", None)
@@ -147,18 +155,23 @@ def _decode_rows(
     out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[1]), jnp.float32), ("act_batch", None, None))
   tok, done, out = emit(0, logits, num_prompt == 0, out)
 
-  def cond(carry):
-    i, _, _, done, _ = carry
-    return (i < num_new) & ~jnp.all(done)
+  def phase(bound):  # the steps i <= bound: completion slots [0, i - 1) are within [0, bound)
+    def cond(carry):
+      i, _, _, done, _ = carry
+      return (i < num_new) & (i <= bound) & ~jnp.all(done)
 
-  def body(carry):
-    i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, into slot i - 1
-    logits, cache = decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask)
-    tok, done, out = emit(i, logits, done, out)
-    return i + 1, cache, tok, done, out
+    def body(carry):
+      i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, into slot i - 1
+      logits, cache = decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, bound)
+      tok, done, out = emit(i, logits, done, out)
+      return i + 1, cache, tok, done, out
+
+    return cond, body
 
   carry = (jnp.int32(1), cache, tok, done, out)
-  return jax.lax.while_loop(cond, body, carry)[-1]
+  for bound in decode_phases(max_len):
+    carry = jax.lax.while_loop(*phase(bound), carry)
+  return carry[-1]
 
 
 def _generate_impl(

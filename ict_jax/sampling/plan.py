@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 _MIN_BUCKET = 16
+_PHASES = 8  # the decode loop's length-bounded phases (at most; each at least _MIN_BUCKET steps)
 
 
 def bucket_length(n: int, buckets: Sequence[int] | None = None) -> int:
@@ -27,6 +28,28 @@ def bucket_length(n: int, buckets: Sequence[int] | None = None) -> int:
     if fits:
       return int(fits[0])
   return max(_MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def decode_phases(max_len: int) -> tuple[int, ...]:
+  """The read bounds of the decode loop's phases: multiples of max(16, ceil(max_len / 8)), then
+  max_len. The phase of bound b runs the steps whose cache slots written so far fit in b, and its
+  attention reads b completion slots, not max_len: over a whole rollout the slots read exceed the
+  slots written by ~1 / (2 x phases), where reading all max_len slots every step reads ~2x."""
+  step = max(_MIN_BUCKET, -(-max_len // _PHASES))
+  return tuple(range(step, max_len, step)) + (max_len,)
+
+
+def kv_read_over_filled(phases: Sequence[int], prompts: int, prompt_len: int, rows: int) -> float:
+  """Cache slots the decode steps of one sub-batch read over a whole rollout / the slots that held
+  keys when read, for completions all running to the last of max_len = phases[-1] columns: step i
+  (1 .. max_len - 1) reads the prompts' prompt_len slots (once a prompt: shared by its rows) and
+  each row's first b completion slots, b its phase's bound, of which i - 1 are written."""
+  read = filled = 0
+  for i in range(1, phases[-1]):
+    bound = next(b for b in phases if i <= b)
+    read += prompts * prompt_len + rows * bound
+    filled += prompts * prompt_len + rows * (i - 1)
+  return read / filled
 
 
 def _check_int(name: str, value, minimum: int) -> int:
