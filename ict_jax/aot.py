@@ -184,6 +184,13 @@ class Report:
   decode_step_min_bytes: int | None = None
   # cuDNN flash-attention calls (forward and backward custom calls) in the compiled program
   cudnn_attention_calls: int = 0
+  # the sampler: prompt rows prefilled over the whole rollout (prompts once each when a decode
+  # sub-batch holds whole groups; batch padding included) and their forward FLOPs
+  prefill_rows: int | None = None
+  prefill_flops: float | None = None
+  # the sampler: KV cache slots the decode steps read over a whole rollout / the slots written when
+  # read (`sampling.kv_read_over_filled`: completions all running to the end, decode phases as compiled)
+  kv_read_over_filled: float | None = None
 
   @property
   def margin_bytes(self) -> int | None:
@@ -530,14 +537,14 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-def _decode_step(state, cache, tok, num_prompt, i, kv_mask, rng, temperature, top_p, *, graphdef, prompt_len, kw):
-  """One step of the sampler's decode loop (`sampling._decode_rows`'s while-loop body, without
-  writing the outputs): token i - 1 [b] in, its KV written at slot prompt_len + i - 1, token i
-  sampled."""
+def _decode_step(state, cache, prompt_cache, tok, num_prompt, i, prompt_mask, rng, temperature, top_p, *, graphdef, kw):
+  """One step of the sampler's decode loop (`sampling.decode._decode_rows`'s while-loop body,
+  without writing the outputs): token i - 1 [b] in, its KV written at completion slot i - 1, the
+  shared prompt cache read, token i sampled."""
   model = nnx.merge(graphdef, state)
-  logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_len + i - 1, kv_mask)
+  logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask)
   kernels = model.cfg.kernels
-  tok, _ = sampling._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
+  tok, _ = sampling.rules._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
   return tok, cache
 
 
@@ -567,26 +574,27 @@ def _unrolled_scans():
     jax.lax.scan = scan
 
 
-def compile_decode_step(policy, mesh, cache: LayerCache, prompt_len: int, sample_kw: dict):
-  """`_decode_step` compiled for `mesh` (the cache donated, as the loop carries it in place), its
-  layer scan unrolled (`_unrolled_scans`).
+def compile_decode_step(policy, mesh, cache: LayerCache, prompt_cache: LayerCache, sample_kw: dict):
+  """`_decode_step` compiled for `mesh` (the decode cache donated, as the loop carries it in
+  place; the prompt cache only read), its layer scan unrolled (`_unrolled_scans`).
 
   The layouts of the cache and the weights are the compiler's choice (`Layout.AUTO`), as inside
   the sampler, where the cache is made in the program and a weight relayout is loop-invariant
   (done once, before the loop): with the default layouts of arguments, XLA relayouts the whole
   cache into and out of the layer scan (4 x its bytes: 1.5B on v5e-8, 64 rows a chip, 18 GB) and
   the tied embedding for its gather, and the step would be charged for what the loop does not do."""
-  batch, cache_len = cache.k.shape[1], cache.k.shape[3]
+  batch, prompts, prompt_len = cache.k.shape[1], prompt_cache.k.shape[1], prompt_cache.k.shape[3]
   cache_formats = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in cache))
   rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
   sds = jax.ShapeDtypeStruct
   args = (
       policy.state,
       cache,
+      prompt_cache,
       sds((batch,), jnp.int32, sharding=rows),  # the last token
       sds((batch,), jnp.int32, sharding=rows),  # prompt lengths
       sds((), jnp.int32, sharding=repl),  # i
-      sds((batch, cache_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"), None))),
+      sds((prompts, prompt_len), jnp.int32, sharding=sampling.prompt_sharding(mesh, prompts)),
       sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=repl),
       sds((), jnp.float32, sharding=repl),
       sds((), jnp.float32, sharding=repl),
@@ -594,8 +602,9 @@ def compile_decode_step(policy, mesh, cache: LayerCache, prompt_len: int, sample
   in_shardings = list(jax.tree.map(lambda x: x.sharding, args))
   in_shardings[0] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), policy.state)
   in_shardings[1] = cache_formats
+  in_shardings[2] = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in prompt_cache))
   step = jax.jit(
-      functools.partial(_decode_step, graphdef=policy.graphdef, prompt_len=prompt_len, kw=sample_kw),
+      functools.partial(_decode_step, graphdef=policy.graphdef, kw=sample_kw),
       in_shardings=tuple(in_shardings),
       out_shardings=(rows, cache_formats),
       donate_argnums=(1,),
@@ -624,13 +633,17 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
   policy_bytes = bytes_per_device(policy.state)
   free = target.usable_hbm - resident - policy_bytes
   dbs = setup_lib.decode_batch_size(cfg)
+  group = cfg.rollout.group_size
   try:
     if dbs == "auto":
-      row_bytes = sampling.decode_row_bytes(mcfg, prompt_len + new_len, mesh, dtype)
+      row_bytes = sampling.decode_row_bytes(mcfg, new_len, mesh, dtype)
+      prompt_bytes = sampling.kv_bytes(mcfg, prompt_len, mesh, dtype)
       try:
         if free <= 0:
           raise ValueError("no memory is free")
-        sub = sampling.auto_decode_batch_size(rows, shards, row_bytes, free)
+        sub = sampling.auto_decode_batch_size(
+            rows, shards, row_bytes, free, group_size=group, prompt_bytes=prompt_bytes
+        )
       except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
         sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
         note = "; ".join(
@@ -638,17 +651,16 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
         )
     else:
       sub = sampling.resolve_decode_batch_size(
-          dbs, rows, cfg=mcfg, cache_len=prompt_len + new_len, mesh=mesh, dtype=dtype
+          dbs, rows, cfg=mcfg, prompt_len=prompt_len, new_len=new_len, group_size=group, mesh=mesh, dtype=dtype
       )
   except ValueError as e:
     raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
-  sub_batches = rows // sub
-  per_sub = -(-sub // shards) * shards  # `generate` pads each sub-batch to a multiple of the shards
+  layout = sampling.decode_layout(rows, group, sub, shards)  # as `generate` lays the rows out
   greedy = cfg.rollout.temperature == 0
   sample_kw = dict(greedy=greedy, top_k=min(cfg.rollout.top_k, mcfg.vocab_size), use_top_p=cfg.rollout.top_p < 1.0)
   with _cudnn_tracing(mcfg):  # the prefill
     lowered = sampling.lower_generate(
-        policy, sub_batches * per_sub, prompt_len, new_len, mesh=mesh, decode_batch_size=per_sub, **sample_kw
+        policy, rows, prompt_len, new_len, mesh=mesh, decode_batch_size=sub, num_samples=group, **sample_kw
     )
   advice = (
       f"lower --config.rollout.decode_batch_size (now {sub} of {rows} rows; it must divide them), or "
@@ -656,11 +668,17 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
   )
   report = measure(lowered, target, program="sampler", advice=advice, resident=resident)
   report.decode_batch_size = sub
+  report.prefill_rows = layout.prefill_rows
+  report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
+  phases = sampling.decode_phases(new_len)
+  report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
   # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
   # is not per step; this is the body as its own program, its cache donated (updated in place)
-  cache = decode_cache(mcfg, mesh, per_sub, prompt_len + new_len, dtype)
+  cache = decode_cache(mcfg, mesh, layout.rows, new_len, dtype)
+  prompt_cache = decode_cache(mcfg, mesh, layout.prompts, prompt_len, dtype)
+  kv_cache_bytes = bytes_per_device(cache) + bytes_per_device(prompt_cache)
   try:
-    costs = compile_decode_step(policy, mesh, cache, prompt_len, sample_kw).cost_analysis()
+    costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw).cost_analysis()
   except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
     costs, report.error = None, (report.error or f"decode step: {' '.join(str(e).split())[:300]}")
   costs = costs[0] if isinstance(costs, (list, tuple)) else costs
@@ -668,12 +686,15 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
     report.decode_step_bytes = float(costs["bytes accessed"])
   elif not report.error:  # the CUDA plugin's compile-only executables have no cost analysis
     note = "; ".join(n for n in (note, "decode step bytes: this compiler gives no cost analysis") if n)
-  report.decode_step_min_bytes = policy_bytes + bytes_per_device(cache)
+  report.decode_step_min_bytes = policy_bytes + kv_cache_bytes
   report.shapes = dict(
       rows=rows,
       decode_batch_size=sub,
-      sub_batches=sub_batches,
-      rows_per_device=per_sub // shards,
+      sub_batches=layout.sub_batches,
+      rows_per_device=layout.rows // shards,
+      prompts_per_sub_batch=layout.prompts,
+      samples_per_prompt=layout.samples,
+      decode_phases=list(phases),
       prompt_len=prompt_len,
       completion_len=new_len,
       mesh=dict(mesh.shape),
@@ -683,7 +704,8 @@ def compile_sampler(cfg: Config, target: Target, *, prompt_len: int = 0, complet
       param_dtype=dtype,
       attention=mcfg.attention,  # the prefill's
       rollout_policy_bytes=policy_bytes,
-      kv_cache_bytes=bytes_per_device(cache),
+      kv_cache_bytes=kv_cache_bytes,
+      prompt_kv_cache_bytes=bytes_per_device(prompt_cache),
       note=note,
   )
   return report
@@ -701,7 +723,10 @@ def format_report(r: Report, target: Target) -> str:
         f"sampler on {r.target} ({target.chips} chips, mesh {s.get('mesh')}): {s.get('model')} "
         f"({s.get('num_params', 0):,} params, {s.get('dtype')} rollout copy), {s.get('rows')} rows x "
         f"({s.get('prompt_len')} + {s.get('completion_len')}) tokens, decode batch "
-        f"{s.get('decode_batch_size')} ({s.get('sub_batches')} sub-batches, {s.get('rows_per_device')} rows a chip)"
+        f"{s.get('decode_batch_size')} ({s.get('sub_batches')} sub-batches, {s.get('rows_per_device')} rows a chip); "
+        f"{r.prefill_rows} prompt rows prefilled ({s.get('samples_per_prompt')} rows read each), "
+        f"{r.prefill_flops:.3e} prefill FLOPs; decode in {len(s.get('decode_phases', ()))} length-bounded "
+        f"phases: KV slots read / written {r.kv_read_over_filled:.3f}"
     )
   else:
     head = (

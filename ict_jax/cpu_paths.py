@@ -63,7 +63,7 @@ def head_logits(h: Array, w: Array, vocab_major: bool) -> Array:
 # ---- greedy and plain temperature sampling -------------------------------------------------------
 def _first_crossing(cum: Array, weights: Array, target: Array) -> Array:
   """Index of the entry whose cumulative interval holds `target`: cum, weights [B, n]; target [B]
-  (the rule of `sampling._first_crossing`; zero-weight entries are never chosen)."""
+  (the rule of `sampling.rules._first_crossing`; zero-weight entries are never chosen)."""
   n = weights.shape[-1]
   count = jnp.sum(cum <= target[:, None], axis=-1)
   last_nonzero = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
@@ -88,7 +88,7 @@ def _token_groups(v: int) -> int:
 
 def plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tuple[Array, Array]:
   """Greedy or plain temperature sampling from vocabulary-major logits lv [V, B] -> (ids [B]
-  int32, log-probs [B] float32), the values of the portable `sampling._sample_step`.
+  int32, log-probs [B] float32), the values of the portable `sampling.rules._sample_step`.
 
   Two passes over lv, a maximum and a sum of exp(x - max), each in two levels whose second
   reduces only [G, B] (G = _token_groups(V)); no [B, V] probabilities, indices or cumulative

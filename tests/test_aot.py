@@ -201,10 +201,20 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
   for key in ("fits", "peak_bytes_per_device", "decode_step_bytes", "decode_step_min_bytes", "decode_bytes_ratio"):
     assert key in s, key
   assert s["decode_batch_size"] == 16 and s["shapes"]["sub_batches"] == 1 and s["shapes"]["rows_per_device"] == 2
+  # each of the 2 prompts prefilled once, its keys/values read by its 8 rows
+  assert s["prefill_rows"] == 2 and s["shapes"]["samples_per_prompt"] == 8
+  c = Qwen2Config.preset("tiny")
+  assert s["prefill_flops"] == 2 * 16 * c.flops_per_token(16, training=False)
+  # 16 completion columns are one decode phase: steps 1..15 read 2 x 16 prompt + 16 x 16 completion
+  # slots, of which 2 x 16 + 16 x (i - 1) are written
+  assert s["shapes"]["decode_phases"] == [16]
+  assert s["kv_read_over_filled"] == pytest.approx(15 * (32 + 256) / (15 * 32 + 16 * 105))
   # the minimum a step reads: the bf16 rollout copy, whole on every chip (tensor 1; fsdp holds no
-  # weight when decoding), and this chip's 2 rows of the 16 + 16 slot KV cache
-  weights = Qwen2Config.preset("tiny").num_params() * 2
-  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 32)
+  # weight when decoding), this chip's 2 rows of the 16 completion slots and the 2 prompts' 16
+  # slots (2 prompts do not split over 8 chips: each chip holds both)
+  weights = c.num_params() * 2
+  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 16) + _kv_bytes_per_chip(2, 16)
+  assert s["shapes"]["prompt_kv_cache_bytes"] == _kv_bytes_per_chip(2, 16)
   assert s["decode_bytes_ratio"] >= 1.0  # nothing reads less than every weight and the cache once
   assert s["decode_bytes_ratio"] == pytest.approx(s["decode_step_bytes"] / s["decode_step_min_bytes"])
   # the train state stays on the chips while sampling: float32 params + two Adam moments over 8
@@ -216,13 +226,14 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
 def test_bigger_decode_batch_needs_more_sampler_memory(sampler_small):
   small, big = sampler_small[8][1]["sampler"], sampler_small[16][1]["sampler"]
   assert small["decode_batch_size"] == 8 and small["shapes"]["sub_batches"] == 2
+  assert small["prefill_rows"] == big["prefill_rows"] == 2  # a sub-batch of 8 is one whole group
   assert big["temp_bytes"] > small["temp_bytes"]
   # the peak less the generated code, which is the program's (the sub-batch loop makes the decode
   # batch of 8 the longer program: 2.42 against 2.02 MB), not the batch's
   data = lambda r: r["peak_bytes_per_device"] - r["generated_code_bytes"]
   assert data(big) > data(small)
   assert big["argument_bytes"] == small["argument_bytes"]  # same weights, same prompts
-  # one more row a chip: its KV cache more to read each step
+  # one more row a chip (its 16 completion slots) and one more prompt (16 slots) to read each step
   assert big["decode_step_min_bytes"] - small["decode_step_min_bytes"] == _kv_bytes_per_chip(1, 32)
   assert big["decode_step_bytes"] > small["decode_step_bytes"]
 
@@ -237,7 +248,9 @@ def test_decode_batch_auto_is_sized_from_the_targets_hbm(sampler_small, tmp_path
   proc, r = aot(*SAMPLE, "--config.rollout.decode_batch_size=auto", json_path=tmp_path / "auto.json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert r["sampler"]["decode_batch_size"] == 16
-  row = _kv_bytes_per_chip(1, 32) + 8 * Qwen2Config.preset("tiny").vocab_size * 4  # cache + 8 f32 [V]
+  # a row's 16 completion slots + 8 f32 [V], plus its prompt's 16 slots (16 rows: 2 prompts on
+  # every chip, one a row; 8 rows: 1 prompt)
+  row = _kv_bytes_per_chip(1, 32) + 8 * Qwen2Config.preset("tiny").vocab_size * 4
   hbm = s["resident_bytes"] + s["shapes"]["rollout_policy_bytes"] + 1.5 * row / 0.8
   proc, r = aot(
       *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a2.json"

@@ -119,7 +119,7 @@ def test_cpu_greedy_equals_portable_greedy(vocab):
   key, one = jax.random.key(0), jnp.float32(1.0)
   cpu = jax.jit(functools.partial(cpu_paths.plain_step, greedy=True))
   portable = jax.jit(
-      functools.partial(sampling._sample_step, greedy=True, top_k=0, use_top_p=False, kernels="portable")
+      functools.partial(sampling.rules._sample_step, greedy=True, top_k=0, use_top_p=False, kernels="portable")
   )
   tok, lp = (np.asarray(a) for a in cpu(jnp.asarray(x), key, one))
   ptok, plp = (np.asarray(a) for a in portable(jnp.asarray(x.T), key, one, one))
@@ -143,7 +143,7 @@ def test_plain_sampling_draws_the_tempered_softmax(kernels, vocab, temperature):
   logits = np.random.RandomState(vocab).randn(1, vocab).astype(np.float32) * 2.0
   draws = 20000 if vocab <= 64 else 6000
   keys = jax.random.split(jax.random.key(1), draws)
-  step = functools.partial(sampling._sample_step, greedy=False, top_k=0, use_top_p=False, kernels=kernels)
+  step = functools.partial(sampling.rules._sample_step, greedy=False, top_k=0, use_top_p=False, kernels=kernels)
   fn = jax.jit(jax.vmap(lambda k: step(jnp.asarray(logits), k, jnp.float32(temperature), jnp.float32(1.0))))
   tok, lp = (np.asarray(x)[:, 0] for x in fn(keys))
   ref_lp = log_softmax(logits[0].astype(np.float64) / temperature)

@@ -304,7 +304,7 @@ def test_model_sampler_makes_the_rollout_copy_once(ab_model_dir, tok, monkeypatc
   mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   model = load_pretrained(ab_model_dir, mesh=mesh)
   real, calls = sampling.make_rollout_policy, []
-  monkeypatch.setattr(sampling, "make_rollout_policy", lambda *a, **k: calls.append(k) or real(*a, **k))
+  monkeypatch.setattr(sampling.policy, "make_rollout_policy", lambda *a, **k: calls.append(k) or real(*a, **k))
   kw = dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0)
   sampler = run.ModelSampler(model, tok, batch_size=2, width=8, mesh=mesh, **kw)
   prompts = [tok.encode(f"{g}+{g}=") for g in range(2)]

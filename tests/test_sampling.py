@@ -1,4 +1,4 @@
-"""sampling.py against transformers' generate / logits warpers and a full forward pass."""
+"""ict_jax.sampling against transformers' generate / logits warpers and a full forward pass."""
 
 import functools
 import os
@@ -200,7 +200,7 @@ def test_top_p_threshold_is_the_smallest_nucleus(scale):
   logits = rng.randn(3, 3000).astype(np.float32) * scale
   e = np.exp(logits - logits.max(-1, keepdims=True))
   top_p = np.float32(0.8)
-  t = np.asarray(jax.jit(sampling._top_p_threshold)(jnp.asarray(e), top_p))
+  t = np.asarray(jax.jit(sampling.rules._top_p_threshold)(jnp.asarray(e), top_p))
   for row, thr in zip(e, t):
     desc = np.sort(row)[::-1].astype(np.float64)
     n = int(np.searchsorted(np.cumsum(desc), top_p * desc.sum()) + 1)  # smallest prefix
@@ -287,11 +287,11 @@ def test_bucketed_shapes_reuse_one_compilation(model):
   ids, mask = _prompts()
   kw = dict(rng=jax.random.key(0), eos_token_ids=(7, 8), pad_id=PAD, num_samples=2, return_logits=True)
   generate(model, ids, mask, max_new_tokens=5, temperature=0.7, **kw)
-  before = sampling._generate_jit._cache_size()
+  before = sampling.decode._generate_jit._cache_size()
   out = generate(model, ids[:, 2:], mask[:, 2:], max_new_tokens=9, temperature=0.7, **kw)
   assert out[0].shape == (4, 9) and out[3].shape == (4, 9, VOCAB)  # cut back from the buckets
   generate(model, ids, mask, max_new_tokens=3, temperature=0.5, **dict(kw, eos_token_ids=(1,)))
-  assert sampling._generate_jit._cache_size() == before
+  assert sampling.decode._generate_jit._cache_size() == before
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
@@ -323,10 +323,10 @@ def test_bad_inputs_raise_before_compiling(model, change, match):
   ids, mask = _prompts()
   kw = dict(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, temperature=1.0, rng=jax.random.key(0))
   kw.update(change)
-  before = sampling._generate_jit._cache_size()
+  before = sampling.decode._generate_jit._cache_size()
   with pytest.raises(ValueError, match=match):
     generate(model, **kw)
-  assert sampling._generate_jit._cache_size() == before
+  assert sampling.decode._generate_jit._cache_size() == before
 
 
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
@@ -426,7 +426,13 @@ def test_auto_decode_batch_size():
   from ict_jax.models.config import Qwen2Config
 
   resolve = functools.partial(
-      sampling.resolve_decode_batch_size, cfg=Qwen2Config.preset("tiny"), cache_len=64, mesh=mesh, dtype="float32"
+      sampling.resolve_decode_batch_size,
+      cfg=Qwen2Config.preset("tiny"),
+      prompt_len=32,
+      new_len=32,
+      group_size=4,
+      mesh=mesh,
+      dtype="float32",
   )
   assert resolve("auto", 24) == 24 and resolve(None, 24) == 24 and resolve(6, 24) == 6
   # 64 rows over 4 row shards, 1 MB a row, 5 MB free: 0.8 x 5 MB holds 4 rows a device -> 16
@@ -434,6 +440,13 @@ def test_auto_decode_batch_size():
   assert auto(48, 4, 10**6, 2 * 10**6) == 4  # 1 row a device: the largest divisor <= 4
   with pytest.raises(ValueError, match="not even one row"):
     auto(64, 4, 10**6, 10**6)
+  # groups of 8 rows share one prompt of 2 MB: 32 rows (4 prompts, 1 a device) need 8 x 1 + 2 MB
+  # a device; 16 rows 4 + 2 x 2 MB (2 prompts do not split over 4 shards: both on every device);
+  # 8 rows 2 + 2 MB
+  kw = dict(group_size=8, prompt_bytes=2 * 10**6)
+  assert auto(64, 4, 10**6, 13 * 10**6, **kw) == 32
+  assert auto(64, 4, 10**6, 10 * 10**6, **kw) == 16
+  assert auto(64, 4, 10**6, 9 * 10**6, **kw) == 8
   q = Qwen2Config.preset("qwen2_5_7b")  # 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 56 KiB a token
   row = sampling.decode_row_bytes(q, 2304, None, "bfloat16")
   assert row == 56 * 1024 * 2304 + 8 * 152064 * 4
@@ -579,7 +592,8 @@ def test_decode_loop_writes_the_cache_in_place():
   comps = _hlo_computations(hlo)
   bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
   assert len(bodies) >= 2  # the decode loop and the layer scan inside it (at least)
-  full = r"= f32\[4,8,2,1088,16\]\S* ([\w\-]+)\((.*)"  # the stacked cache: 64 + 1024 slots
+  # the stacked decode cache (1024 completion slots) and the prompt cache (64 slots)
+  full = r"= f32\[4,8,2,(?:1024|64),16\]\S* ([\w\-]+)\((.*)"
   made = []
   for body in bodies:
     for line in comps[body]:
@@ -599,19 +613,19 @@ def test_decode_loop_writes_the_cache_in_place():
 def test_decode_step_writes_the_cache_once_after_the_layer_scan():
   """Read before write: in the compiled sampler the decode step's layer scan only reads the
   stacked cache [L, B, K, S, H] (each layer its old slice) and the step writes the new position of
-  all L layers once, after the scan: besides the prefill's layer-by-layer writes of the prompt
-  ([1, B, K, P, H], nothing read), the only instructions that make a cache-shaped array are two
-  in-place updates (K and V) of [L, B, K, 1, H] in the decode loop's body, which holds the layer
-  scan's loop. Writing each layer's position inside the layer scan and reading the slice back
-  made XLA copy every layer's [B, K, S, H] every step (1.5B on v5e-8: 2.34x the minimum bytes a
-  step reads)."""
+  all L layers once, after the scan: the only instructions that make a decode-cache-shaped array
+  are two in-place updates (K and V) of [L, B, K, 1, H] in each decode loop's body (one loop a
+  phase), which holds the layer scan's loop (the prompt's keys/values are in their own cache,
+  written by the prefill). Writing each layer's position inside the layer scan and reading the
+  slice back made XLA copy every layer's [B, K, S, H] every step (1.5B on v5e-8: 2.34x the
+  minimum bytes a step reads)."""
   import re
 
   policy = sampling.abstract_rollout_policy(_cache_test_config(), dtype="float32")
   hlo = sampling.lower_generate(policy, 8, 64, 1024).compile().as_text()
   comps = _hlo_computations(hlo)
   bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-  full = r"= f32\[4,8,2,1088,16\]\S* ([\w\-]+)\((.*)"  # the stacked cache: 64 + 1024 slots
+  full = r"= f32\[4,8,2,1024,16\]\S* ([\w\-]+)\((.*)"  # the stacked decode cache: 1024 slots
   writes = []  # (update shape, whether the body holds a loop)
   for body in bodies:
     for line in comps[body]:
@@ -627,8 +641,8 @@ def test_decode_step_writes_the_cache_once_after_the_layer_scan():
       assert len(made) == 1, (update, line.strip()[:160])
       shape = re.search(r" = (\w+\[[\d,]*\])", made[0]).group(1)
       writes.append((shape, any(" while(" in x for x in comps[body])))
-  decode = sorted(w for w in writes if w[0] != "f32[1,8,2,64,16]")  # the prefill writes the prompt's 64
-  assert decode == [("f32[4,8,2,1,16]", True)] * 2, writes
+  phases = len(sampling.decode_phases(1024))  # one decode loop a length-bounded phase
+  assert sorted(writes) == [("f32[4,8,2,1,16]", True)] * 2 * phases, writes
 
 
 def test_sub_batches_shrink_the_compiled_programs_memory():
@@ -653,6 +667,7 @@ def test_sub_batches_shrink_the_compiled_programs_memory():
     compiled = sampling.lower_generate(policy, 32, 64, 1024, decode_batch_size=size).compile()
     mem[size] = compiled.memory_analysis()
   cache_bytes = 2 * 2 * 2 * (64 + 1024) * 16 * 2  # K and V x layers x KV heads x slots x H x 2 B
+  # (num_samples 1: a row's prompt slots are its own)
   assert mem[32].temp_size_in_bytes >= 32 * cache_bytes
   assert mem[8].temp_size_in_bytes < mem[32].temp_size_in_bytes / 2.5
   weights = sum(x.size * 2 for x in jax.tree.leaves(policy.state))

@@ -108,14 +108,26 @@ class Attention(nnx.Module):
     )
     self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
 
-  def __call__(self, x: Array, cos: Array, sin: Array, mask, cache: LayerCache | None = None, prefill: bool = False):
+  def __call__(
+      self,
+      x: Array,
+      cos: Array,
+      sin: Array,
+      mask,
+      cache: LayerCache | None = None,
+      prefill: bool = False,
+      prefix: LayerCache | None = None,
+  ):
     """x [B,T,D] -> ([B,T,D], (k, v)): the T new keys and values, [B,K,T,H] each (rotary applied),
     for the caller to write into the cache. Without a cache, or with `prefill` (an empty cache:
     nothing before the T tokens is visible), `mask` is the attention mask [B,T] and
     `cfg.attention` names the implementation (`models/attention.py`). When decoding, `cache` is
     this layer's OLD keys/values [B,K,S,H] (before the T new positions are written: read before
     write, so the stacked cache is only read inside the layer scan) and `mask` the additive biases
-    (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens."""
+    (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens;
+    only the first S slots of the cache, as many as `old` has biases, are read.
+    `prefix` [U,K,P,H] (U dividing B) adds a block of P slots read by B/U consecutive rows each
+    (a prompt's keys/values shared by its samples), its biases [U,1,1,1,1,P] first in `mask`."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -127,22 +139,34 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
       out = attend(q, k, v, mask, cfg.attention)
-    else:  # decoding: one softmax over the S old cache slots and the T new tokens
-      old_bias, new_bias = mask
-      ck, cv = cache.k.astype(dt), cache.v.astype(dt)  # [B,K,S,H], heads-major: the dots need no transpose
+    else:  # decoding: one softmax over the (prefix,) S old cache slots and the T new tokens
+      old_bias, new_bias = mask[-2:]
+      s = old_bias.shape[-1]  # the slots that may hold keys (`hidden_states`' cache_read_len): read only those
+      ck, cv = cache.k[:, :, :s].astype(dt), cache.v[:, :, :s].astype(dt)  # [B,K,S,H], heads-major
       b, t = q.shape[:2]
-      s = ck.shape[2]
       q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
       scale = cfg.head_dim**-0.5
       old = jnp.einsum("BTKGH,BKSH->BKGTS", q, ck).astype(jnp.float32) * scale + old_bias  # [B,K,G,T,S]
       new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k).astype(jnp.float32) * scale + new_bias  # [B,K,G,T,T]
-      # one softmax over both blocks without joining them ([.., S + T] is off the lane tiling and
+      # one softmax over the blocks without joining them ([.., S + T] is off the lane tiling and
       # would be copied): a shared max, unnormalised weights, and the sum divided out after the dots
       top = jnp.maximum(jnp.max(old, axis=-1, keepdims=True), jnp.max(new, axis=-1, keepdims=True))
+      if prefix is not None:  # rows [u*R, u*R + R) read prefix row u: viewed [U, R, ...], no copy
+        u = prefix.k.shape[0]
+        grouped = lambda x: x.reshape(u, b // u, *x.shape[1:])  # [B, ...] -> [U, R, ...]
+        pre = jnp.einsum("URTKGH,UKPH->URKGTP", grouped(q), prefix.k.astype(dt)).astype(jnp.float32)
+        pre = pre * scale + mask[0]  # [U,R,K,G,T,P]
+        top = jnp.maximum(top, jnp.max(pre, axis=-1, keepdims=True).reshape(top.shape))
+        e_pre = jnp.exp(pre - grouped(top))
       e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
       total = jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)  # [B,K,G,T,1]
       out = jnp.einsum("BKGTS,BKSH->BKGTH", e_old.astype(dt), cv, preferred_element_type=jnp.float32)
       out = out + jnp.einsum("BKGTU,BUKH->BKGTH", e_new.astype(dt), v, preferred_element_type=jnp.float32)
+      if prefix is not None:
+        total = total + jnp.sum(e_pre, axis=-1, keepdims=True).reshape(total.shape)
+        pv = prefix.v.astype(dt)
+        out_pre = jnp.einsum("URKGTP,UKPH->URKGTH", e_pre.astype(dt), pv, preferred_element_type=jnp.float32)
+        out = out + out_pre.reshape(out.shape)
       out = (out / total).astype(dt)
       out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
@@ -177,9 +201,9 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False):
+  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False, prefix=None):
     """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
-    h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill)
+    h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
@@ -240,7 +264,9 @@ class Qwen2(nnx.Module):
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
     return LayerCache(zeros(), zeros())
 
-  def _decoder_stack(self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False):
+  def _decoder_stack(
+      self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False, prefix=None
+  ):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters -> (x [B, T, D],
     new cache or None). Decoding reads before it writes: the stacked cache [L, B, K, S, H] is the
     scan's xs (each layer reads its own old [B, K, S, H] slice, as it reads its weights, and XLA
@@ -276,11 +302,11 @@ class Qwen2(nnx.Module):
       index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
       return jax.lax.scan(prefill_layer, (x, cache), (state, index))[0]
 
-    def cached_layer(x, xs):
-      layer_state, old = xs
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old)
+    def cached_layer(x, xs):  # a shared prefix [L, U, K, P, H] is read like the cache, never written
+      layer_state, old, pre = xs
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old, False, pre)
 
-    x, new = jax.lax.scan(cached_layer, x, (state, cache))
+    x, new = jax.lax.scan(cached_layer, x, (state, cache, prefix))
     # the write must follow every read of the old cache; the last layer's new keys/values do not
     # depend on its attention (the reads), x does: without this order XLA copies the whole cache
     x, new = jax.lax.optimization_barrier((x, new))
@@ -299,6 +325,9 @@ class Qwen2(nnx.Module):
       cache_index: Array | None = None,
       kv_mask: Array | None = None,
       prefill: bool = False,
+      prefix: LayerCache | None = None,
+      prefix_mask: Array | None = None,
+      cache_read_len: int | None = None,
   ):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
@@ -307,7 +336,11 @@ class Qwen2(nnx.Module):
     written at `cache_index` and attend to cache keys where `kv_mask` [B, S] is 1; the cache is
     a `LayerCache` of [L, B, K, S, H] arrays (`init_cache`). `prefill` (static): the cache holds
     nothing visible yet, so the T tokens attend to each other only (scores [.., T, T], not
-    [.., T, S]: a prompt does not pay for the max_new_tokens slots)."""
+    [.., T, S]: a prompt does not pay for the max_new_tokens slots). `prefix` (decoding only) is a
+    read-only `LayerCache` [L, U, K, P, H] before the cache, e.g. a prompt prefilled once for its
+    B/U samples: rows [u*B/U, (u+1)*B/U) attend to its row u where `prefix_mask` [U, P] is 1.
+    `cache_read_len` (static, decoding only): read only the first that many cache slots, which must
+    hold every slot written before cache_index (the decode loop's length-bounded phases)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if attention_mask is None:
@@ -317,19 +350,21 @@ class Qwen2(nnx.Module):
     if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask
     else:  # biases of the S old cache slots and of the T new tokens (see `Attention`)
-      s = cache.k.shape[3]
+      s = cache.k.shape[3] if cache_read_len is None else cache_read_len
       bias = lambda allowed: jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
       old = jnp.arange(s)[None, :] < cache_index  # [1, S]: slots written before this call
       causal = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]  # [1, T, T]
       if kv_mask is not None:
-        old = old & (kv_mask > 0)  # [B, S]
+        old = old & (kv_mask[:, :s] > 0)  # [B, S]
         new_valid = jax.lax.dynamic_slice_in_dim(kv_mask, cache_index, t, axis=1) > 0  # [B, T]
         causal = causal & new_valid[:, None, :]
       mask = (bias(old[:, None, :]), bias(causal))  # [B|1,1,1,1,S], [B|1,1,1,T,T]
+      if prefix is not None:
+        mask = (bias(prefix_mask[:, None, None, :] > 0),) + mask  # [U,1,1,1,1,P]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = self.embed["embedding"][...][input_ids].astype(_dtype(cfg.dtype))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index, prefill)
+    x, new_cache = self._decoder_stack(x, cos, sin, mask, cache, cache_index, prefill, prefix)
     h = self.final_norm(x)
     return h if cache is None else (h, new_cache)
 

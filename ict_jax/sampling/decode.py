@@ -1,0 +1,308 @@
+"""The jitted generator: prefill once per prompt + KV-cache decode loop, EOS stop, sub-batches.
+
+Layout. Prompts are left-padded [U, P] and each is decoded by R consecutive rows (its samples):
+B = U x R rows. A prompt is prefilled once (`hidden_states(prefill=True)`: [P, P] scores) into a
+prompt cache [L, U, K, P, H] that its R rows read as a shared prefix (`Qwen2.hidden_states(prefix=
+...)`: one block of prompt slots per prompt, not per row); the decode cache [L, B, K, N, H] holds
+completion token i in slot i. So prefill FLOPs and the prompt's KV memory are per prompt, not per
+sample. RoPE positions come from the prompt (`cumsum(mask) - 1`) and continue with
+`num_prompt_tokens + i` for completion token i, so left padding never shifts a position (same as
+`transformers` with an attention mask).
+
+Decode is one `[B, 1]` forward per step inside `lax.while_loop`s that stop when every row has
+emitted an EOS token or `max_new_tokens` tokens: one loop a length-bounded phase
+(`plan.decode_phases`), whose steps read only the completion slots within its bound (compiled
+with it), so a rollout reads ~1 + 1 / 16 of the slots written, not ~2x. The EOS token itself is
+part of the completion (mask 1); later positions hold `pad_id` with mask 0 and log-prob 0. Each
+step's logits [B, V] (`Qwen2.next_token_logits`, or `cpu_paths.head_logits` for
+`kernels == "cpu"`) are sampled by `rules._sample_step`.
+
+Compilation. The jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
+flags). temperature, top_p and the actual max_new_tokens are traced values, so changing them does
+not recompile. The KV cache lives in the compute dtype (`cfg.dtype`) inside the loop carry and is
+updated in place; nothing the caller owns is donated (the outputs do not alias any input).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ict_jax import cpu_paths
+from ict_jax.models.axes import constrain
+from ict_jax.models.qwen2 import LayerCache
+from ict_jax.sampling.plan import decode_phases
+from ict_jax.sampling.rules import _sample_step
+
+Array = jax.Array
+
+QWEN_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+QWEN_PAD_ID = 151643
+
+
+def decode_head(model, h: Array) -> Array:
+  """h [b, D] (final-normed) -> float32 logits [b, V], as the sampler computes them for
+  `model.cfg.kernels` ("cpu": vocabulary-major [V, b], transposed without a copy into
+  `cpu_paths.plain_step`)."""
+  if model.cfg.kernels == "cpu":
+    return cpu_paths.head_logits(h, *model.head_weight()).T
+  return model.next_token_logits(h)
+
+
+def prefill(model, prompt_ids: Array, prompt_mask: Array) -> tuple[Array, LayerCache]:
+  """Prompts [u, P] left-padded -> (logits [u, V] of the first completion token, the prompt cache
+  [L, u, K, P, H] that `decode_one` reads as the shared prefix of the prompt's rows)."""
+  mask = prompt_mask.astype(jnp.int32)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  cache = model.init_cache(*prompt_ids.shape)
+  h, cache = model.hidden_states(
+      prompt_ids, mask, positions=positions, cache=cache, cache_index=jnp.int32(0), prefill=True
+  )  # [P, P] scores
+  return decode_head(model, h[:, -1]), cache  # left padding: the last slot is real
+
+
+def decode_one(
+    model, tok: Array, num_prompt: Array, i, cache, prompt_cache, prompt_mask: Array, read_len: int | None = None
+):
+  """One step of the decode loop: completion token i - 1 (tok [b]) in, its keys/values written at
+  slot i - 1 of the decode cache [L, b, K, N, H] -> (logits [b, V] of completion token i, the
+  updated cache). Row r reads the prompt cache [L, u, K, P, H] (`prefill`) at row r // (b / u)
+  where `prompt_mask` [u, P] is 1, then the completion slots before i - 1 and its own new slot;
+  read_len (static, >= i - 1) bounds the completion slots read (default all N)."""
+  h, cache = model.hidden_states(
+      tok[:, None],
+      jnp.ones((tok.shape[0], 1), jnp.int32),
+      positions=(num_prompt + i - 1)[:, None],
+      cache=cache,
+      cache_index=i - 1,
+      prefix=prompt_cache,
+      prefix_mask=prompt_mask,
+      cache_read_len=read_len,
+  )
+  return decode_head(model, h[:, 0]), cache
+
+
+def _decode_rows(
+    model,
+    prompt_ids,
+    prompt_mask,
+    rng,
+    num_new,
+    temperature,
+    top_p,
+    eos_ids,
+    pad_id,
+    *,
+    max_len: int,
+    samples: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    return_logprobs: bool,
+    return_logits: bool,
+) -> dict:
+  """One decode batch: prompts [u, P], `samples` rows each ->
+  {ids, mask[, logprobs][, logits]} [u * samples, max_len(, V)], row k * samples + s sample s of
+  prompt k.
+
+  Prefill the u prompts, then [b, 1] steps that stop when every row has emitted an EOS token or
+  num_new tokens, in length-bounded phases (`plan.decode_phases`): one `lax.while_loop` a phase,
+  whose steps read only the completion slots within its bound."""
+  u = prompt_ids.shape[0]
+  b = u * samples
+  rows = ("act_batch", None)
+  per_row = lambda x: jnp.repeat(x, samples, axis=0)  # [u, ...] -> [b, ...]
+  prompt_mask = prompt_mask.astype(jnp.int32)
+  num_prompt = per_row(jnp.sum(prompt_mask, axis=-1))  # [b]; the position of the first completion token
+  logits, prompt_cache = prefill(model, prompt_ids, prompt_mask)
+  logits = per_row(logits)  # [b, V]: the samples of a prompt draw from the same first logits
+  cache = model.init_cache(b, max_len)
+  kernels = model.cfg.kernels
+
+  def emit(i, logits, done, out):
+    """Sample completion token i from logits [b, V] and write it into the outputs."""
+    tok, lp = _sample_step(
+        logits,
+        jax.random.fold_in(rng, i),
+        temperature,
+        top_p,
+        greedy=greedy,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        kernels=kernels,
+    )
+    active = ~done
+    tok = jnp.where(active, tok, pad_id)
+    out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active))
+    if return_logprobs:
+      out["logprobs"] = out["logprobs"].at[:, i].set(jnp.where(active, lp, 0.0))
+    if return_logits:
+      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits, i, axis=1)
+    done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
+    return tok, done, out
+
+  out = dict(
+      ids=constrain(jnp.full((b, max_len), pad_id, jnp.int32), rows),
+      mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows),
+  )
+  if return_logprobs:
+    out["logprobs"] = constrain(jnp.zeros((b, max_len), jnp.float32), rows)
+  if return_logits:
+    out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[1]), jnp.float32), ("act_batch", None, None))
+  tok, done, out = emit(0, logits, num_prompt == 0, out)
+
+  def phase(bound):  # the steps i <= bound: completion slots [0, i - 1) are within [0, bound)
+    def cond(carry):
+      i, _, _, done, _ = carry
+      return (i < num_new) & (i <= bound) & ~jnp.all(done)
+
+    def body(carry):
+      i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, into slot i - 1
+      logits, cache = decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, bound)
+      tok, done, out = emit(i, logits, done, out)
+      return i + 1, cache, tok, done, out
+
+    return cond, body
+
+  carry = (jnp.int32(1), cache, tok, done, out)
+  for bound in decode_phases(max_len):
+    carry = jax.lax.while_loop(*phase(bound), carry)
+  return carry[-1]
+
+
+def _generate_impl(
+    state,
+    prompt_ids,
+    prompt_mask,
+    rng,
+    num_new,
+    temperature,
+    top_p,
+    eos_ids,
+    pad_id,
+    *,
+    graphdef,
+    max_len: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    return_logits: bool,
+    return_logprobs: bool = True,
+    sub_batches: int = 1,
+    samples: int = 1,
+):
+  """prompt_ids/mask [U, P] left-padded, `samples` (R) rows each -> ids [U * R, max_len],
+  mask(, logprobs)(, logits [U * R, N, V]); row k * R + s is sample s of prompt k.
+
+  num_new (<= max_len), temperature, top_p, eos_ids [E] (-1 = none) and pad_id are traced, so they
+  never cause a recompile; prompts whose mask is all 0 (batch padding) emit nothing.
+
+  sub_batches n > 1 decodes the prompts as n sub-batches of U / n prompts (U * R / n rows), one
+  after the other (`lax.map`), so only one sub-batch's KV cache is live. Sub-batch j holds prompts
+  j, j + n, j + 2n, ...: viewed as [U / n, n], prompts sharded in blocks over ("data", "fsdp")
+  stay on their devices and every sub-batch spans all of them. Sub-batch j samples with
+  `fold_in(rng, j)`."""
+  model = nnx.merge(graphdef, state)
+  kw = dict(
+      max_len=max_len,
+      samples=samples,
+      greedy=greedy,
+      top_k=top_k,
+      use_top_p=use_top_p,
+      return_logprobs=return_logprobs,
+      return_logits=return_logits,
+  )
+  scalars = (num_new, temperature, top_p, eos_ids, pad_id)
+  if sub_batches == 1:
+    out = _decode_rows(model, prompt_ids, prompt_mask, rng, *scalars, **kw)
+  else:
+    u, p = prompt_ids.shape
+    per = u // sub_batches
+    split = lambda x: jnp.swapaxes(
+        constrain(x.reshape(per, sub_batches, p), ("act_batch", None, None)), 0, 1
+    )  # [n, U/n, P]
+
+    def one(args):
+      j, ids, mask = args
+      return _decode_rows(model, ids, mask, jax.random.fold_in(rng, j), *scalars, **kw)
+
+    out = jax.lax.map(one, (jnp.arange(sub_batches), split(prompt_ids), split(prompt_mask)))
+    join = lambda v: constrain(
+        jnp.swapaxes(v.reshape(sub_batches, per, samples, *v.shape[2:]), 0, 1),
+        ("act_batch",) + (None,) * v.ndim,
+    ).reshape(
+        u * samples, *v.shape[2:]
+    )  # [n, U/n * R, ...] -> [U/n, n, R, ...] -> [U * R, ...]
+    out = {k: join(v) for k, v in out.items()}
+  names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
+  return tuple(out[k] for k in names)
+
+
+_STATIC = (
+    "graphdef",
+    "max_len",
+    "greedy",
+    "top_k",
+    "use_top_p",
+    "return_logits",
+    "return_logprobs",
+    "sub_batches",
+    "samples",
+)
+_generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
+
+
+def sample_fn(
+    graphdef,
+    state,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    rng: Array,
+    *,
+    max_new_tokens: int,
+    temperature=1.0,
+    top_p=1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = QWEN_EOS_IDS,
+    pad_id: int = QWEN_PAD_ID,
+    return_logits: bool = False,
+    num_samples: int = 1,
+):
+  """Pure generator for use inside other jitted code (no validation, no bucketing).
+
+  graphdef, state = nnx.split(model); prompt_ids/mask [B, P] left-padded, every row with at least
+  one token, each prompt prefilled once and decoded by num_samples (G) rows; max_new_tokens a
+  Python int (the output width). Returns (ids [B * G, N] int32, mask [B * G, N] int32, logprobs
+  [B * G, N] float32), rows g * G .. g * G + G - 1 prompt g's, and, with return_logits, the raw
+  float32 logits [B * G, N, V] each token was sampled from."""
+  greedy = isinstance(temperature, (int, float)) and temperature == 0
+  return _generate_impl(
+      state,
+      prompt_ids,
+      prompt_mask,
+      rng,
+      jnp.int32(max_new_tokens),
+      jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+      jnp.asarray(top_p, jnp.float32),
+      jnp.asarray(_eos_array(eos_token_ids)),
+      jnp.int32(pad_id),
+      graphdef=graphdef,
+      max_len=int(max_new_tokens),
+      greedy=greedy,
+      top_k=int(top_k),
+      use_top_p=not (isinstance(top_p, (int, float)) and top_p >= 1.0),
+      return_logits=return_logits,
+      samples=int(num_samples),
+  )
+
+
+def _eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
+  """EOS ids padded with -1 (never a token) to a multiple of 4: few distinct shapes."""
+  eos = [int(e) for e in eos_token_ids]
+  out = np.full(max(4, -(-len(eos) // 4) * 4), -1, np.int32)
+  out[: len(eos)] = eos
+  return out

@@ -1,0 +1,151 @@
+"""Sampling rules: one token per row from logits [B, V].
+
+`sample_logits`: logits / temperature, then top-k (exactly k candidates, ties broken by the lower
+token id), then top-p (the smallest set of most likely tokens whose mass reaches top_p, like
+`transformers`' TopPLogitsWarper), then one draw by inverse CDF from a single uniform per row (no
+[B, V] Gumbel noise). The returned log-prob is that of the sampled token under the distribution
+actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
+the raw logits, and the log-prob is `log_softmax(raw logits)` at that token. This is the portable
+path, run on TPU/GPU and on any mesh. With the model's `kernels == "cpu"` (XLA:CPU on one device,
+`ict_jax.cpu_paths`) the head is vocabulary-major [V, B] and greedy / plain temperature sampling
+reduce it in two levels without building any [B, V] probabilities (`cpu_paths.plain_step`);
+top-k / top-p work on [B, V] either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ict_jax import cpu_paths
+
+Array = jax.Array
+
+_CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
+_F32_ONE_BITS = 0x3F800000
+_TOP_P_CANDIDATES = 256  # top-p fast path: the nucleus usually lies within the 256 best tokens
+
+
+def _first_crossing(cum: Array, weights: Array, target: Array) -> Array:
+  """Index of the entry whose cumulative interval holds `target`: cum, weights [B, n]; target [B].
+
+  Zero-weight entries have empty intervals and are never chosen; float round-off past the end
+  lands on the last entry with weight > 0."""
+  n = weights.shape[-1]
+  count = jnp.sum(cum <= target[:, None], axis=-1)
+  last_nonzero = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+  return jnp.minimum(count, last_nonzero).astype(jnp.int32)
+
+
+def _inverse_cdf(key: Array, weights: Array) -> Array:
+  """One draw per row from unnormalised weights [B, V] >= 0 (at least one > 0) -> ids [B]."""
+  b, v = weights.shape
+  u = jax.random.uniform(key, (b,), jnp.float32)
+  block = min(_CDF_BLOCK, v)
+  nb = -(-v // block)
+  w = jnp.pad(weights, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)  # [B, nb, block]
+  block_sum = jnp.sum(w, axis=-1)  # [B, nb]
+  cum = jnp.cumsum(block_sum, axis=-1)
+  target = u * cum[:, -1]
+  blk = _first_crossing(cum, block_sum, target)  # [B]
+  inside = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [B, block]
+  before = jnp.take_along_axis(cum - block_sum, blk[:, None], axis=1)[:, 0]
+  j = _first_crossing(jnp.cumsum(inside, axis=-1), inside, target - before)
+  return blk * block + j
+
+
+def _bisect_threshold(e: Array, target: Array) -> Array:
+  """Largest t with sum(e[e >= t]) >= target, per row; e [B, V] in [0, 1], target [B] -> t [B].
+
+  Bisection over the bit patterns of non-negative float32 (ordered like the integers), so the
+  result is exactly one of the values of e. 31 passes over e."""
+  lo = jnp.zeros(e.shape[:1], jnp.int32)  # t = 0 keeps everything: always enough mass
+  hi = jnp.full(e.shape[:1], _F32_ONE_BITS + 1, jnp.int32)  # t > 1 keeps nothing
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    t = jax.lax.bitcast_convert_type(mid, jnp.float32)
+    ok = jnp.sum(jnp.where(e >= t[:, None], e, 0.0), axis=-1) >= target
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, 31, body, (lo, hi))  # 2**31 > _F32_ONE_BITS + 1
+  return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _top_p_threshold(e: Array, top_p: Array) -> Array:
+  """Threshold t [B] such that {e >= t} is the smallest top set holding top_p of the mass.
+
+  e [B, V] in [0, 1]. Fast path: when the nucleus of every row lies within its
+  `_TOP_P_CANDIDATES` largest values (the usual case for a trained model), read t off their
+  sorted cumulative sum; otherwise bisect over the whole vocabulary."""
+  target = top_p * jnp.sum(e, axis=-1)  # [B]
+  k = min(_TOP_P_CANDIDATES, e.shape[-1])
+  vals, _ = jax.lax.top_k(e, k)  # [B, k] descending
+  cum = jnp.cumsum(vals, axis=-1)
+  inside = cum >= target[:, None]
+  j = jnp.minimum(jnp.sum(~inside, axis=-1), k - 1)  # first j whose prefix reaches the target
+  fast = jnp.take_along_axis(vals, j[:, None], axis=-1)[:, 0]
+  return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
+
+
+def _sample_step(
+    logits: Array,
+    key: Array,
+    temperature: Array,
+    top_p: Array,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    kernels: str = "portable",
+) -> tuple[Array, Array]:
+  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32). kernels "cpu" takes
+  `cpu_paths.plain_step` for greedy and plain temperature sampling (same values)."""
+  logits = logits.astype(jnp.float32)
+  top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
+  if kernels == "cpu" and (greedy or not (top_k or use_top_p)):
+    return cpu_paths.plain_step(logits.T, key, temperature, greedy=greedy)
+  if greedy:  # the first maximum; its log-prob under log_softmax(raw logits)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    return tok, lp
+  if top_k:  # work on the k best candidates only: [B, k], sorted descending
+    vals, cand = jax.lax.top_k(logits, top_k)
+    scaled = vals / temperature
+    if use_top_p:
+      probs = jax.nn.softmax(scaled, axis=-1)
+      mass_before = jnp.cumsum(probs, axis=-1) - probs
+      scaled = jnp.where(mass_before < top_p, scaled, -jnp.inf)  # the first is always kept
+    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # (slicing [:, :1] would make
+    # XLA CPU lower top_k as a full sort of the vocabulary instead of its TopK kernel)
+    j = _inverse_cdf(key, e)
+    tok = jnp.take_along_axis(cand, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    lp = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
+    return tok, lp
+  scaled = logits / temperature
+  shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+  e = jnp.exp(shifted)  # [B, V] in [0, 1], max exactly 1
+  if use_top_p:
+    e = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], e, 0.0)
+  tok = _inverse_cdf(key, e)
+  lp = jnp.take_along_axis(shifted, tok[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(e, axis=-1))
+  return tok, lp
+
+
+def sample_logits(logits: Array, key: Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> tuple[Array, Array]:
+  """Sample one token per row from logits [B, V] -> (ids [B] int32, log-probs [B] float32).
+
+  temperature 0 (a Python number) is greedy. top_k 0 and top_p 1.0 (Python numbers) are off;
+  temperature and top_p may also be traced scalars. Pure: usable inside jit."""
+  greedy = isinstance(temperature, (int, float)) and temperature == 0
+  use_top_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
+  return _sample_step(
+      logits,
+      key,
+      jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+      jnp.asarray(top_p, jnp.float32),
+      greedy=greedy,
+      top_k=int(top_k),
+      use_top_p=use_top_p,
+  )
