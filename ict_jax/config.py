@@ -112,6 +112,10 @@ class RewardConfig:
   format_weight: float = 0.0  # added weight of the format reward
   num_workers: int = 2  # verifier processes (0: in-process)
   timeout_s: float = 5.0
+  score_truncated: bool = True  # a completion that reaches rollout.max_new_tokens without a stop
+  # token is scored by the verifier like any other; False: it gets `truncated_reward` instead
+  # (DAPO's overlong punishment with a negative value), so running on past the answer never pays
+  truncated_reward: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
