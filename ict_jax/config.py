@@ -271,9 +271,21 @@ def chain_config() -> ml_collections.ConfigDict:
   # lr 3e-4 with the paper's 10 dense warm-up steps: 1e-4 rose +0.09 in 400 steps, 1e-3 collapsed
   # (seed 0); 16 prompts a step rise more steadily than 8
   c.optim.learning_rate, c.ict.warmup_steps = 3e-4, 10
-  # without it the responses learn to run on past the box ("\\boxed{7}1}1=", to the 20-token limit:
-  # the answer reward is blind to it and a truncated success is reinforced like a finished one)
-  c.loss.mask_truncated_completions = True
+  # ICT keeps the top 30% of each response's tokens by JS, not the paper's 10%: a response here is
+  # ~17 tokens, so 10% is two, and at lr 3e-4 those sparse updates broke the policy on some seeds
+  # (entropy 0.5 -> 0.7, stuttering past the box; 1 of 5 RL seeds on Sapphire Rapids, seed 0 on AMD
+  # EPYC at step ~180), where 30% was stable on every seed tried (benchmarks/RESULTS.md)
+  c.ict.top_fraction = 0.3
+  # A completion that runs past the box to the 20-token limit ("\\boxed{7}1}1=") scores 0 and is
+  # trained on: its run-on tokens get a negative advantage whenever a group-mate stops. Scored by
+  # the verifier, a truncated success was reinforced like a finished one and the responses learned
+  # to run on; masked out of the loss (TRL's mask_truncated_completions, the earlier default), its
+  # reward still raised its group's mean, so the advantages of the trained (finished) completions
+  # summed below 0, pushing their tokens, the stop token among them, down on balance (our reading):
+  # on an AMD EPYC box seed 0 ended with every completion truncated and no token trained
+  # (benchmarks/RESULTS.md, "The default run on AMD EPYC")
+  c.reward.score_truncated, c.reward.truncated_reward = False, 0.0
+  c.loss.mask_truncated_completions = False
   # warm-start lr 3e-3: after 300 steps of 16 worked solutions the T=1 reward starts at ~0.5-0.6
   c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 300, 16, 3e-3
   c.train.steps, c.train.checkpoint_every = 800, 100
