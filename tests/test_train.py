@@ -107,7 +107,7 @@ def test_default_run_writes_metrics_events_checkpoints(default_run):
   assert all(np.isnan(r["reward_truncated"]) for r in rows if r["truncated_rate"] == 0)
   for r in rows:  # the reward is the stopped completions' score; a truncated one's counts as 0
     assert r["reward_mean"] == pytest.approx((1 - r["truncated_rate"]) * r["reward_complete"], abs=1e-6)
-  # ICT: dense for the 10 warm-up steps of chain_config, then ~10% of each response's tokens
+  # ICT: dense for the 10 warm-up steps of chain_config, then ~30% of each response's tokens (ict.top_fraction 0.3)
   assert all(r["selected_frac"] == 1.0 for r in rows[:10])
   assert all(r["selected_frac"] < 0.6 for r in rows[10:])
   assert os.listdir(os.path.join(workdir, "tb")), "no TensorBoard events"
