@@ -2,9 +2,11 @@
 
 The tiny Qwen2 over the task vocabulary (the ~30 Qwen2.5 tokens of the task's text) on
 `synthetic_chain` level 1, worked two-step solutions ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}"),
-rewarded on the boxed answer: a supervised warm-start on the worked solutions, then 400 ICT steps
-(dense GRPO for the first 10), with pass@1 / pass@4 on the 25 held-out problems every 100 steps.
-About 2 minutes on 2 CPU cores; the reward rises by ~0.15-0.19 (benchmarks/RESULTS.md).
+rewarded on the boxed answer (a truncated completion scores 0): a supervised warm-start on the
+worked solutions, then 800 ICT steps (dense GRPO for the first 10, then the top 30% of each
+response's tokens), with pass@1 / pass@4 on the 25 held-out problems every 100 steps. About
+3 minutes on 2 CPU cores; on eight seeds on an AMD EPYC box the reward rose by +0.24..+0.42
+(benchmarks/RESULTS.md, "The default run on AMD EPYC").
 configs/tiny_arith.py is the one-step task.
 """
 

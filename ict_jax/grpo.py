@@ -159,8 +159,9 @@ def loss_from_terms(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
 
 
 def finalize_metrics(metrics: dict[str, tuple[jax.Array, jax.Array]]) -> dict[str, jax.Array]:
-  """(sum, count) pairs -> means (0 where count == 0)."""
-  return {k: s / jnp.maximum(c, 1.0) for k, (s, c) in metrics.items()}
+  """(sum, count) pairs -> means; NaN where count == 0 (a mean over no token, e.g. the entropy of a
+  step whose every completion was masked out, is not 0; the logs show it as missing)."""
+  return {k: jnp.where(c > 0, s / jnp.maximum(c, 1.0), jnp.nan) for k, (s, c) in metrics.items()}
 
 
 def _is_zero(x) -> bool:

@@ -23,6 +23,8 @@ from typing import Any
 
 from etils import epath
 
+from ict_jax import health
+
 PART_STEPS = 100
 PART_BYTES = 1 << 20
 _PART = re.compile(r"^(\d+)\.jsonl$")
@@ -196,7 +198,9 @@ class MetricsLogger:
       self._eval = {
           k[len("eval_") :].replace("_at_", "@"): f"{v:.3f}" for k, v in record.items() if k.startswith("eval_pass_at_")
       } or self._eval  # the latest evaluation
+      note = {"note": health.NO_TOKENS} if health.no_tokens_trained(record) else {}
       self._bar.set_postfix(
+          **note,
           reward=f"{record.get('reward_mean', nan):.3f}",
           entropy=f"{record.get('entropy', nan):.3f}",
           lr=f"{record.get('learning_rate', nan):.2e}",

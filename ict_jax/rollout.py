@@ -111,6 +111,10 @@ def rollout_policy(model_or_parts, *, dtype: str | None = None, mesh=None) -> Ro
   return make_rollout_policy(graphdef, params, dtype=dtype, mesh=mesh)
 
 
+def _mean_or_nan(x: np.ndarray) -> float:
+  return float(x.mean()) if x.size else float("nan")
+
+
 def collect(
     model_or_parts,
     examples: Sequence[dict],
@@ -129,6 +133,8 @@ def collect(
     format_weight: float = 0.0,
     advantage_scale: str = "group",
     mask_truncated: bool = False,
+    score_truncated: bool = True,
+    truncated_reward: float = 0.0,
     mesh=None,
     rollout_dtype: str | None = None,
     decode_batch_size: int | str | None = None,
@@ -144,7 +150,10 @@ def collect(
   A completion is truncated when it reaches max_new_tokens without a stop token;
   stats["truncated_rate"] is their share. mask_truncated (TRL's mask_truncated_completions)
   zeroes their completion mask, so they get no loss and drop out of ICT's group mean; their
-  reward still counts in the group's advantages and in the reward statistics."""
+  reward still counts in the group's advantages and in the reward statistics. score_truncated=False
+  gives them `truncated_reward` instead of the verifier's score (in the advantages and
+  reward_mean); stats["reward_truncated"] / ["reward_complete"] are the verifier's mean score of
+  the truncated / the stopped completions either way (NaN when there are none)."""
   t0 = time.perf_counter()
   policy = rollout_policy(model_or_parts, dtype=rollout_dtype, mesh=mesh)
   kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
@@ -194,7 +203,8 @@ def collect(
     per_row[0, 3:] = counts
   whole = gather_rows(rows, per_row, n)
   timeouts, errors = (int(c) for c in whole[:, 3:].sum(axis=0))
-  rewards, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
+  scores, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
+  rewards = scores if score_truncated else np.where(truncated, np.float32(truncated_reward), scores)
   if mask_truncated and truncated.any():
     c_mask = c_mask * (~truncated).astype(c_mask.dtype)[:, None]  # [rows, new]; keeps c_mask's sharding
   adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group_size, scale=advantage_scale))
@@ -208,6 +218,8 @@ def collect(
       max_response_len=int(lengths.max()),
       completion_tokens=int(lengths.sum()),
       truncated_rate=float(truncated.mean()),
+      reward_truncated=_mean_or_nan(scores[truncated]),
+      reward_complete=_mean_or_nan(scores[~truncated]),
       prompts_skipped=skipped,
       reward_timeouts=timeouts,
       reward_errors=errors,

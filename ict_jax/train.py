@@ -27,6 +27,7 @@ from ict_jax import sharding
 from ict_jax import storage
 from ict_jax.checkpoint import Checkpointer, resolve_path
 from ict_jax.config import Config, ConfigError
+from ict_jax.health import RunHealth
 from ict_jax.logs import MetricsLogger, import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.setup import (
@@ -318,6 +319,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   )
   history: list[dict] = []
   rc = cfg.rollout
+  health = RunHealth(max_new_tokens=rc.max_new_tokens, mask_truncated=cfg.loss.mask_truncated_completions)
   from ict_jax import token_view as tv
 
   view = tv.TokenView(
@@ -384,6 +386,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
               format_weight=cfg.reward.format_weight,
               advantage_scale=cfg.loss.advantage_scale,
               mask_truncated=cfg.loss.mask_truncated_completions,
+              score_truncated=cfg.reward.score_truncated,
+              truncated_reward=cfg.reward.truncated_reward,
               mesh=mesh,
               rollout_dtype=roll_dtype,
               decode_batch_size=decode_batch_size(cfg),
@@ -437,6 +441,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         if periodic is not None and periodic.due(step + 1, cfg.train.steps):
           record.update(periodic((graphdef, state.params), pool))
         history.append(record)
+        for warning in health.check(record):
+          log.warning("%s", warning)
         shown = roll.rows[:SAMPLES_LOGGED]  # rows this host scored (process 0 writes the logs)
         prompts = tok.decode_batch([i[k != 0] for i, k in zip(roll.prompt_ids[shown], roll.prompt_mask[shown])])
         logger.write(

@@ -359,7 +359,11 @@ def make_train_step(
     metrics = grpo.finalize_metrics(msum)
     finite = opt_state.last_finite
     metrics.update(
-        loss=loss, grad_norm=grad_norm, skipped=1 - finite.astype(jnp.int32), total_skipped=opt_state.total_notfinite
+        trained_tokens=msum["selected_frac"][0],  # completion tokens in the loss: selected, not masked
+        loss=loss,
+        grad_norm=grad_norm,
+        skipped=1 - finite.astype(jnp.int32),
+        total_skipped=opt_state.total_notfinite,
     )
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics, logp.reshape(n, -1)

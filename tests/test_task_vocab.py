@@ -151,9 +151,11 @@ def test_task_vocab_needs_a_model_trained_here(tmp_path):
     train(_chain(), str(tmp_path / "w"), init_from_hf=hf, progress=False)
 
 
-def test_mask_truncated_completions_follows_trl():
-  """TRL: `completion_mask * (~truncated)`, truncated = no EOS among the completion's tokens; the
-  rewards and advantages are left as they are."""
+def test_truncated_completions_masked_as_trl_or_rescored():
+  """TRL's mask_truncated_completions: `completion_mask * (~truncated)`, truncated = no EOS among
+  the completion's tokens; the rewards and advantages are left as they are. score_truncated=False:
+  the truncated rows get truncated_reward (and the group advantages follow), the mask is kept.
+  Either way the verifier's scores of the truncated and the stopped rows are reported apart."""
   import jax
 
   from ict_jax.data.iterator import PromptIterator
@@ -173,6 +175,9 @@ def test_mask_truncated_completions_follows_trl():
   )  # fmt: skip
   with RewardPool(num_workers=0) as pool:
     rolls = [collect(model, examples, tok, pool, rng=jax.random.key(3), mask_truncated=m, **kw) for m in (False, True)]
+    penalised = collect(
+        model, examples, tok, pool, rng=jax.random.key(3), score_truncated=False, truncated_reward=-0.5, **kw
+    )
   ids, mask = np.asarray(rolls[0].completion_ids), np.asarray(rolls[0].completion_mask)
   truncated = ~((mask > 0) & np.isin(ids, tok.eos_ids)).any(axis=1)
   assert 0 < truncated.sum() < len(truncated)  # random weights over 128 rows: some stop, some run on
@@ -181,3 +186,13 @@ def test_mask_truncated_completions_follows_trl():
   np.testing.assert_array_equal(rolls[1].rewards, rolls[0].rewards)
   np.testing.assert_array_equal(rolls[1].advantages, rolls[0].advantages)
   assert rolls[1].stats["response_len"] == rolls[0].stats["response_len"]  # lengths as sampled
+  scores = rolls[0].rewards  # the verifier's
+  for roll in (*rolls, penalised):
+    assert roll.stats["reward_truncated"] == pytest.approx(scores[truncated].mean())
+    assert roll.stats["reward_complete"] == pytest.approx(scores[~truncated].mean())
+  np.testing.assert_array_equal(penalised.rewards, np.where(truncated, -0.5, scores))
+  g = penalised.rewards.reshape(-1, 4)
+  want = (g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-4)
+  np.testing.assert_allclose(penalised.advantages, want.reshape(-1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(penalised.completion_mask), mask)
+  assert penalised.stats["reward_mean"] == pytest.approx(penalised.rewards.mean())

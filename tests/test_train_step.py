@@ -228,7 +228,7 @@ class Reference:
             renyi2=renyi2.sum() / valid,
             selected_frac=sel.sum() / valid,
             js_selected=js[sel].mean(),
-            js_unselected=js[unsel].mean() if unsel.any() else 0.0,
+            js_unselected=js[unsel].mean() if unsel.any() else np.nan,  # no token: no mean
         ),
     )
 
@@ -397,14 +397,30 @@ def test_ict_warmup_selects_everything_then_top_fraction(steps, reference, batch
       check_against_reference(metrics, state, logp, dense)
     if i < 2:
       assert float(metrics["selected_frac"]) == 1.0
+      assert float(metrics["trained_tokens"]) == LENGTHS.sum()
     else:
       k = np.array([max(1, math.ceil(Fraction(1, 10) * n)) for n in LENGTHS])
       want = k.sum() / LENGTHS.sum()
       assert float(metrics["selected_frac"]) == pytest.approx(want, abs=1e-7)
       ref = reference(params, batch, "ict", "grpo")
       assert ref["token_mask"].sum(1).tolist() == k.tolist()
+      assert float(metrics["trained_tokens"]) == k.sum()
       check_against_reference(metrics, state, logp, ref)
   assert int(state.step) == 3
+
+
+def test_step_that_trains_no_token_reports_no_token_statistics(steps, batch):
+  """Every completion masked out (as loss.mask_truncated_completions does when all are
+  truncated): the step counts 0 trained tokens and its token means are NaN, not 0; the loss and
+  the gradient are 0."""
+  empty = dict(batch, completion_mask=np.zeros_like(batch["completion_mask"]))
+  for s0 in (state_at(0), state_at(2)):  # ICT's dense warm-up, then its selection
+    state, metrics, _ = steps("ict")(s0, empty)
+    m = {k: float(v) for k, v in metrics.items()}
+    assert m["trained_tokens"] == 0 and m["loss"] == 0 and m["grad_norm"] == 0 and m["skipped"] == 0
+    for name in ("entropy", "renyi2", "selected_frac", "js_selected", "js_unselected", "clip_frac", "kl"):
+      assert np.isnan(m[name]), name
+    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads_of(state)))
 
 
 def test_non_finite_update_is_skipped(steps, batch):
