@@ -685,6 +685,7 @@ def to_hf(
   Call on every host with a multi-host mesh (process 0 writes). A run with a task vocabulary
   (`model.vocab="task"`) gets its `task_vocab.json` copied along: it is the folder's tokenizer.
   Returns `out_dir`."""
+  import contextlib
   import tempfile
 
   from ict_jax import sharding, storage, task_vocab
@@ -693,18 +694,16 @@ def to_hf(
   storage.check_backend(out_dir, "the export folder")
   model = restore_model(ckpt, step, mesh=mesh, item=item)
   vocab = task_vocab.find([os.fspath(ckpt.directory.parent)])
-  if not storage.is_url(out_dir):
-    save_pretrained(model, os.fspath(out_dir), dtype=dtype)
-    if vocab and sharding.is_main_process():
-      task_vocab.TaskTokenizer.load(vocab).save(out_dir)
-    return os.fspath(out_dir)
-  # a bucket: safetensors writes local files, so the folder is made locally and copied up
-  with tempfile.TemporaryDirectory(prefix="ict_jax_export_") as tmp:
-    save_pretrained(model, tmp, dtype=dtype)
+  with contextlib.ExitStack() as stack:
+    # a bucket: safetensors writes local files, so the folder is made locally and copied up
+    url = storage.is_url(out_dir)
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ict_jax_export_")) if url else os.fspath(out_dir)
+    save_pretrained(model, folder, dtype=dtype)
     if sharding.is_main_process():
       if vocab:
-        task_vocab.TaskTokenizer.load(vocab).save(tmp)
-      storage.upload(tmp, out_dir)
+        task_vocab.TaskTokenizer.load(vocab).save(folder)
+      if url:
+        storage.upload(folder, out_dir)
   return os.fspath(out_dir)
 
 

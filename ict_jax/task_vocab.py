@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from etils import epath
 
+from ict_jax import storage
 from ict_jax.tokenizer import Tokenizer
 
 FILENAME = "task_vocab.json"
@@ -90,7 +91,7 @@ class TaskTokenizer(Tokenizer):
     path = epath.Path(directory) / FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"format": FORMAT, "qwen_ids": self.qwen_ids.tolist()})
-    if "://" in os.fspath(path):  # one object PUT: whole or absent
+    if storage.is_url(path):  # one object PUT: whole or absent
       path.write_text(text)
       return os.fspath(path)
     tmp = path.parent / (FILENAME + ".tmp")
