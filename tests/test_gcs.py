@@ -61,7 +61,13 @@ def runs(gcs, gcs_environ, tmp_path_factory):
   ref = faults.run_to_end(gcs.url("ref"), FLAGS + ["--config.train.profile_steps=2,2"], logs, "ref", extra_env=env)
 
   term = faults.Run(
-      gcs.url("term"), FLAGS + ["--config.train.sigterm_grace_s=60"], logs, name="term", markers=True, extra_env=env
+      gcs.url("term"),
+      FLAGS + ["--config.train.sigterm_grace_s=60"],
+      logs,
+      name="term",
+      markers=True,
+      sleep="step=4",  # each step holds 4 s after its start marker: the signal lands inside step 2 on any box
+      extra_env=env,
   )
   assert term.wait_event("step_end", 1), term.stderr()[-3000:]
   assert term.wait_event("step_start", 2), term.stderr()[-3000:]
