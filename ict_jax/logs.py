@@ -10,16 +10,26 @@ by their first step: ``cat <workdir>/metrics/*.jsonl`` is the log in step order,
 
 Only process 0 writes (`enabled`). On resume at step `initial`, parts starting after it are
 deleted and lines past it are dropped from the last part left, so the log stays one line per step.
+
+The parts are written off the step's path: `MetricsLogger.write` turns the records into lines and
+queues the part rewrites for one writer thread (in order), so a slow object store never holds up
+the next step. `flush` waits until every queued write is done; the trainer calls it before each
+checkpoint save (a resume keeps the lines up to the checkpoint's step, so they must be stored
+first), and `close` (also run at interpreter exit) flushes. A failed write is raised by the next
+`write`, `flush` or `close`.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
+import queue
 import re
-from typing import Any
+import threading
+from typing import Any, Callable
 
 from etils import epath
 
@@ -72,8 +82,9 @@ def read_log(workdir: str | os.PathLike, name: str = "metrics") -> list[dict]:
 class JsonlLog:
   """One log of a run: records go to the current part, which is rewritten whole each `write`."""
 
-  def __init__(self, folder: epath.Path, initial: int, *, part_steps: int = PART_STEPS, part_bytes: int = PART_BYTES):
-    self.folder, self.part_steps, self.part_bytes = folder, part_steps, part_bytes
+  def __init__(self, folder: epath.Path, initial: int, *, part_steps: int | None = None, part_bytes: int | None = None):
+    self.folder = folder
+    self.part_steps, self.part_bytes = part_steps or PART_STEPS, part_bytes or PART_BYTES
     folder.mkdir(parents=True, exist_ok=True)
     for first, part in _parts(folder):  # resume: nothing past step `initial` survives
       if first > initial:
@@ -89,9 +100,12 @@ class JsonlLog:
     self._bytes = 0
 
   def write(self, step: int, records: list[dict]) -> None:
-    if not records:
+    self.append(step, [json.dumps(r) for r in records])
+
+  def append(self, step: int, lines: list[str]) -> None:
+    """`write` of records already encoded (one JSON object a line)."""
+    if not lines:
       return
-    lines = [json.dumps(r) for r in records]
     if self._first is not None and (len(self._steps | {step}) > self.part_steps or self._bytes >= self.part_bytes):
       self._first, self._lines, self._steps, self._bytes = None, [], set(), 0
     if self._first is None:
@@ -100,6 +114,47 @@ class JsonlLog:
     self._steps.add(step)
     self._bytes += sum(len(line) + 1 for line in lines)
     _write_whole(self.folder / f"{self._first:08d}.jsonl", "".join(line + "\n" for line in self._lines))
+
+
+class _Writer:
+  """One background thread running queued jobs in order (the log parts' rewrites)."""
+
+  def __init__(self):
+    self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="ict_jax-logs", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      job = self._queue.get()
+      try:
+        if job is None:
+          return
+        job()
+      except BaseException as e:  # pylint: disable=broad-except  # raised in the caller's thread
+        self._error = self._error or e
+      finally:
+        self._queue.task_done()
+
+  def _raise(self) -> None:
+    error, self._error = self._error, None
+    if error is not None:
+      raise error
+
+  def put(self, job: Callable[[], None]) -> None:
+    self._raise()
+    self._queue.put(job)
+
+  def flush(self) -> None:
+    self._queue.join()
+    self._raise()
+
+  def close(self) -> None:
+    if self._thread.is_alive():
+      self._queue.put(None)
+      self._thread.join()
+    self._raise()
 
 
 def _summary_writer(logdir: str):
@@ -146,7 +201,7 @@ class MetricsLogger:
       wandb_project: str = "",
   ):
     self.enabled = enabled
-    self._bar = self._tb = self._wandb = None
+    self._bar = self._tb = self._wandb = self._writer = None
     self._eval: dict[str, str] = {}
     if not enabled:
       return
@@ -160,6 +215,8 @@ class MetricsLogger:
       _write_whole(root / "config.json", json.dumps(config, indent=2))
     self._metrics = JsonlLog(root / "metrics", initial)
     self._samples = JsonlLog(root / "samples", initial)
+    self._writer = _Writer()
+    atexit.register(self.flush)  # an exit without close() (e.g. an exception above the loop)
     if tensorboard:
       self._tb = self._tensorboard(lambda: _summary_writer(os.fspath(root / "tb")), "open")
     if progress:
@@ -186,8 +243,9 @@ class MetricsLogger:
     if not self.enabled:
       return
     step = record["step"]
-    self._metrics.write(step, [record])
-    self._samples.write(step, [{"step": step, **sample} for sample in samples or ()])
+    lines = [json.dumps(record)]  # encoded now: later changes to the dicts do not reach the log
+    sample_lines = [json.dumps({"step": step, **sample}) for sample in samples or ()]
+    self._writer.put(lambda: (self._metrics.append(step, lines), self._samples.append(step, sample_lines)))
     numbers = _numbers(record)
     if self._tb is not None:
       self._tensorboard(lambda: [self._tb.add_scalar(k, v, step) for k, v in numbers.items()], "write")
@@ -211,12 +269,23 @@ class MetricsLogger:
       )
       self._bar.update(1)
 
+  def flush(self) -> None:
+    """Wait until every record written so far is in its log part (raises a failed write)."""
+    if self._writer is not None:
+      self._writer.flush()
+
   def close(self) -> None:
     if not self.enabled:
       return
-    if self._tb is not None:
-      self._tensorboard(self._tb.close, "close")
-    if self._wandb is not None:
-      self._wandb.finish()
-    if self._bar is not None:
-      self._bar.close()
+    atexit.unregister(self.flush)
+    writer, self._writer = self._writer, None
+    try:
+      if writer is not None:
+        writer.close()
+    finally:
+      if self._tb is not None:
+        self._tensorboard(self._tb.close, "close")
+      if self._wandb is not None:
+        self._wandb.finish()
+      if self._bar is not None:
+        self._bar.close()

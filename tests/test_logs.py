@@ -2,6 +2,10 @@
 append refused, as Cloud Storage refuses it) and on local disk."""
 
 import json
+import os
+import subprocess
+import sys
+import threading
 
 from fsspec.registry import _registry as fsspec_implementations
 import pytest
@@ -121,3 +125,78 @@ def test_a_tensorboard_failure_is_one_warning_and_the_logs_go_on(tmp_path, monke
   assert [r["step"] for r in logs.read_log(str(tmp_path))] == [1, 2, 3, 4, 5]
   if fail == "write":  # steps before the failure reached TensorBoard; nothing is called after it
     assert writer.scalars == [("loss", 1), ("loss", 2)] and not writer.closed
+
+
+def _tree(root):
+  """{relative path: text} of every file under `root`."""
+  return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_the_writer_thread_writes_what_the_synchronous_writer_writes(tmp_path, monkeypatch):
+  """Parts rewritten in the writer thread, off the caller's path: nothing reaches the store until
+  the thread runs, then the files are byte for byte those of writing each part in the caller."""
+  records = [
+      ({"step": s, "loss": s / 3, "sample": f"x{s}"}, [{"completion": f"c{s}.{i}"} for i in range(2)])
+      for s in range(1, 8)
+  ]
+  sync = tmp_path / "sync"
+  metrics, samples = logs.JsonlLog(epath.Path(sync) / "metrics", 0, part_steps=3), logs.JsonlLog(
+      epath.Path(sync) / "samples", 0, part_steps=3
+  )
+  for record, shown in records:
+    metrics.write(record["step"], [record])
+    samples.write(record["step"], [{"step": record["step"], **x} for x in shown])
+
+  gate, real = threading.Event(), logs._write_whole
+  monkeypatch.setattr(logs, "_write_whole", lambda path, text: (gate.wait(), real(path, text)))
+  monkeypatch.setattr(logs, "PART_STEPS", 3)
+  threaded = tmp_path / "threaded"
+  logger = logs.MetricsLogger(str(threaded), progress=False, tensorboard=False)
+  for record, shown in records:
+    logger.write(record, samples=shown)
+    record["loss"] = -1.0  # the caller's dicts may change once written: the lines are taken at write()
+  assert logs.read_log(str(threaded)) == []  # queued, not yet written: the thread waits at the gate
+  gate.set()
+  logger.flush()
+  assert [r["step"] for r in logs.read_log(str(threaded))] == list(range(1, 8))
+  logger.close()
+  assert _tree(threaded) == _tree(sync)
+
+
+def test_close_and_interpreter_exit_flush_the_queue(tmp_path):
+  """A slow store: whatever was written before `close` or before the interpreter exits (without
+  close: an exception above the loop) is in the parts afterwards."""
+  code = (
+      "import sys, time\n"
+      "from ict_jax import logs\n"
+      "real = logs._write_whole\n"
+      "logs._write_whole = lambda path, text: (time.sleep(0.05), real(path, text))\n"
+      "logger = logs.MetricsLogger(sys.argv[1], progress=False, tensorboard=False)\n"
+      "for step in range(1, 6):\n"
+      "  logger.write({'step': step})\n"
+      "if sys.argv[2] == 'close':\n"
+      "  logger.close()\n"
+      "else:\n"
+      "  raise SystemExit(3)\n"
+  )
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for how in ("close", "exit"):
+    workdir = str(tmp_path / how)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, workdir, how], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == (0 if how == "close" else 3), proc.stderr[-2000:]
+    assert [r["step"] for r in logs.read_log(workdir)] == [1, 2, 3, 4, 5], how
+
+
+def test_a_failed_write_is_raised_by_the_next_call(tmp_path, monkeypatch):
+  logger = logs.MetricsLogger(str(tmp_path), progress=False, tensorboard=False)
+
+  def broken(path, text):
+    raise OSError("bucket gone")
+
+  monkeypatch.setattr(logs, "_write_whole", broken)
+  logger.write({"step": 1})
+  with pytest.raises(OSError, match="bucket gone"):
+    logger.flush()
+  logger.close()
