@@ -24,7 +24,13 @@ from flax import nnx
 
 from ict_jax import grpo
 from ict_jax.data.prompts import encode_prompts
-from ict_jax.sampling import RolloutPolicy, bucket_length, generate, make_rollout_policy
+from ict_jax.sampling import (
+    RolloutPolicy,
+    bucket_length,
+    generate_sub_batches,
+    join_sub_batches,
+    make_rollout_policy,
+)
 from ict_jax.tokenizer import left_pad
 
 
@@ -144,8 +150,13 @@ def collect(
   model_or_parts: a Qwen2, (graphdef, params) (e.g. the train state's) or a RolloutPolicy;
   the first two are copied into `rollout_dtype` (default: the model's compute dtype) and the
   decoding layout first. decode_batch_size as in `sampling.generate` (an int that no longer
-  divides the rows because over-long prompts were dropped shrinks to their gcd). stats["sample_s"]
-  covers the rollout copy, generation and fetching this host's rows.
+  divides the rows because over-long prompts were dropped shrinks to their gcd).
+
+  The decode sub-batches overlap with the host: while sub-batch j + 1 decodes, sub-batch j's rows
+  are fetched, detokenized and submitted to the reward pool (`RewardPool.submit`, scored in its
+  thread), so the rewards are the same as when scored after all the decoding. stats["sample_s"]
+  covers the rollout copy, generation and fetching this host's rows; stats["reward_s"] the wait
+  for the rewards after that (the scoring decoding did not hide).
 
   A completion is truncated when it reaches max_new_tokens without a stop token;
   stats["truncated_rate"] is their share. mask_truncated (TRL's mask_truncated_completions)
@@ -165,7 +176,9 @@ def collect(
   n = len(kept) * group_size
   if isinstance(decode_batch_size, int) and n % decode_batch_size:  # prompts were skipped
     decode_batch_size = math.gcd(decode_batch_size, n)  # smaller sub-batches: still fits
-  c_ids, c_mask = generate(
+  all_golds = [ex["answer"] for ex in kept for _ in range(group_size)]
+  parts, rows, ids, mask, texts, golds, futures = [], [], [], [], [], [], []  # one entry a sub-batch
+  for part in generate_sub_batches(
       policy,
       p_ids,
       p_mask,
@@ -180,21 +193,33 @@ def collect(
       mesh=mesh,
       return_logprobs=False,
       decode_batch_size=decode_batch_size,
-  )
-  rows, ids = local_rows(c_ids)  # this host's rows (ids and mask share one sharding)
-  _, mask = local_rows(c_mask)
+  ):  # sub-batch j + 1 is decoding while j is fetched, detokenized and handed to the reward pool
+    parts.append(part)
+    idx, part_ids = local_rows(part.outputs[0])  # this host's rows (ids and mask share one sharding)
+    _, part_mask = local_rows(part.outputs[1])
+    keep = part.rows[idx] >= 0  # not batch padding
+    rows.append(part.rows[idx][keep])
+    ids.append(part_ids[keep])
+    mask.append(part_mask[keep])
+    texts.append(decode_completions(tokenizer, ids[-1], mask[-1], tokenizer.eos_ids))
+    golds.append([all_golds[i] for i in rows[-1]])
+    kinds = [reward_kind] + (["format"] if format_weight else [])
+    futures.append([reward_pool.submit(kind, texts[-1], golds[-1]) for kind in kinds])
+  c_ids, c_mask = join_sub_batches(parts)
   sample_s = time.perf_counter() - t0
-  texts = decode_completions(tokenizer, ids, mask, tokenizer.eos_ids)
-  all_golds = [ex["answer"] for ex in kept for _ in range(group_size)]
-  golds = [all_golds[i] for i in rows]
   t0 = time.perf_counter()
-  local, rstats = reward_pool.score_batch(reward_kind, texts, golds)
-  counts = [rstats.get("timeouts", 0), rstats.get("errors", 0)]
-  if format_weight:
-    fmt, fstats = reward_pool.score_batch("format", texts, golds)
-    local = local + format_weight * fmt
-    counts = [counts[0] + fstats.get("timeouts", 0), counts[1] + fstats.get("errors", 0)]
+  local, counts = [], np.zeros(2, np.float32)  # timeouts, errors
+  for (scores, rstats), *fmt in ([f.result() for f in fs] for fs in futures):  # fmt: [] or [(scores, stats)]
+    local.append(scores + format_weight * fmt[0][0] if fmt else scores)
+    for _, st in [(scores, rstats), *fmt]:
+      counts += [st.get("timeouts", 0), st.get("errors", 0)]
   reward_s = time.perf_counter() - t0
+  rows = np.concatenate(rows)
+  order = np.argsort(rows, kind="stable")  # ascending rows, as before the sub-batches were split
+  rows, ids, mask, local = rows[order], *(np.concatenate(x)[order] for x in (ids, mask, local))
+  texts = [t for ts in texts for t in ts]
+  golds = [g for gs in golds for g in gs]
+  texts, golds = [texts[i] for i in order], [golds[i] for i in order]
   stopped = ((mask != 0) & np.isin(ids, np.asarray(tokenizer.eos_ids, ids.dtype))).any(axis=1)
   # per row: reward, length, truncated; the host's timeout and error counts ride on its first row
   per_row = np.zeros((len(rows), 5), np.float32)

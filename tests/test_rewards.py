@@ -1,10 +1,12 @@
 """Reward functions and RewardPool: tricky answers, hostile outputs, timeouts and crashes."""
 
+import concurrent.futures
 import contextlib
 import math
 import os
 import random
 import signal
+import threading
 import time
 from fractions import Fraction
 
@@ -469,6 +471,40 @@ def test_inline_pool_budget_and_close():
     assert stats["timeouts"] == 0 and stats["errors"] == 0
   with pytest.raises(RuntimeError, match="closed"):
     p.score_batch("math", ["a"], ["b"])
+
+
+def test_submitted_batches_score_as_score_batch_in_order(pool):
+  cases = [c for c in MATH_CASES if not c[3] or math_verify_available()]
+  first = pool.submit("math", [c[0] for c in cases], [c[1] for c in cases])
+  second = pool.submit("choice", ["Answer: B", "Carbon"], ["B", "C"])
+  rewards, stats = first.result()
+  np.testing.assert_array_equal(rewards, [c[2] for c in cases])
+  assert stats["n"] == len(cases) and stats["timeouts"] == stats["errors"] == 0
+  np.testing.assert_array_equal(second.result()[0], [1.0, 0.0])
+
+
+def test_close_stops_the_batches_being_scored_in_the_background():
+  """close() with batches submitted: the one being scored stops at its next item, the queued
+  ones never start, and no verifier runs once close() has returned."""
+  scored, started = [], threading.Event()
+
+  def slow(completion, gold):
+    started.set()
+    time.sleep(0.05)
+    scored.append(completion)
+    return 1.0
+
+  p = RewardPool(num_workers=0, rewards=dict(REWARDS, slow=slow))
+  futures = [p.submit("slow", [f"{i}.{j}" for j in range(100)], ["x"] * 100) for i in range(2)]
+  started.wait()
+  p.close()
+  done = len(scored)
+  for f in futures:
+    with pytest.raises(concurrent.futures.CancelledError):
+      f.result()
+  assert 0 < done < 100 and len(scored) == done
+  with pytest.raises(RuntimeError, match="closed"):
+    p.submit("math", ["a"], ["b"])
 
 
 def test_rewards_import_neither_jax_nor_sympy_eagerly():

@@ -382,6 +382,12 @@ def test_decode_sub_batches_match_one_batch(model):
     np.testing.assert_array_equal(np.asarray(got[0]), ref[0])
     np.testing.assert_array_equal(np.asarray(got[1]), ref[1])
     np.testing.assert_allclose(np.asarray(got[2]), ref[2], atol=1e-5)
+  # the same sub-batches dispatched one by one (`rollout.collect`): batch padding rows marked -1
+  parts = list(sampling.generate_sub_batches(model, ids, mask, mesh=mesh, decode_batch_size=2, **kw))
+  assert [sorted(r for r in p.rows if r >= 0) for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert all(sorted(p.rows) == [-1, -1, r, r + 1] for p, r in zip(parts, range(0, 8, 2)))
+  for got, want in zip(sampling.join_sub_batches(parts), ref):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
 def test_sampled_sub_batches_match_full_forward(model):

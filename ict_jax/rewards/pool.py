@@ -24,6 +24,7 @@ gets reward 0 and counts as a timeout; hostile inputs are still cheap thanks to 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import os
 import pickle
@@ -39,6 +40,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ict_jax.rewards.registry import MAX_COMPLETION_CHARS, REWARDS, RewardFn, sanitize, score
+
+_POLL_S = 0.5  # the longest wait for a reply: how soon a batch scored in the background sees close()
 
 
 def _pythonpath() -> str:
@@ -69,6 +72,7 @@ class RewardPool:
 
   >>> with RewardPool(num_workers=4, timeout_s=5.0) as pool:
   ...     rewards, stats = pool.score_batch("math", completions, golds)
+  ...     future = pool.submit("math", completions, golds)  # scored while the caller goes on
 
   ``rewards`` overrides the registry (``{kind: fn(completion, gold) -> float}``; functions must be
   importable by name in a fresh interpreter so that they can be pickled to the workers).
@@ -103,6 +107,8 @@ class RewardPool:
     self._procs: list[subprocess.Popen] = []  # every worker ever started, for the finaliser
     self._finalizer = weakref.finalize(self, _kill_all, self._procs)
     self._closed = False
+    self._cancel = threading.Event()  # close() while the scoring thread runs a batch
+    self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `submit`ted batches
     self.total_respawns = 0
     if num_workers:
       self._workers = [self._spawn() for _ in range(num_workers)]
@@ -155,7 +161,7 @@ class RewardPool:
     active = [w for w in self._workers if w.state in ("starting", "busy")]
     if not active:
       return
-    wait_s = max(0.0, min(w.deadline for w in active) - time.monotonic())
+    wait_s = max(0.0, min(min(w.deadline for w in active) - time.monotonic(), _POLL_S))
     ready = set(mp_connection.wait([w.conn for w in active], timeout=wait_s))
     for w in active:
       if w.conn not in ready:
@@ -219,7 +225,7 @@ class RewardPool:
         try:
           self._run_workers(kind, items, out, stats)
         except BaseException:  # e.g. KeyboardInterrupt: no stale replies in the next batch
-          if not self._closed:
+          if not self._closed and not self._cancel.is_set():
             for w in list(self._workers):
               if w.state == "busy":
                 self._replace(w)
@@ -228,8 +234,20 @@ class RewardPool:
       stats["seconds"] = time.monotonic() - start
       return out, stats
 
+  def submit(self, kind: str, completions: Sequence[str | bytes], golds: Sequence[Any]) -> concurrent.futures.Future:
+    """`score_batch` in the pool's scoring thread, returning at once: a Future of its
+    ``(rewards, stats)``. Batches are scored one after the other in submission order, while the
+    caller goes on (e.g. fetching the next decode sub-batch). Errors surface at ``result()``."""
+    if self._closed:
+      raise RuntimeError("RewardPool.submit: the pool is closed")
+    if self._thread is None:
+      self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ict_jax-rewards")
+    return self._thread.submit(self.score_batch, kind, list(completions), list(golds))
+
   def _run_inline(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
     for index, completion, gold in items:
+      if self._cancel.is_set():
+        raise concurrent.futures.CancelledError("RewardPool: closed while scoring")
       t0 = time.monotonic()
       try:
         value = score(kind, completion, gold, self.rewards)
@@ -245,6 +263,8 @@ class RewardPool:
 
   def _run_workers(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
     while items or any(w.state == "busy" for w in self._workers):
+      if self._cancel.is_set():
+        raise concurrent.futures.CancelledError("RewardPool: closed while scoring")
       for w in self._workers:
         if not items:
           break
@@ -266,6 +286,9 @@ class RewardPool:
     """Stop all workers: ask politely, SIGKILL what still runs after 2 s (idempotent)."""
     if self._closed:
       return
+    if self._thread is not None:  # a batch being scored stops at its next poll; queued ones are dropped
+      self._cancel.set()
+      self._thread.shutdown(wait=True, cancel_futures=True)
     self._closed = True
     for w in self._workers:
       if w.state != "idle":  # still importing, or busy on an item: nothing to wait for

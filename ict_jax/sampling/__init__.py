@@ -6,11 +6,19 @@ One module a concern:
   decode.py   the jitted prefill (once per prompt) + KV-cache decode loop, sub-batches (`sample_fn`).
   plan.py     length buckets, the decode sub-batch size, which rows share a prefilled prompt, and
               the decode loop's length-bounded phases.
-  host.py     `generate` (validation, bucketing, the mesh) and `lower_generate` (AOT).
+  host.py     `generate` (validation, bucketing, the mesh), `generate_sub_batches` (the decode
+              sub-batches one dispatch each, for host work between them) and `lower_generate` (AOT).
 """
 
 from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, decode_head, decode_one, prefill, sample_fn
-from ict_jax.sampling.host import generate, lower_generate, prompt_sharding
+from ict_jax.sampling.host import (
+    SubBatch,
+    generate,
+    generate_sub_batches,
+    join_sub_batches,
+    lower_generate,
+    prompt_sharding,
+)
 from ict_jax.sampling.plan import (
     DecodeLayout,
     auto_decode_batch_size,
@@ -36,6 +44,9 @@ from ict_jax.sampling.rules import sample_logits
 
 __all__ = [
     "generate",
+    "generate_sub_batches",
+    "join_sub_batches",
+    "SubBatch",
     "sample_fn",
     "sample_logits",
     "bucket_length",

@@ -231,15 +231,18 @@ def _generate_impl(
       return _decode_rows(model, ids, mask, jax.random.fold_in(rng, j), *scalars, **kw)
 
     out = jax.lax.map(one, (jnp.arange(sub_batches), split(prompt_ids), split(prompt_mask)))
-    join = lambda v: constrain(
-        jnp.swapaxes(v.reshape(sub_batches, per, samples, *v.shape[2:]), 0, 1),
-        ("act_batch",) + (None,) * v.ndim,
-    ).reshape(
-        u * samples, *v.shape[2:]
-    )  # [n, U/n * R, ...] -> [U/n, n, R, ...] -> [U * R, ...]
-    out = {k: join(v) for k, v in out.items()}
+    out = {k: join_sub_batches_rows(v, samples) for k, v in out.items()}
   names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
   return tuple(out[k] for k in names)
+
+
+def join_sub_batches_rows(v: Array, samples: int) -> Array:
+  """Outputs of n sub-batches [n, U/n * R, ...] -> [U * R, ...]: row k * R + s of sub-batch j
+  (sample s of its prompt k, prompt k * n + j of all) is row (k * n + j) * R + s."""
+  n, rows = v.shape[:2]
+  per = rows // samples
+  v = jnp.swapaxes(v.reshape(n, per, samples, *v.shape[2:]), 0, 1)  # [U/n, n, R, ...]
+  return constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)).reshape(per * n * samples, *v.shape[3:])
 
 
 _STATIC = (

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
-from typing import Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ict_jax.models.axes import logical_to_spec
-from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, _eos_array, _generate_jit
-from ict_jax.sampling.plan import _check_int, bucket_length, decode_layout, resolve_decode_batch_size
+from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, _eos_array, _generate_jit, join_sub_batches_rows
+from ict_jax.sampling.plan import DecodeLayout, _check_int, bucket_length, decode_layout, resolve_decode_batch_size
 from ict_jax.sampling.policy import ROLLOUT_DTYPES, RolloutPolicy, _find_mesh, as_rollout_policy
 from ict_jax.sharding import put_global, replicated
 
@@ -50,7 +51,21 @@ def _validate_prompts(prompt_ids, prompt_mask, vocab: int) -> tuple[np.ndarray, 
   return ids.astype(np.int32), mask
 
 
-def generate(
+class _Job(NamedTuple):
+  """A validated `generate` call: the prompts laid out for `_generate_jit` (numpy, not yet placed)."""
+
+  ids: np.ndarray  # [layout.prefill_rows, P bucket]
+  mask: np.ndarray
+  rng: Array
+  scalars: tuple
+  static: dict
+  mesh: Mesh | None
+  layout: DecodeLayout
+  n_rows: int
+  n_new: int
+
+
+def _prepare(
     model,
     prompt_ids,
     prompt_mask,
@@ -69,23 +84,8 @@ def generate(
     decode_batch_size: int | str | None = None,
     return_logprobs: bool = True,
     rollout_dtype: str | None = None,
-):
-  """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
-  `RolloutPolicy` (`make_rollout_policy`, used as is).
-
-  Each prompt gets `num_samples` (G) rows: rows g*G .. g*G+G-1 are prompt g. A prompt is prefilled
-  once and its keys/values read by its G rows (G / R times for R = gcd(decode_batch_size, G) when
-  a sub-batch cannot hold whole groups; `plan.decode_layout`).
-  Returns (completion_ids [B*G, max_new_tokens] int32, completion_mask int32 (EOS included),
-  logprobs float32 (0 where the mask is 0)), logprobs left out with return_logprobs=False, plus
-  the raw logits [B*G, max_new_tokens, V] with return_logits. eos_token_ids None means Qwen's
-  (151645, 151643); () disables EOS stopping. rng (a jax PRNG key) is required unless
-  temperature == 0 (greedy). With `mesh` (else the one set by `jax.set_mesh`, else the one the
-  parameters live on) rows are sharded over ("data", "fsdp"), the batch padded up to a multiple
-  of that and cut back, and a model's weights are first copied into the decoding layout
-  (`DECODE_RULES`) in `rollout_dtype` (default: the model's compute dtype). decode_batch_size
-  (an int dividing B*G, "auto" to size it from free device memory, None for all rows) decodes
-  the rows in sub-batches, one KV cache at a time (see `decode._generate_impl`)."""
+) -> _Job:
+  """`generate`'s checks, buckets and layout, without touching a device."""
   if isinstance(model, RolloutPolicy):
     graphdef, state = model
     cfg = nnx.merge(graphdef, state).cfg
@@ -142,7 +142,6 @@ def generate(
   mask = np.pad(mask, widths)
 
   static = dict(
-      graphdef=graphdef,
       max_len=n_bucket,
       greedy=greedy,
       top_k=min(top_k, cfg.vocab_size),
@@ -159,19 +158,138 @@ def generate(
       _eos_array(eos),
       np.int32(pad_id),
   )
-  ctx = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-  with ctx:
-    graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=mesh)  # as is if one already
-    static["graphdef"] = graphdef
-    if mesh is not None:
-      ids = put_global(ids, prompt_sharding(mesh, ids.shape[0]))
-      mask = put_global(mask, prompt_sharding(mesh, ids.shape[0]))
-      rng = jax.random.wrap_key_data(
-          put_global(jax.random.key_data(rng), replicated(mesh)), impl=jax.random.key_impl(rng)
-      )
-      scalars = tuple(put_global(x, replicated(mesh)) for x in scalars)  # one cache entry per mesh
-    out = _generate_jit(state, ids, mask, rng, *scalars, **static)
-  return tuple(x[:n_rows, :n_new] for x in out)
+  return _Job(ids, mask, rng, scalars, static, mesh, layout, n_rows, n_new)
+
+
+def generate(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    rng: Array | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_id: int = QWEN_PAD_ID,
+    num_samples: int = 1,
+    mesh=None,
+    return_logits: bool = False,
+    buckets: Sequence[int] | None = None,
+    decode_batch_size: int | str | None = None,
+    return_logprobs: bool = True,
+    rollout_dtype: str | None = None,
+):
+  """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
+  `RolloutPolicy` (`make_rollout_policy`, used as is).
+
+  Each prompt gets `num_samples` (G) rows: rows g*G .. g*G+G-1 are prompt g. A prompt is prefilled
+  once and its keys/values read by its G rows (G / R times for R = gcd(decode_batch_size, G) when
+  a sub-batch cannot hold whole groups; `plan.decode_layout`).
+  Returns (completion_ids [B*G, max_new_tokens] int32, completion_mask int32 (EOS included),
+  logprobs float32 (0 where the mask is 0)), logprobs left out with return_logprobs=False, plus
+  the raw logits [B*G, max_new_tokens, V] with return_logits. eos_token_ids None means Qwen's
+  (151645, 151643); () disables EOS stopping. rng (a jax PRNG key) is required unless
+  temperature == 0 (greedy). With `mesh` (else the one set by `jax.set_mesh`, else the one the
+  parameters live on) rows are sharded over ("data", "fsdp"), the batch padded up to a multiple
+  of that and cut back, and a model's weights are first copied into the decoding layout
+  (`DECODE_RULES`) in `rollout_dtype` (default: the model's compute dtype). decode_batch_size
+  (an int dividing B*G, "auto" to size it from free device memory, None for all rows) decodes
+  the rows in sub-batches, one KV cache at a time (see `decode._generate_impl`)."""
+  job = _prepare(
+      model,
+      prompt_ids,
+      prompt_mask,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      rng=rng,
+      eos_token_ids=eos_token_ids,
+      pad_id=pad_id,
+      num_samples=num_samples,
+      mesh=mesh,
+      return_logits=return_logits,
+      buckets=buckets,
+      decode_batch_size=decode_batch_size,
+      return_logprobs=return_logprobs,
+      rollout_dtype=rollout_dtype,
+  )
+  with _mesh_ctx(job.mesh):
+    graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=job.mesh)  # as is if one already
+    out = _generate_jit(state, *_place(job, job.ids, job.mask, job.rng), graphdef=graphdef, **job.static)
+  return tuple(x[: job.n_rows, : job.n_new] for x in out)
+
+
+def _mesh_ctx(mesh):
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _place(job: _Job, ids: np.ndarray, mask: np.ndarray, rng: Array) -> tuple:
+  """(ids, mask, rng, *scalars) as `_generate_jit` takes them: on a mesh, prompts over its row
+  axes and the rest replicated (one cache entry per mesh)."""
+  if job.mesh is None:
+    return (ids, mask, rng, *job.scalars)
+  rows = prompt_sharding(job.mesh, ids.shape[0])
+  repl = replicated(job.mesh)
+  rng = jax.random.wrap_key_data(put_global(jax.random.key_data(rng), repl), impl=jax.random.key_impl(rng))
+  return (put_global(ids, rows), put_global(mask, rows), rng, *(put_global(x, repl) for x in job.scalars))
+
+
+class SubBatch(NamedTuple):
+  """One decode sub-batch of `generate_sub_batches`: `outputs` (ids, mask[, logprobs][, logits])
+  [rows, max_new_tokens(, V)] as `generate` returns them, possibly still being computed; `rows`
+  [rows] the row of `generate`'s output each is (-1: batch padding)."""
+
+  index: int
+  rows: np.ndarray
+  outputs: tuple
+  layout: DecodeLayout
+
+
+def generate_sub_batches(model, prompt_ids, prompt_mask, **kwargs) -> Iterator[SubBatch]:
+  """`generate`'s decode sub-batches, each its own dispatch of one compiled program, yielded
+  in order, sub-batch j only once sub-batch j + 1 has been launched: dispatch is asynchronous,
+  so the caller's host work on j (fetching its tokens, detokenizing, scoring) runs while the
+  devices decode j + 1. Arguments as `generate`'s. The tokens are `generate`'s: sub-batch j
+  holds the same prompts (j, j + n, ...) and samples with the same key (`fold_in(rng, j)`);
+  `join_sub_batches` lays the parts out as `generate`'s output."""
+  job = _prepare(model, prompt_ids, prompt_mask, **kwargs)
+  n, r, per = job.layout.sub_batches, job.layout.samples, job.layout.prompts
+  with _mesh_ctx(job.mesh):
+    graphdef, state = as_rollout_policy(model, dtype=kwargs.get("rollout_dtype"), mesh=job.mesh)
+  static = dict(job.static, graphdef=graphdef, sub_batches=1)
+
+  def launch(j: int) -> SubBatch:
+    rng = job.rng if n == 1 else jax.random.fold_in(job.rng, j)
+    with _mesh_ctx(job.mesh):
+      out = _generate_jit(state, *_place(job, job.ids[j::n], job.mask[j::n], rng), **static)
+      out = tuple(x[:, : job.n_new] for x in out)
+    rows = ((np.arange(per) * n + j)[:, None] * r + np.arange(r)).reshape(-1)  # decode.join_sub_batches_rows
+    return SubBatch(j, np.where(rows < job.n_rows, rows, -1), out, job.layout)
+
+  ahead = launch(0)
+  for j in range(n):
+    current, ahead = ahead, launch(j + 1) if j + 1 < n else None
+    yield current
+
+
+def join_sub_batches(parts: Sequence[SubBatch]) -> tuple[Array, ...]:
+  """All the sub-batches of one `generate_sub_batches` call -> `generate`'s outputs."""
+  layout = parts[0].layout
+  if [p.index for p in parts] != list(range(layout.sub_batches)):
+    raise ValueError(f"join_sub_batches: expected sub-batches 0..{layout.sub_batches - 1} in order")
+  n_rows = int(max(p.rows.max() for p in parts)) + 1
+  if layout.sub_batches == 1:
+    return tuple(x[:n_rows] for x in parts[0].outputs)
+  out = _join_jit(tuple(p.outputs for p in parts), samples=layout.samples)
+  return tuple(x[:n_rows] for x in out)
+
+
+@functools.partial(jax.jit, static_argnames=("samples",))
+def _join_jit(outputs: tuple, *, samples: int) -> tuple:
+  return tuple(join_sub_batches_rows(jnp.stack(xs), samples) for xs in zip(*outputs))
 
 
 def prompt_sharding(mesh: Mesh, n_prompts: int) -> NamedSharding:
