@@ -46,6 +46,7 @@ class Rollout:
   completions: list[str]  # [n] texts of `rows`
   golds: list[Any]  # [n] gold answers of `rows`
   stats: dict[str, float]
+  completion_lengths: np.ndarray  # [N] tokens sampled a row (before mask_truncated), the same on every host
 
   def batch(self) -> dict[str, Any]:
     """The train step's inputs."""
@@ -262,4 +263,5 @@ def collect(
       texts,
       golds,
       stats,
+      lengths.astype(np.int32),
   )

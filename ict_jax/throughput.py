@@ -1,19 +1,22 @@
 """What a step achieves against what the chips could do: model TFLOP/s per chip, MFU, tokens/s.
 
-Model FLOPs are `Qwen2Config.flops_per_token` (6N-style, attention included) times the tokens
-the train step processed (rows x (prompt + completion) columns as batched), times the passes
-(`train.num_iterations`), over the train step's wall time: the same definition as
-benchmarks/step.py. Sampling and reward time are not in it (`tokens_per_s_per_chip` covers the
-whole iteration). Peaks are dense bf16 TFLOP/s per chip from the vendors' specifications; a CPU
+Model FLOPs are `Qwen2Config.flops_per_token` (6N-style, attention included) of each row's real
+tokens (its prompt and completion, no padding; attention over the row's own length), times the
+passes (`train.num_iterations`), over the train step's wall time: padding the update executes is
+not useful work, so MFU does not count it; `padded_fraction` is the share of the executed
+positions that were padding. Sampling and reward time are not in it (`tokens_per_s_per_chip`,
+completion tokens, covers the whole iteration). Peaks are dense bf16 TFLOP/s per chip from the vendors' specifications; a CPU
 has none published, so it is measured once (a float32 matmul) and MFU there reads against that.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # dense bf16 TFLOP/s per chip, by a lower-cased substring of `jax.Device.device_kind`; the first
 # match wins, so the longer names come first ("tpu v5 lite" is a v5e, "tpu v5" alone a v5p).
@@ -70,14 +73,26 @@ class Throughput:
     self.chip, self.peak_tflops, self.peak_source = peak if peak is not None else chip_peak()
 
   def step_metrics(
-      self, *, rows: int, seq_len: int, passes: int, step_s: float, tokens: int, iteration_s: float
+      self,
+      *,
+      lengths: Sequence[int],
+      executed: int,
+      passes: int,
+      step_s: float,
+      tokens: int,
+      iteration_s: float,
   ) -> dict[str, float]:
-    """rows x seq_len tokens through the train step `passes` times in `step_s` seconds;
-    `tokens` completion tokens generated in an iteration of `iteration_s` seconds."""
-    flops = self.model_config.flops_per_token(seq_len) * rows * seq_len * passes
+    """Rows of `lengths` real tokens each (prompt + completion) through the train step `passes`
+    times in `step_s` seconds, each pass executing `executed` positions (padding included, e.g.
+    rows x columns as batched); `tokens` completion tokens generated in an iteration of
+    `iteration_s` seconds."""
+    lengths = np.asarray(lengths, np.int64)
+    flops_of = self.model_config.flops_per_token
+    flops = sum(flops_of(int(n)) * int(n) for n in lengths) * passes
     tflops = flops / max(step_s, 1e-9) / self.num_chips / 1e12
     return {
         "model_tflops_per_chip": tflops,
         "mfu": tflops / self.peak_tflops,
+        "padded_fraction": 1.0 - float(lengths.sum()) / max(executed, 1),
         "tokens_per_s_per_chip": tokens / max(iteration_s, 1e-9) / self.num_chips,
     }

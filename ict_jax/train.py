@@ -113,6 +113,13 @@ def _profiler(action, *args) -> bool:
     return False
 
 
+def fetch_metrics(metrics: dict) -> dict[str, float]:
+  """A step's metrics (replicated device scalars, or host numbers) as floats, in one
+  device-to-host transfer: one `jax.device_get` of them all, not a blocking read each."""
+  local = {k: v.addressable_data(0) if isinstance(v, jax.Array) else v for k, v in metrics.items()}
+  return {k: float(v) for k, v in jax.device_get(local).items()}
+
+
 def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
   """Random parameters created directly in their shardings."""
 
@@ -332,6 +339,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     periodic = PeriodicEval.from_config(cfg, tok, load_examples(cfg, cfg.data.eval_split, workdir), mesh=mesh)
 
   def save(step: int, force: bool = False):
+    logger.flush()  # the log holds every step the checkpoint covers: a resume from it keeps them
     tree = {"state": state}
     if with_ref:
       tree["ref_params"] = ref_params
@@ -417,9 +425,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
               batch["old_logp"] = old_logp
             state, metrics, logp = step_fn(state, batch, ref_params)
             old_logp = logp if old_logp is None else old_logp
-          metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}  # replicated
+          updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
+          lr = learning_rate(updates - 1) if callable(learning_rate) else learning_rate
+          metrics = fetch_metrics({**metrics, "learning_rate": lr})
         dt, step_s = time.perf_counter() - t0, time.perf_counter() - t1
-        updates = (step + 1) * cfg.train.num_iterations  # the last update used count updates - 1
+        lr = metrics.pop("learning_rate")
         record = {
             "step": step + 1,
             **roll.stats,
@@ -427,10 +437,11 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
             "step_s": step_s,
             "iteration_s": dt,
             "tokens_per_s": roll.stats["completion_tokens"] / dt,
-            "learning_rate": float(learning_rate(updates - 1) if callable(learning_rate) else learning_rate),
+            "learning_rate": lr,
             **throughput.step_metrics(
-                rows=batch["completion_ids"].shape[0],
-                seq_len=batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1],
+                lengths=roll.prompt_mask.sum(axis=1) + roll.completion_lengths,  # real tokens a row
+                executed=batch["completion_ids"].shape[0]
+                * (batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]),
                 passes=cfg.train.num_iterations,
                 step_s=step_s,
                 tokens=roll.stats["completion_tokens"],

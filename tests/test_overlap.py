@@ -68,3 +68,26 @@ def test_rewards_of_sub_batch_j_are_scored_while_j_plus_1_decodes(monkeypatch):
   np.testing.assert_array_equal(roll.rewards, want)
   np.testing.assert_array_equal(roll.advantages, np.asarray(grpo.group_advantages(jnp.asarray(want), 4)))
   assert roll.completions == texts and roll.rows.tolist() == list(range(16)) and roll.golds == golds
+
+
+def test_a_steps_metrics_come_back_in_one_transfer(monkeypatch):
+  """`train.fetch_metrics`: one jax.device_get of the whole tree (the loop read each metric with
+  its own blocking read before), replicated metrics of the 8-device mesh and a host number alike,
+  and no other read (the guard raises on an implicit transfer where the platform has them)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from ict_jax import sharding, train
+
+  mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
+  x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("data")))
+  step = jax.jit(
+      lambda x: {"loss": x.sum(), "max": x.max(), "count": (x > 2).sum()}, out_shardings=NamedSharding(mesh, P())
+  )
+  metrics = step(x)
+  calls, device_get = [], jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda tree: (calls.append(tree), device_get(tree))[1])
+  with jax.transfer_guard_device_to_host("disallow"):
+    got = train.fetch_metrics({**metrics, "learning_rate": 0.5})
+  assert len(calls) == 1
+  assert got == {"loss": 28.0, "max": 7.0, "count": 5.0, "learning_rate": 0.5}
+  assert all(type(v) is float for v in got.values())

@@ -4,13 +4,15 @@ metrics (and so TensorBoard / W&B), a jax.profiler trace of chosen steps, the W&
 import math
 import os
 import sys
+import threading
 import types
 
 import jax
 import pytest
 
 from ict_jax import config as config_lib
-from ict_jax import throughput
+from ict_jax import logs, throughput
+from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import ConfigError
 from ict_jax.logs import read_log
 from ict_jax.models.config import Qwen2Config
@@ -42,11 +44,19 @@ def test_cpu_peak_is_measured():
 def test_step_metrics_arithmetic():
   mcfg = Qwen2Config.preset("tiny")
   t = throughput.Throughput(mcfg, num_chips=4, peak=("chip", 2.0, "table"))
-  m = t.step_metrics(rows=8, seq_len=32, passes=2, step_s=0.5, tokens=100, iteration_s=2.0)
-  flops = mcfg.flops_per_token(32) * 8 * 32 * 2
-  assert m["model_tflops_per_chip"] == pytest.approx(flops / 0.5 / 4 / 1e12)
-  assert m["mfu"] == pytest.approx(m["model_tflops_per_chip"] / 2.0)
-  assert m["tokens_per_s_per_chip"] == pytest.approx(100 / 2.0 / 4)
+  full = t.step_metrics(lengths=[32] * 8, executed=8 * 32, passes=2, step_s=0.5, tokens=100, iteration_s=2.0)
+  flops = mcfg.flops_per_token(32) * 8 * 32 * 2  # no padding: every executed position is work
+  assert full["model_tflops_per_chip"] == pytest.approx(flops / 0.5 / 4 / 1e12)
+  assert full["mfu"] == pytest.approx(full["model_tflops_per_chip"] / 2.0)
+  assert full["padded_fraction"] == 0.0
+  assert full["tokens_per_s_per_chip"] == pytest.approx(100 / 2.0 / 4)
+  # the same 8 x 32 positions executed, most rows shorter: only their own tokens are work, each
+  # token's attention over its own row
+  lengths = [32, 20, 12, 5, 32, 7, 9, 16]
+  m = t.step_metrics(lengths=lengths, executed=8 * 32, passes=2, step_s=0.5, tokens=100, iteration_s=2.0)
+  real = sum(mcfg.flops_per_token(n) * n for n in lengths) * 2
+  assert m["mfu"] == pytest.approx(real / 0.5 / 4 / 1e12 / 2.0)
+  assert m["padded_fraction"] == pytest.approx(1 - sum(lengths) / (8 * 32))
 
 
 class _FakeWandb(types.ModuleType):
@@ -83,12 +93,31 @@ def test_metrics_profile_and_wandb_of_a_run(tmp_path, monkeypatch):
   fake = _FakeWandb()
   monkeypatch.setitem(sys.modules, "wandb", fake)
   workdir = str(tmp_path / "run")
+  # a store that takes no log part until the logger is flushed or closed: the checkpoint save must
+  # come after a flush, and find every step it covers in the log
+  gate, write_whole, logged_at_save = threading.Event(), logs._write_whole, {}
+  flush, close, save = logs.MetricsLogger.flush, logs.MetricsLogger.close, Checkpointer.save
+  monkeypatch.setattr(
+      logs, "_write_whole", lambda path, text: (path.suffix != ".jsonl" or gate.wait(), write_whole(path, text))
+  )  # the log parts; config.json is written at start-up
+  monkeypatch.setattr(logs.MetricsLogger, "flush", lambda self: (gate.set(), flush(self)))
+  monkeypatch.setattr(logs.MetricsLogger, "close", lambda self: (gate.set(), close(self)))
+  monkeypatch.setattr(
+      Checkpointer,
+      "save",
+      lambda self, step, *a, **k: (
+          logged_at_save.setdefault(step, read_log(workdir, "metrics")),
+          save(self, step, *a, **k),
+      )[1],
+  )
   train(_short(**{"train.profile_steps": "2,2", "log.wandb_project": "ict-test"}), workdir, progress=False)
+  assert [r["step"] for r in logged_at_save[2]] == [1, 2]  # flushed before the checkpoint of step 2
   rows = read_log(workdir, "metrics")
   lr = config_lib.tiny_config().optim.learning_rate
   assert [r["learning_rate"] for r in rows] == pytest.approx([lr, lr / 2])
   for r in rows:
     assert r["model_tflops_per_chip"] > 0 and 0 < r["mfu"] < 1
+    assert 0 < r["padded_fraction"] < 1  # prompts and completions of several lengths, batched
     assert r["tokens_per_s_per_chip"] == pytest.approx(r["tokens_per_s"] / jax.device_count())
   traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), traces
