@@ -41,6 +41,7 @@ import numpy as np
 
 from ict_jax.rewards.registry import MAX_COMPLETION_CHARS, REWARDS, RewardFn, sanitize, score
 
+_THREAD = "ict_jax-rewards"  # the thread scoring `submit`ted batches
 _POLL_S = 0.5  # the longest wait for a reply: how soon a batch scored in the background sees close()
 
 
@@ -241,7 +242,7 @@ class RewardPool:
     if self._closed:
       raise RuntimeError("RewardPool.submit: the pool is closed")
     if self._thread is None:
-      self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ict_jax-rewards")
+      self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_THREAD)
     return self._thread.submit(self.score_batch, kind, list(completions), list(golds))
 
   def _run_inline(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
@@ -288,7 +289,8 @@ class RewardPool:
       return
     if self._thread is not None:  # a batch being scored stops at its next poll; queued ones are dropped
       self._cancel.set()
-      self._thread.shutdown(wait=True, cancel_futures=True)
+      inside = threading.current_thread().name.startswith(_THREAD)  # a worker failed to start
+      self._thread.shutdown(wait=not inside, cancel_futures=True)
     self._closed = True
     for w in self._workers:
       if w.state != "idle":  # still importing, or busy on an item: nothing to wait for

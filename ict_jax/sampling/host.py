@@ -283,7 +283,9 @@ def join_sub_batches(parts: Sequence[SubBatch]) -> tuple[Array, ...]:
   n_rows = int(max(p.rows.max() for p in parts)) + 1
   if layout.sub_batches == 1:
     return tuple(x[:n_rows] for x in parts[0].outputs)
-  out = _join_jit(tuple(p.outputs for p in parts), samples=layout.samples)
+  sharding = parts[0].outputs[0].sharding
+  with _mesh_ctx(sharding.mesh if isinstance(sharding, NamedSharding) else None):  # rows stay sharded
+    out = _join_jit(tuple(p.outputs for p in parts), samples=layout.samples)
   return tuple(x[:n_rows] for x in out)
 
 
