@@ -4,7 +4,7 @@ Generation runs on the devices with the rollout copy of the policy (`sampling.ma
 the weights cast to the rollout dtype and laid out for decoding by one jitted call a step; no
 parameter goes through the host). The completion ids stay global device arrays for the train
 step; only this host's rows come to the host, are detokenized in one batched call and scored by
-this host's reward pool. The rewards (and per-row lengths and verifier counts) are then gathered
+this host's reward pool, a decode sub-batch at a time while the next one decodes. The rewards (and per-row lengths and verifier counts) are then gathered
 from every host, so the advantages are computed once from the same numbers everywhere: a
 verifier timeout on one host scores 0 on every host alike. The sampler's log-probs are not
 computed (the train step's first pass gives the old log-probs).
