@@ -24,6 +24,7 @@ from flax import nnx
 
 from ict_jax import grpo
 from ict_jax.data.prompts import encode_prompts
+from ict_jax.rewards.registry import gold_text
 from ict_jax.sampling import RolloutPolicy, bucket_length, generate, make_rollout_policy
 from ict_jax.tokenizer import left_pad
 
@@ -185,7 +186,7 @@ def collect(
   _, mask = local_rows(c_mask)
   sample_s = time.perf_counter() - t0
   texts = decode_completions(tokenizer, ids, mask, tokenizer.eos_ids)
-  all_golds = [ex["answer"] for ex in kept for _ in range(group_size)]
+  all_golds = [gold_text(reward_kind, ex) for ex in kept for _ in range(group_size)]
   golds = [all_golds[i] for i in rows]
   t0 = time.perf_counter()
   local, rstats = reward_pool.score_batch(reward_kind, texts, golds)
