@@ -436,7 +436,9 @@ def report(out: str, title: str) -> dict:
     raise SystemExit(f"no test results under {out}/runs (or no {chosen_path}): nothing to report")
   chosen = json.load(open(chosen_path))
   summary = summarize(tests, chosen)
-  md = table(summary, validation)
+  sizes = sorted({(len(r["counts"]), r["n"]) for r in tests})
+  md = "Held-out test: " + ", ".join(f"{p} problems x {n} samples" for p, n in sizes) + "\n\n"
+  md += table(summary, validation)
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
   with open(os.path.join(out, "results.json"), "w") as f:
