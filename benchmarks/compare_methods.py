@@ -84,7 +84,7 @@ SETTINGS = {
 }
 # CPU seconds on the 2-core AMD EPYC box (benchmarks/RESULTS.md, "Each method at its own lr"):
 # a warm-start, an RL step (16 prompts x 8) and one test sample (64 a problem)
-CPU_S = {"warm_start": 120.0, "rl_step": 0.35, "test_sample": 0.004}
+CPU_S = {"warm_start": 120.0, "rl_step": 0.4, "test_sample": 0.002}
 
 
 class Setting(NamedTuple):
@@ -393,7 +393,7 @@ def plot_passk(summary: dict[str, dict], path: str, title: str) -> None:
   ax.set_ylabel("pass@k (held-out test)")
   ax.grid(alpha=0.3)
   ax.legend()
-  ax.set_title(title)
+  ax.set_title(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
