@@ -1,26 +1,38 @@
-"""GRPO vs 20-Entropy vs STAPO vs ICT, plus an ICT ablation sweep, on synthetic_chain, on CPU.
+"""GRPO vs 20-Entropy vs STAPO vs ICT, each at its own learning rate, pass@k to k=64, on CPU.
 
-    python benchmarks/compare_methods.py [--seeds 0,1,2,3,4] [--steps 60] [--out benchmarks/compare]
-        [--methods grpo,entropy,stapo,ict] [--ablations score=kl,score=random,top_fraction=0.3,...]
+    python benchmarks/compare_methods.py            # the full sweep (--dry_run: its plan and CPU time)
+        [--settings level1,level4,steps] [--seeds 0,...,7] [--lrs 1e-4,2e-4,3e-4,5e-4]
+        [--methods grpo,entropy,stapo,ict] [--ablations score=kl,...] [--steps 800] [--out DIR]
 
-The tiny model on synthetic_chain level 1 (`config.chain_config()`, the default run's configs/tiny.py). One
-supervised warm-start (shared by every run, saved as a Hugging Face folder), then for each
-variant and seed the same RL budget (`--steps` steps of the default's prompts x G samples) with
-`ict_jax.train.train`, and a final evaluation on held-out problems with the trainer's periodic
-evaluation (`train.eval_every = steps`: pass@1 and pass@4 over `--eval_prompts` problems of the
-test split, 4 samples each, at the rollout temperature; the same key for every run). A variant is
-a method (`grpo`, `entropy`, `stapo`, `ict`) or an ICT ablation `key=value[+key=value]` over
-`ict.score`, `ict.keep`, `ict.top_fraction`, `ict.reference` (e.g. `top_fraction=0.9+keep=frequent`).
+The tiny model on `synthetic_chain` (`config.chain_config()`, the default run), in three settings
+(`SETTINGS`): level 1 rewarded on the boxed answer (the default run's task), level 4 (+ and -,
+operands 0..9: harder) and level 1 rewarded by the `chain_steps` verifier (every worked step and
+the box must be right). Per setting, under `<out>/<setting>/`:
 
-The warm-start itself is evaluated the same way once per seed (the row "warm-start (no RL)"), so
-the table also gives each variant's paired change over its starting point.
+1. Splits. The first `--val_prompts` problems of the training split are VALIDATION problems: held
+   out of the warm-start and of RL (which see `train[V:]`), drawn from the training distribution
+   and disjoint from the test split, which only step 3 reads.
+2. Each method at its own lr. One supervised warm-start (shared by every run, saved as a Hugging
+   Face folder); then for each method, each lr of `--lrs` and each selection seed the same RL
+   budget (`--steps` steps) with `ict_jax.train.train`, ending on validation pass@1
+   (`--val_samples` samples a problem). A method's lr is the grid's argmax of its validation pass@1
+   averaged over the selection seeds (ties: the first in the grid); `select_lrs` sees validation
+   numbers only, and no test evaluation exists before it has chosen (`sweep`). ICT's ablations
+   (`key=value[+key=value]` over `ict.score`, `ict.keep`, `ict.top_fraction`, `ict.reference`)
+   run at ICT's chosen lr.
+3. Held-out test, at the chosen lr only: every seed's final checkpoint samples `--test_samples`
+   (64) completions for each of the first `--test_prompts` test problems at the rollout
+   temperature, with one key per seed shared by every method and by the warm-start (common random
+   numbers); the per-problem correct counts give pass@k for k = 1..n by the unbiased estimator.
 
-Every finished run writes `<out>/runs/<variant>_seed<s>/result.json` and is not run again, so an
-interrupted sweep resumes; `--report` only rebuilds the report from the finished runs. Writes
-`<out>/table.md` (pass@1 / pass@4: mean, std, min-max over seeds, and the paired differences to
-ICT and to the warm-start on the same seeds), `<out>/curves.png` (reward, Shannon entropy, Renyi-2
-entropy and selected fraction over steps: mean and min-max band across seeds, methods only),
-`<out>/results.json`.
+Writes `table.md` (per variant: the chosen lr, pass@1/4/16/64 mean ± std [min, max] over seeds, the
+paired differences to GRPO and to the warm-start on the same seeds; then the validation grid),
+`passk.png` (pass@k for k = 1..64: mean and min-max band over seeds per method), `curves.png`
+(reward, entropies and selected fraction over the steps at the chosen lrs) and `results.json`.
+Every finished run writes `runs/<variant>_lr<lr>_seed<s>/result.json` (and `test.json`) and is not
+run again, so an interrupted sweep resumes; `--report` only rebuilds the reports. One process runs
+the sweep (XLA uses both cores of a 2-core box); `--dry_run` prints the number of runs and the
+expected CPU time (`CPU_S`, measured on a 2-core AMD EPYC box, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ import json
 import os
 import sys
 import time
+import zlib
+from typing import NamedTuple
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/ict_jax_bench_jax_cache")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
@@ -39,11 +53,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from ict_jax import config as config_lib  # noqa: E402
+from ict_jax.eval.passk import pass_at_k_curve  # noqa: E402
 from ict_jax.logs import read_log  # noqa: E402
 
 METHODS = ("grpo", "entropy", "stapo", "ict")
 NAMES = {"grpo": "GRPO", "entropy": "20-Entropy", "stapo": "STAPO", "ict": "ICT", "warm-start": "warm-start (no RL)"}
 BASELINE = "warm-start"  # the shared warm-start itself, evaluated with each seed's key
+REFERENCE = "grpo"  # the paired differences are each variant minus GRPO on the same seeds
 ABLATIONS = (
     "score=kl",
     "score=entropy",
@@ -59,7 +75,34 @@ CURVES = (
     ("renyi2", "Renyi-2 entropy H2 (nats)"),
     ("selected_frac", "selected fraction"),
 )
-KS = (1, 4)
+LRS = (1e-4, 2e-4, 3e-4, 5e-4)
+KS = (1, 4, 16, 64)
+SETTINGS = {
+    "level1": {"level": 1, "reward": "answer"},  # the default run's task
+    "level4": {"level": 4, "reward": "answer"},  # + and -, operands 0..9
+    "steps": {"level": 1, "reward": "chain_steps"},  # every worked step must be right
+}
+# CPU seconds on the 2-core AMD EPYC box (benchmarks/RESULTS.md, "Each method at its own lr"):
+# a warm-start, an RL step (16 prompts x 8) and one test sample (64 a problem)
+CPU_S = {"warm_start": 120.0, "rl_step": 0.4, "test_sample": 0.002}
+
+
+class Setting(NamedTuple):
+  """One setting's runs: where they go and what every run of it shares."""
+
+  out: str
+  level: int
+  reward: str
+  steps: int
+  val_prompts: int
+  val_samples: int
+  test_prompts: int
+  test_samples: int
+  overrides: tuple = ()  # (("section.key", value), ...) from --set
+
+  @property
+  def data_dir(self) -> str:
+    return os.path.join(os.path.dirname(os.path.normpath(self.out)), "data")  # shared by the settings
 
 
 def parse_variant(variant: str) -> dict:
@@ -77,195 +120,302 @@ def parse_variant(variant: str) -> dict:
   return out
 
 
-def base_config(steps: int, data_dir: str, eval_prompts: int):
+def base_config(s: Setting, train_steps: int | None = None):
+  """chain_config() at the setting's level and verifier, RL on `train[V:]`, the run's periodic
+  evaluation once at the end on the validation problems `train[:V]`."""
   c = config_lib.chain_config()
   # the comparison's "ICT" is the paper's top 10%; the default run's 30% (chain_config) is the
   # `top_fraction=0.3` ablation
   c.ict.top_fraction = 0.1
-  c.train.steps = steps
-  c.train.checkpoint_every = steps
-  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = steps, max(KS), eval_prompts
-  c.data.data_dir = data_dir
+  c.data.config, c.reward.kind = f"level{s.level}", s.reward
+  c.data.train_split, c.data.eval_split = f"train[{s.val_prompts}:]", f"train[:{s.val_prompts}]"
+  steps = s.steps if train_steps is None else train_steps
+  c.train.steps = c.train.checkpoint_every = c.train.eval_every = steps
+  c.train.eval_samples, c.train.eval_prompts = s.val_samples, s.val_prompts
+  c.data.data_dir = s.data_dir
+  for key, value in s.overrides:
+    section, name = key.split(".")
+    setattr(getattr(c, section), name, value)
   return c
 
 
-def _override(c, overrides: dict | None) -> None:
-  """Apply `--set` overrides ({"section.key": value}) to the config `c` in place."""
-  for key, value in (overrides or {}).items():
-    section, name = key.split(".")
-    setattr(getattr(c, section), name, value)
-
-
-def warm_started_hf(out: str, steps: int, overrides: dict | None = None) -> str:
-  """Run chain_config()'s supervised warm-start once and save it as an HF folder (with its
-  task_vocab.json: the folder's tokenizer, which every run from it uses)."""
+def warm_started_hf(s: Setting, sft_steps: int) -> str:
+  """The setting's supervised warm-start on `train[V:]` (never the validation problems), saved
+  as an HF folder with its task_vocab.json (built from every split: the folder's tokenizer)."""
   from flax import nnx
   from ict_jax.models.hf import save_pretrained
   from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config
   from ict_jax.train import init_params, load_examples, warm_start
 
-  hf_dir = os.path.join(out, "warm_start_hf")
+  hf_dir = os.path.join(s.out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     return hf_dir
-  c = config_lib.chain_config()
-  _override(c, overrides)  # e.g. model.vocab=qwen: the shared warm-start is that model's
-  c.warm_start.sft_steps = steps
-  c.data.data_dir = os.path.join(out, "data")
+  c = base_config(s)
+  c.warm_start.sft_steps = sft_steps
   cfg = config_lib.validate(c)
+  v = c.copy_and_resolve_references()
+  v.data.train_split, v.data.eval_split = "train", "test"  # every problem's tokens
+  vocab = config_lib.validate(v)
   mesh = make_mesh(cfg)
-  tok = make_tokenizer(cfg, hf_dir, "", lambda split: load_examples(cfg, split, out))  # saved in hf_dir
+  tok = make_tokenizer(vocab, hf_dir, "", lambda split: load_examples(vocab, split, s.out))  # saved in hf_dir
   mcfg = model_config(cfg, "", mesh, tok)
   graphdef, _, psh = abstract_params(mcfg, mesh)
   params = init_params(mcfg, cfg.train.seed, mesh, psh)
-  params = warm_start(graphdef, params, cfg, tok, load_examples(cfg, "train", out), mesh)
+  params = warm_start(graphdef, params, cfg, tok, load_examples(cfg, cfg.data.train_split, s.out), mesh)
   save_pretrained(nnx.merge(graphdef, params), hf_dir)
   return hf_dir
 
 
-def run_one(
-    variant: str, seed: int, hf_dir: str, out: str, steps: int, eval_prompts: int, overrides: dict | None = None
-) -> dict:
+def run_dir(s: Setting, variant: str, lr: float | None, seed: int) -> str:
+  name = f"{variant}_seed{seed}" if lr is None else f"{variant}_lr{lr:g}_seed{seed}"
+  return os.path.join(s.out, "runs", name)
+
+
+def run_one(s: Setting, variant: str, lr: float, seed: int, hf_dir: str) -> dict:
+  """One RL run from the warm-start; its result holds validation pass@1, never a test number."""
   from ict_jax.train import train
 
-  workdir = os.path.join(out, "runs", f"{variant}_seed{seed}")
+  workdir = run_dir(s, variant, lr, seed)
   done = os.path.join(workdir, "result.json")
   if os.path.exists(done):
     return json.load(open(done))
-  c = base_config(steps, os.path.join(out, "data"), eval_prompts)
+  c = base_config(s)
   for key, value in parse_variant(variant).items():
     setattr(c.ict, key, value)
-  _override(c, overrides)
-  c.train.seed = seed
-  c.warm_start.sft_steps = 0
+  c.optim.learning_rate, c.train.seed, c.warm_start.sft_steps = lr, seed, 0
   t0 = time.perf_counter()
   train(c, workdir, init_from_hf=hf_dir, progress=False)
   history = read_log(workdir, "metrics")
-  last = history[-1]
   result = {
       "variant": variant,
+      "lr": lr,
       "seed": seed,
       "steps": len(history),
       "train_s": time.perf_counter() - t0,
-      "curves": {k: [h[k] for h in history] for k, _ in CURVES},
-      **{f"pass@{k}": last[f"eval_pass_at_{k}"] for k in KS},
+      "curves": {k: [h.get(k, float("nan")) for h in history] for k, _ in CURVES},
+      "val_pass@1": history[-1]["eval_pass_at_1"],
   }
   with open(done, "w") as f:
     json.dump(result, f)
   return result
 
 
-def baseline_one(seed: int, hf_dir: str, out: str, eval_prompts: int, overrides: dict | None = None) -> dict:
-  """The warm-start before any RL step, evaluated exactly as a run's final evaluation (the same
-  problems, samples and key: `PeriodicEval` of the run's config with `train.seed = seed`), so
-  each method's paired change over the starting point can be read off the table."""
+def test_one(s: Setting, variant: str, lr: float | None, seed: int, hf_dir: str) -> dict:
+  """The held-out test of a run's final checkpoint (the warm-start itself for BASELINE):
+  `test_samples` completions of each of the first `test_prompts` test problems, with the seed's
+  key; keeps the per-problem correct counts."""
+  import jax
   import jax.numpy as jnp
-  from flax import nnx
-  from ict_jax.eval.periodic import PeriodicEval
+  from ict_jax.data.prompts import MATH_INSTRUCTION
+  from ict_jax.eval.loading import load_workdir
+  from ict_jax.eval.run import evaluate
   from ict_jax.models.hf import load_pretrained
   from ict_jax.rewards.pool import RewardPool
   from ict_jax.setup import make_mesh
   from ict_jax.task_vocab import load_tokenizer
   from ict_jax.train import load_examples
 
-  workdir = os.path.join(out, "runs", f"{BASELINE}_seed{seed}")
-  done = os.path.join(workdir, "result.json")
+  workdir = run_dir(s, variant, lr, seed)
+  done = os.path.join(workdir, "test.json")
   if os.path.exists(done):
     return json.load(open(done))
-  c = base_config(1, os.path.join(out, "data"), eval_prompts)
-  _override(c, overrides)
-  c.train.seed = seed
-  cfg = config_lib.validate(c)
-  mesh = make_mesh(cfg)
-  model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), mesh=mesh)
-  graphdef, params = nnx.split(model, nnx.Param)
-  ev = PeriodicEval.from_config(cfg, load_tokenizer(hf_dir), load_examples(cfg, cfg.data.eval_split, out), mesh=mesh)
+  cfg = config_lib.validate(base_config(s, train_steps=1))
+  if variant == BASELINE:
+    mesh = make_mesh(cfg)
+    model = load_pretrained(hf_dir, jnp.dtype(cfg.model.dtype), mesh=mesh)
+  else:
+    loaded, mesh = load_workdir(workdir)
+    model = loaded.model
+  source = load_examples(cfg, "test", s.out)
+  examples = [source[i] for i in range(min(len(source), s.test_prompts))]
+  key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(b"compare_methods test") & 0x7FFFFFFF)
   with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
-    res = ev((graphdef, params.to_pure_dict()), pool)
-  result = {"variant": BASELINE, "seed": seed, "steps": 0, **{f"pass@{k}": res[f"eval_pass_at_{k}"] for k in KS}}
+    res = evaluate(
+        model,
+        load_tokenizer(hf_dir),
+        examples,
+        answer_type=cfg.reward.kind,
+        n=s.test_samples,
+        ks=(1,),
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        prompt_style=cfg.data.prompt_style,
+        instruction=MATH_INSTRUCTION,  # as the rollouts' chat prompts
+        rng=key,
+        mesh=mesh,
+        reward_pool=pool,
+        batch_size=max(1, min(len(examples), 8)),
+        max_prompt_len=cfg.data.max_prompt_len,
+    )
+  counts = [p["num_correct"] for p in res["per_problem"]]
+  result = {"variant": variant, "lr": lr, "seed": seed, "n": s.test_samples, "counts": counts, "test_s": res["seconds"]}
   os.makedirs(workdir, exist_ok=True)
   with open(done, "w") as f:
     json.dump(result, f)
   return result
 
 
-def _paired(runs: dict, other: dict, k: int) -> dict | None:
-  """mean / std of runs[s] - other[s] in pass@k over the seeds both have (None if none)."""
-  common = sorted(set(runs) & set(other))
-  if not common:
-    return None
-  d = np.array([runs[s][f"pass@{k}"] - other[s][f"pass@{k}"] for s in common])
-  return {"mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0, "n": len(common)}
+def select_lrs(validation: list[dict], lrs, seeds) -> dict[str, float]:
+  """{variant: the lr of `lrs` with the highest validation pass@1 averaged over `seeds`} from
+  validation records ({"variant", "lr", "seed", "val_pass@1"}); ties go to the first lr in
+  `lrs`. Every (variant, lr, seed) must be there."""
+  table = {(r["variant"], r["lr"], r["seed"]): r["val_pass@1"] for r in validation}
+  out = {}
+  for variant in dict.fromkeys(r["variant"] for r in validation):
+    means = []
+    for lr in lrs:
+      missing = [sd for sd in seeds if (variant, lr, sd) not in table]
+      if missing:
+        raise ValueError(f"select_lrs: {variant} at lr {lr:g} has no validation result for seeds {missing}")
+      means.append(np.mean([table[variant, lr, sd] for sd in seeds]))
+    out[variant] = lrs[int(np.argmax(means))]
+  return out
 
 
-def summarize(results: list[dict]) -> dict[str, dict]:
-  """Per variant: seeds, mean / std / min / max of pass@k, the paired difference to ICT (variant
-  minus ICT on the seeds both have) and the paired change over the warm-start (variant minus the
-  warm-start evaluated with the same seed's key)."""
-  by = {}
-  for r in results:
-    by.setdefault(r["variant"], {})[r["seed"]] = r
-  ict, base = by.get("ict", {}), by.get(BASELINE, {})
+def sweep(methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, test, log=print) -> dict:
+  """The order that keeps the test out of the choice: every validation run, then `select_lrs`,
+  then the chosen-lr runs of the other seeds and, only now, the test evaluations.
+  `run(variant, lr, seed) -> validation record`, `test(variant, lr, seed) -> test record`."""
+  validation = [run(m, lr, sd) for m in methods for lr in lrs for sd in selection_seeds]
+  for r in validation:
+    log({k: r[k] for k in ("variant", "lr", "seed", "val_pass@1")})
+  chosen = select_lrs(validation, lrs, selection_seeds)
+  if ablations:
+    if "ict" not in chosen:
+      raise ValueError("the ablations run at ICT's chosen lr: add ict to --methods")
+    chosen.update({v: chosen["ict"] for v in ablations})
+  log({"chosen_lr": chosen})
+  tests = [test(BASELINE, None, sd) for sd in seeds]
+  for variant in [*methods, *ablations]:
+    for sd in ablation_seeds if variant in ablations else seeds:
+      run(variant, chosen[variant], sd)
+      tests.append(test(variant, chosen[variant], sd))
+  for r in tests:
+    log(
+        {"variant": r["variant"], "lr": r["lr"], "seed": r["seed"], "test_pass@1": float(np.mean(r["counts"])) / r["n"]}
+    )
+  return chosen
+
+
+def _stats(v: np.ndarray) -> dict:
+  return {
+      "mean": float(v.mean()),
+      "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+      "min": float(v.min()),
+      "max": float(v.max()),
+  }
+
+
+def summarize(tests: list[dict], chosen: dict[str, float]) -> dict[str, dict]:
+  """Per variant, from the test records at its chosen lr (BASELINE: lr None): the seeds, pass@k
+  for k = 1..n per seed, mean / std / min / max of pass@k at `KS`, and the paired differences
+  variant minus GRPO (`diff@k`) and minus the warm-start (`gain@k`) on the seeds both have."""
+  by: dict[str, dict[int, np.ndarray]] = {}
+  for r in tests:
+    if r["lr"] == chosen.get(r["variant"]):
+      by.setdefault(r["variant"], {})[r["seed"]] = pass_at_k_curve(r["counts"], r["n"])
   out = {}
   for variant, runs in by.items():
-    row = {"seeds": sorted(runs)}
-    for k in KS:
-      v = np.array([runs[s][f"pass@{k}"] for s in sorted(runs)])
-      row[f"pass@{k}"] = {
-          "mean": float(v.mean()),
-          "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-          "min": float(v.min()),
-          "max": float(v.max()),
-      }
-      for name, ref, skip in ((f"diff@{k}", ict, "ict"), (f"gain@{k}", base, BASELINE)):
-        d = None if variant == skip else _paired(runs, ref, k)
-        if d is not None:
-          row[name] = d
+    seeds = sorted(runs)
+    n = min(len(runs[sd]) for sd in seeds)
+    row = {"lr": chosen.get(variant), "seeds": seeds, "curve": [runs[sd][:n].tolist() for sd in seeds]}
+    for k in (k for k in KS if k <= n):
+      row[f"pass@{k}"] = _stats(np.array([runs[sd][k - 1] for sd in seeds]))
+      for name, ref in ((f"diff@{k}", REFERENCE), (f"gain@{k}", BASELINE)):
+        common = sorted(set(runs) & set(by.get(ref, {}))) if variant != ref else []
+        if common:
+          d = np.array([runs[sd][k - 1] - by[ref][sd][k - 1] for sd in common])
+          row[name] = {"mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0, "n": len(d)}
     out[variant] = row
   return out
 
 
-def table(summary: dict[str, dict]) -> str:
-  """Markdown: the warm-start, the methods, then the ablations; values in percent."""
-  head = (
-      ["variant", "seeds"]
-      + [f"pass@{k} mean ± std [min, max]" for k in KS]
-      + [f"pass@{k} − ICT (paired)" for k in KS]
-      + [f"pass@{k} − warm-start (paired)" for k in KS]
-  )
+def _order(names) -> list[str]:
+  order = [v for v in (BASELINE, *METHODS) if v in names]
+  return order + sorted(v for v in names if v not in order)
+
+
+def table(summary: dict[str, dict], validation: list[dict] = ()) -> str:
+  """Markdown, values in percent: the test table (warm-start, methods, ablations), then the
+  validation grid the lrs were chosen on (mean validation pass@1 over the seeds; * the choice)."""
+  ks = [k for k in KS if any(f"pass@{k}" in row for row in summary.values())]
+  head = ["variant", "lr", "seeds"] + [f"pass@{k} mean ± std [min, max]" for k in ks]
+  head += [f"pass@{k} − GRPO (paired)" for k in ks] + [f"pass@{k} − warm-start (paired)" for k in ks]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  order = [v for v in (BASELINE, *METHODS) if v in summary]
-  order += sorted(v for v in summary if v not in order)
-  for v in order:
+  for v in _order(summary):
     row = summary[v]
-    cells = [NAMES.get(v, f"ICT {v}"), str(len(row["seeds"]))]
-    for k in KS:
+    lr = "–" if row["lr"] is None else f"{row['lr']:g}"
+    cells = [NAMES.get(v, f"ICT {v}"), lr, str(len(row["seeds"]))]
+    for k in ks:
       p = row[f"pass@{k}"]
       cells.append(f"{100 * p['mean']:.1f} ± {100 * p['std']:.1f} [{100 * p['min']:.1f}, {100 * p['max']:.1f}]")
-    for name in [f"diff@{k}" for k in KS] + [f"gain@{k}" for k in KS]:
+    for name in [f"diff@{k}" for k in ks] + [f"gain@{k}" for k in ks]:
       d = row.get(name)
       cells.append("–" if d is None else f"{100 * d['mean']:+.1f} ± {100 * d['std']:.1f} (n={d['n']})")
     lines.append("| " + " | ".join(cells) + " |")
+  if validation:
+    lrs = sorted({r["lr"] for r in validation})
+    lines += ["", "Validation pass@1 (%, mean over seeds; * the chosen lr):", ""]
+    lines += ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
+    for v in _order({r["variant"] for r in validation}):
+      cells = [NAMES.get(v, f"ICT {v}")]
+      for lr in lrs:
+        vals = [r["val_pass@1"] for r in validation if r["variant"] == v and r["lr"] == lr]
+        mark = "*" if summary.get(v, {}).get("lr") == lr else ""
+        cells.append(f"{100 * np.mean(vals):.1f}{mark} (n={len(vals)})" if vals else "–")
+      lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], path: str, title: str) -> None:
+COLORS = {"grpo": "tab:blue", "entropy": "tab:orange", "stapo": "tab:green", "ict": "tab:red", BASELINE: "tab:gray"}
+
+
+def plot_passk(summary: dict[str, dict], path: str, title: str) -> None:
+  """pass@k against k (log scale) per method and the warm-start: mean and min-max band over seeds."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for v in (BASELINE, *METHODS):
+    if v not in summary:
+      continue
+    curves = np.array(summary[v]["curve"])
+    k = np.arange(1, curves.shape[1] + 1)
+    lr = "" if summary[v]["lr"] is None else f", lr {summary[v]['lr']:g}"
+    ax.plot(k, curves.mean(0), color=COLORS[v], label=f"{NAMES[v]} ({len(curves)} seeds{lr})")
+    ax.fill_between(k, curves.min(0), curves.max(0), color=COLORS[v], alpha=0.15)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("k (samples per problem)")
+  ax.set_ylabel("pass@k (held-out test)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_curves(runs: list[dict], path: str, title: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 4))
-  colors = {"grpo": "tab:blue", "entropy": "tab:orange", "stapo": "tab:green", "ict": "tab:red"}
   for ax, (key, label) in zip(axes, CURVES):
     for m in METHODS:
-      runs = [r["curves"][key] for r in results if r["variant"] == m]
-      if not runs:
+      curves = [r["curves"][key] for r in runs if r["variant"] == m]
+      if not curves:
         continue
-      n = min(map(len, runs))
-      runs = np.array([r[:n] for r in runs])
+      n = min(map(len, curves))
+      curves = np.array([c[:n] for c in curves], dtype=np.float64)
       x = np.arange(1, n + 1)
-      ax.plot(x, runs.mean(0), color=colors[m], label=f"{NAMES[m]} ({len(runs)} seeds)")
-      ax.fill_between(x, runs.min(0), runs.max(0), color=colors[m], alpha=0.15)
+      ax.plot(x, np.nanmean(curves, 0), color=COLORS[m], label=f"{NAMES[m]} ({len(curves)} seeds)")
+      ax.fill_between(x, np.nanmin(curves, 0), np.nanmax(curves, 0), color=COLORS[m], alpha=0.15)
     ax.set_xlabel("RL step")
     ax.set_title(label)
     ax.grid(alpha=0.3)
@@ -273,73 +423,114 @@ def plot(results: list[dict], path: str, title: str) -> None:
   fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def report(out: str, title: str) -> dict:
-  results = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
-  if not results:
-    raise SystemExit(f"no finished runs under {out}/runs")
-  summary = summarize(results)
-  md = table(summary)
+  def load(name):
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", name)))]
+
+  validation, tests = load("result.json"), load("test.json")
+  chosen_path = os.path.join(out, "chosen_lr.json")
+  if not tests or not os.path.exists(chosen_path):
+    raise SystemExit(f"no test results under {out}/runs (or no {chosen_path}): nothing to report")
+  chosen = json.load(open(chosen_path))
+  summary = summarize(tests, chosen)
+  sizes = sorted({(len(r["counts"]), r["n"]) for r in tests})
+  md = "Held-out test: " + ", ".join(f"{p} problems x {n} samples" for p, n in sizes) + "\n\n"
+  md += table(summary, validation)
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"summary": summary, "runs": results}, f)
-  plot(results, os.path.join(out, "curves.png"), title)
-  print(md)
+    json.dump({"chosen_lr": chosen, "summary": summary, "validation": validation, "tests": tests}, f)
+  plot_passk(summary, os.path.join(out, "passk.png"), title)
+  picked = [r for r in validation if r["lr"] == chosen.get(r["variant"])]
+  plot_curves(picked, os.path.join(out, "curves.png"), title + ", at the chosen lrs")
+  print(f"## {out}\n\n{md}", flush=True)
   return summary
+
+
+def plan(a, settings) -> dict:
+  """The runs the command will make and their expected CPU time (`CPU_S`)."""
+  n_methods, n_lrs = len(a.methods), len(a.lrs)
+  per = {
+      "rl_runs": n_methods * n_lrs * len(a.selection_seeds)
+      + n_methods * len(set(a.seeds) - set(a.selection_seeds))
+      + len(a.ablations) * len(a.ablation_seeds),
+  }
+  per["test_evals"] = len(a.seeds) * (1 + n_methods) + len(a.ablations) * len(a.ablation_seeds)
+  cpu = CPU_S["warm_start"] + per["rl_runs"] * a.steps * CPU_S["rl_step"]
+  cpu += per["test_evals"] * a.test_prompts * a.test_samples * CPU_S["test_sample"]
+  return {**per, "settings": list(settings), "expected_cpu_h": round(len(settings) * cpu / 3600, 2)}
 
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--seeds", default="0,1,2,3,4")
-  p.add_argument("--ablation_seeds", default="", help="seeds of the ablations (default: --seeds)")
+  csv = lambda typ: lambda text: [typ(x) for x in text.split(",") if x]  # noqa: E731
+  p.add_argument("--settings", type=csv(str), default=list(SETTINGS), help=f"of {list(SETTINGS)}")
+  p.add_argument("--seeds", type=csv(int), default=list(range(8)))
+  p.add_argument("--selection_seeds", type=csv(int), default=None, help="seeds the lr is chosen on (--seeds)")
+  p.add_argument("--ablation_seeds", type=csv(int), default=None, help="seeds of the ablations (--seeds)")
+  p.add_argument("--lrs", type=csv(float), default=list(LRS), help="the lr grid of every method")
   p.add_argument("--steps", type=int, default=config_lib.chain_config().train.steps)
   p.add_argument("--sft_steps", type=int, default=config_lib.chain_config().warm_start.sft_steps)
-  p.add_argument("--eval_prompts", type=int, default=200, help="held-out problems evaluated")
-  p.add_argument("--methods", default=",".join(METHODS))
-  p.add_argument("--ablations", default=",".join(ABLATIONS), help="'' for none")
+  p.add_argument("--val_prompts", type=int, default=25, help="validation problems, the first of the train split")
+  p.add_argument("--val_samples", type=int, default=8, help="samples per validation problem")
+  p.add_argument("--test_prompts", type=int, default=100, help="test problems (at most the split's)")
+  p.add_argument("--test_samples", type=int, default=max(KS), help="samples per test problem")
+  p.add_argument("--methods", type=csv(str), default=list(METHODS))
+  p.add_argument("--ablations", type=csv(str), default=list(ABLATIONS), help="'' for none")
   p.add_argument("--set", default="", help="extra config overrides, e.g. rollout.prompts_per_step=4")
   p.add_argument("--out", default="benchmarks/compare")
-  p.add_argument("--report", action="store_true", help="only rebuild the report from finished runs")
+  p.add_argument("--report", action="store_true", help="only rebuild the reports from finished runs")
+  p.add_argument("--dry_run", action="store_true", help="print the plan and its expected CPU time")
   a = p.parse_args(argv)
-  os.makedirs(a.out, exist_ok=True)
-  title = "tiny Qwen2 on synthetic_chain: mean and min-max over seeds"
-  if not a.report:
-    overrides = {}
-    for kv in filter(None, a.set.split(",")):
-      key, value = kv.split("=")
-      section, name = key.split(".")
-      old = getattr(getattr(config_lib.chain_config(), section), name)
-      if isinstance(old, bool) and value not in ("True", "False"):
-        p.error(f"--set {key}: expected True or False, got {value!r}")
-      overrides[key] = value == "True" if isinstance(old, bool) else type(old)(value)
-    hf_dir = warm_started_hf(a.out, a.sft_steps, overrides)
-    seeds = [int(s) for s in a.seeds.split(",")]
-    ab_seeds = [int(s) for s in (a.ablation_seeds or a.seeds).split(",")]
-    variants = [(m, s) for s in seeds for m in a.methods.split(",") if m]
-    variants += [(v, s) for s in ab_seeds for v in a.ablations.split(",") if v]
-    for v, _ in variants:
+  a.selection_seeds = a.seeds if a.selection_seeds is None else a.selection_seeds
+  a.ablation_seeds = a.seeds if a.ablation_seeds is None else a.ablation_seeds
+  for name in a.settings:
+    if name not in SETTINGS:
+      p.error(f"--settings: unknown setting {name!r}; known {list(SETTINGS)}")
+  for v in [*a.methods, *a.ablations]:
+    try:
       parse_variant(v)  # fail before any run
-    for s in seeds:
-      r = baseline_one(s, hf_dir, a.out, a.eval_prompts, overrides)
-      print(json.dumps({"variant": BASELINE, "seed": s, "pass@1": r["pass@1"], "pass@4": r["pass@4"]}), flush=True)
-    for v, s in variants:
-      t0 = time.perf_counter()
-      r = run_one(v, s, hf_dir, a.out, a.steps, a.eval_prompts, overrides)
-      print(
-          json.dumps(
-              {
-                  "variant": v,
-                  "seed": s,
-                  "pass@1": r["pass@1"],
-                  "pass@4": r["pass@4"],
-                  "s": round(time.perf_counter() - t0, 1),
-              }
-          ),
-          flush=True,
-      )
-  return report(a.out, title)
+    except ValueError as e:
+      p.error(str(e))
+  overrides = []
+  for kv in filter(None, a.set.split(",")):
+    key, value = kv.split("=")
+    section, name = key.split(".")
+    old = getattr(getattr(config_lib.chain_config(), section), name)
+    if isinstance(old, bool) and value not in ("True", "False"):
+      p.error(f"--set {key}: expected True or False, got {value!r}")
+    overrides.append((key, value == "True" if isinstance(old, bool) else type(old)(value)))
+  print(json.dumps({"plan": plan(a, a.settings)}), flush=True)
+  if a.dry_run:
+    return {}
+  summaries = {}
+  for name in a.settings:
+    spec = SETTINGS[name]
+    s = Setting(
+        os.path.join(a.out, name), spec["level"], spec["reward"], a.steps, a.val_prompts, a.val_samples,
+        a.test_prompts, a.test_samples, tuple(overrides),
+    )  # fmt: skip
+    title = f"tiny Qwen2, synthetic_chain level {s.level}, reward {s.reward}: mean and min-max over seeds"
+    if not a.report:
+      os.makedirs(s.out, exist_ok=True)
+      hf_dir = warm_started_hf(s, a.sft_steps)
+
+      def log(record, name=name):
+        print(json.dumps({"setting": name, **record}), flush=True)
+
+      chosen = sweep(
+          a.methods, a.ablations, a.lrs, a.seeds, a.selection_seeds, a.ablation_seeds,
+          run=lambda v, lr, sd, s=s, hf=hf_dir: run_one(s, v, lr, sd, hf),
+          test=lambda v, lr, sd, s=s, hf=hf_dir: test_one(s, v, lr, sd, hf),
+          log=log,
+      )  # fmt: skip
+      with open(os.path.join(s.out, "chosen_lr.json"), "w") as f:
+        json.dump(chosen, f)
+    summaries[name] = report(s.out, title)
+  return summaries
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   kind: str = "math"  # math (last \\boxed{}) | choice (letter) | answer (bare answer)
+  # | chain_steps (synthetic_chain: every worked step and the box, ict_jax/rewards/chain.py)
   format_weight: float = 0.0  # added weight of the format reward
   num_workers: int = 2  # verifier processes (0: in-process)
   timeout_s: float = 5.0
@@ -182,7 +183,7 @@ _CHOICES = {
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
     "loss.advantage_scale": ("group", "batch", "none"),
     "optim.schedule": ("constant", "cosine", "linear"),
-    "reward.kind": ("math", "choice", "answer"),
+    "reward.kind": ("math", "choice", "answer", "chain_steps"),
     "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 _POSITIVE = (
@@ -410,6 +411,11 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
       )
   if cfg.rollout.group_size < 2:
     raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
+  if cfg.reward.kind == "chain_steps" and cfg.data.name != "synthetic_chain":
+    raise ConfigError(
+        f"config.reward.kind: 'chain_steps' checks synthetic_chain's worked steps; "
+        f"config.data.name is {cfg.data.name!r} (use 'answer' or 'math')"
+    )
   return cfg
 
 

@@ -24,6 +24,7 @@ from flax import nnx
 
 from ict_jax import grpo
 from ict_jax.data.prompts import encode_prompts
+from ict_jax.rewards.registry import gold_text
 from ict_jax.sampling import (
     RolloutPolicy,
     bucket_length,
@@ -177,7 +178,7 @@ def collect(
   n = len(kept) * group_size
   if isinstance(decode_batch_size, int) and n % decode_batch_size:  # prompts were skipped
     decode_batch_size = math.gcd(decode_batch_size, n)  # smaller sub-batches: still fits
-  all_golds = [ex["answer"] for ex in kept for _ in range(group_size)]
+  all_golds = [gold_text(reward_kind, ex) for ex in kept for _ in range(group_size)]
   parts, rows, ids, mask, texts, golds, futures = [], [], [], [], [], [], []  # one entry a sub-batch
   for part in generate_sub_batches(
       policy,

@@ -184,18 +184,28 @@ def test_aot_table_compiles_one_recipe_into_its_own_folder(tmp_path):
 
 
 def test_compare_methods_one_seed_one_step(tmp_path):
-  """The comparison's own loop (warm-start, RL run, held-out evaluation, report) on one seed and
-  one step; tests/test_compare_methods.py checks its statistics."""
+  """The comparison's own loop (warm-start, RL run ending on validation, lr choice, held-out test
+  of the checkpoint, report) on one setting, seed, lr and step; tests/test_compare_methods.py
+  checks its statistics and the order that keeps the test out of the lr choice."""
   proc = _run_script(
-      "compare_methods.py", "--seeds", "0", "--steps", "1", "--sft_steps", "1", "--eval_prompts", "4",
-      "--methods", "ict", "--ablations", "", "--set", "rollout.prompts_per_step=2", "--out", str(tmp_path),
+      "compare_methods.py", "--settings", "level1", "--seeds", "0", "--lrs", "3e-4", "--steps", "1",
+      "--sft_steps", "1", "--val_prompts", "4", "--val_samples", "2", "--test_prompts", "3",
+      "--test_samples", "4", "--methods", "ict", "--ablations", "", "--set", "rollout.prompts_per_step=2",
+      "--out", str(tmp_path),
   )  # fmt: skip
   rows = _json_lines(proc)
-  assert [(r["variant"], r["seed"]) for r in rows] == [("warm-start", 0), ("ict", 0)]
-  assert all(0 <= r["pass@1"] <= r["pass@4"] <= 1 for r in rows)
-  results = json.load(open(tmp_path / "results.json"))
-  assert set(results) == {"summary", "runs"} and (tmp_path / "curves.png").stat().st_size > 0
-  assert "| ICT |" in (tmp_path / "table.md").read_text()
+  plan = rows[0]["plan"]
+  assert (plan["rl_runs"], plan["test_evals"], plan["settings"]) == (1, 2, ["level1"]) and plan["expected_cpu_h"] > 0
+  assert [(r["variant"], r["lr"], r["seed"]) for r in rows if "val_pass@1" in r] == [("ict", 3e-4, 0)]
+  assert [r["chosen_lr"] for r in rows if "chosen_lr" in r] == [{"ict": 3e-4}]
+  tests = [(r["variant"], r["lr"], r["seed"], r["test_pass@1"]) for r in rows if "test_pass@1" in r]
+  assert [t[:3] for t in tests] == [("warm-start", None, 0), ("ict", 3e-4, 0)] and all(0 <= t[3] <= 1 for t in tests)
+  out = tmp_path / "level1"
+  results = json.load(open(out / "results.json"))
+  assert set(results) == {"chosen_lr", "summary", "validation", "tests"}
+  assert [len(t["counts"]) for t in results["tests"]] == [3, 3] and {t["n"] for t in results["tests"]} == {4}
+  assert (out / "passk.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
+  assert "| ICT | 0.0003 | 1 |" in (out / "table.md").read_text()
 
 
 def test_compile_head_tiny_on_v5e_8():

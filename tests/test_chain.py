@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import re
 
+import pytest
+
 from ict_jax import data
 from ict_jax.data import chain
 from ict_jax.rewards.math import answer_reward, math_reward
@@ -72,3 +74,52 @@ def test_build_read_back_and_sft_targets(tmp_path):
   assert set(ex) == {"id", "question", "prompt", "answer", "solution", "solutions", "level"}
   assert sft_targets(ex) == ex["solutions"].split("\n") and len(sft_targets(ex)) == 2
   assert sft_targets({"answer": 8}) == ["8"]  # a bare-answer task: the answer itself
+
+
+def test_chain_steps_verifier_checks_every_step():
+  """reward.kind=chain_steps: 1 only when each worked step's arithmetic, the chain over the
+  problem's operands and the box are right; the answer-only verifier is the contrast."""
+  from ict_jax import config as config_lib
+  from ict_jax.rewards import score
+  from ict_jax.rewards.registry import gold_text
+
+  ex = chain.make_example((3, 5, 2), ("+", "+"), 2)
+  gold = gold_text("chain_steps", ex)
+  assert gold == "3+5+2=10" and gold_text("answer", ex) == "10"
+  cases = {
+      "3+5=8,8+2=10;\\boxed{10}": 1.0,  # the canonical solution
+      "5+2=7,3+7=10;\\boxed{10}": 1.0,  # right to left, as the task teaches
+      "5+3=8,2+8=10;\\boxed{10}": 1.0,  # commuted operands: still right arithmetic
+      " 3 + 5 = 8 ,\n8+2 = 10 ; \\boxed{ 10 }": 1.0,  # spaces and newlines anywhere
+      "3+5=8,8+2=10;;\\boxed{10}": 1.0,  # an empty piece is skipped
+      "3+5=8,8+2=10;\\boxed{10}1}1=": 1.0,  # text after the box is ignored (as answer-only)
+      "3+5=9,9+2=10;\\boxed{10}": 0.0,  # a wrong step with the right box
+      "3+5=8,8+2=11;\\boxed{10}": 0.0,  # last step disagrees with the box
+      "3+5=8,8+2=10;\\boxed{11}": 0.0,  # wrong answer
+      "8+2=10;\\boxed{10}": 0.0,  # a missing step
+      "3+5=8,8+2=10,10+0=10;\\boxed{10}": 0.0,  # an extra step
+      "3+5=8,9+1=10;\\boxed{10}": 0.0,  # does not build on the previous result
+      "4+4=8,8+2=10;\\boxed{10}": 0.0,  # right arithmetic on numbers not in the problem
+      "3+5=8,then 8+2=10;\\boxed{10}": 0.0,  # a piece that is no equation
+      "3+5=8,8+2=10;": 0.0,  # no box
+      "\\boxed{10}": 0.0,  # no steps
+  }
+  for completion, want in cases.items():
+    assert score("chain_steps", completion, gold) == want, completion
+  assert answer_reward("3+5=9,9+2=10;\\boxed{10}", ex["answer"]) == 1.0  # what answer-only misses
+  assert score("chain_steps", "3+5=8,8+2=10;\\boxed{10}", "not an equation") == 0.0
+  # every accepted worked solution of the small levels (subtraction included) scores 1, and the
+  # same steps with one result off by one score 0
+  for level in (1, 4):
+    for operands, operators in chain.level_problems(level):
+      ex = chain.make_example(operands, operators, level)
+      for s in ex["solutions"].split("\n"):
+        assert score("chain_steps", s, gold_text("chain_steps", ex)) == 1.0, (ex["prompt"], s)
+        wrong = STEP.sub(lambda m: f"{m[1]}{m[2]}{m[3]}={int(m[4]) + 1}", s, count=1)
+        assert score("chain_steps", wrong, gold_text("chain_steps", ex)) == 0.0, (ex["prompt"], wrong)
+  c = config_lib.chain_config()
+  c.reward.kind = "chain_steps"
+  assert config_lib.validate(c).reward.kind == "chain_steps"
+  c.data.name = "synthetic_arith"
+  with pytest.raises(config_lib.ConfigError, match="config.reward.kind: 'chain_steps'"):
+    config_lib.validate(c)

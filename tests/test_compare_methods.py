@@ -1,9 +1,11 @@
-"""benchmarks/compare_methods.py's bookkeeping: variants, the seed statistics and the paired
-difference to ICT against numpy, the table (the runs themselves are train() calls)."""
+"""benchmarks/compare_methods.py's bookkeeping: variants, the lr choice on validation (argmax, and
+no test evaluation before it), pass@k to k=64 and the paired differences against numpy and exact
+binomials, the table (the runs themselves are train() calls: tests/test_benchmarks_smoke.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -22,6 +24,11 @@ def cm():
   return module
 
 
+def _pass_at_k(counts, n, k) -> float:
+  """The unbiased estimator from exact binomials, 1 - C(n-c, k) / C(n, k), averaged."""
+  return float(np.mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in counts]))
+
+
 def test_variants(cm):
   assert cm.parse_variant("stapo") == {"method": "stapo"}
   assert cm.parse_variant("top_fraction=0.9+keep=frequent") == {
@@ -35,37 +42,88 @@ def test_variants(cm):
     cm.parse_variant("lr=3")
 
 
-def test_summary_and_paired_difference(cm):
+def test_select_lrs_is_the_argmax_of_mean_validation(cm):
   rng = np.random.default_rng(0)
-  p1 = {(v, s): float(rng.random()) for v in ("ict", "grpo") for s in range(5)}
-  runs = [{"variant": v, "seed": s, "pass@1": p1[v, s], "pass@4": min(1.0, 2 * p1[v, s])} for (v, s) in p1]
-  runs.append({"variant": "score=kl", "seed": 7, "pass@1": 0.5, "pass@4": 0.5})  # no ICT seed 7
-  summary = cm.summarize(runs)
-  g = np.array([p1["grpo", s] for s in range(5)])
-  i = np.array([p1["ict", s] for s in range(5)])
-  assert summary["grpo"]["pass@1"]["mean"] == pytest.approx(g.mean())
-  assert summary["grpo"]["pass@1"]["std"] == pytest.approx(g.std(ddof=1))
-  assert summary["grpo"]["diff@1"]["mean"] == pytest.approx((g - i).mean())
-  assert summary["grpo"]["diff@1"]["std"] == pytest.approx((g - i).std(ddof=1))
-  assert "diff@1" not in summary["ict"] and "diff@1" not in summary["score=kl"]
-  md = cm.table(summary)
-  lines = md.splitlines()
-  assert lines[2].startswith("| GRPO | 5 |") and lines[3].startswith("| ICT | 5 |")
-  assert lines[4].startswith("| ICT score=kl | 1 |")
+  lrs, seeds = [1e-4, 2e-4, 3e-4, 5e-4], [0, 1, 2]
+  val = rng.random((2, len(lrs), 5))  # variant x lr x seed (seeds 3, 4 are not selection seeds)
+  val[1, :, :3] = 0.25  # a four-way tie: the first lr of the grid
+  records = [
+      {"variant": v, "lr": lr, "seed": s, "val_pass@1": float(val[i, j, s])}
+      for i, v in enumerate(("grpo", "ict"))
+      for j, lr in enumerate(lrs)
+      for s in range(5)
+  ]
+  chosen = cm.select_lrs(records, lrs, seeds)
+  assert chosen == {"grpo": lrs[int(np.argmax(val[0, :, :3].mean(1)))], "ict": 1e-4}
+  with pytest.raises(ValueError, match=r"grpo at lr 0.0001 has no validation result for seeds \[7\]"):
+    cm.select_lrs(records, lrs, [0, 7])
 
 
-def test_warm_start_row_and_paired_gain(cm):
-  """The warm-start (no RL) row comes first, and every variant's change over it is paired by seed."""
+def test_sweep_chooses_on_validation_before_any_test(cm):
+  """The fake test scores are the reverse of validation, so a choice that peeked would differ; no
+  test runs before the last validation run, and only the chosen lrs are tested."""
+  lrs = [1e-4, 3e-4, 5e-4]
+  best = {"grpo": 3e-4, "ict": 5e-4}
+  events = []
+
+  def run(v, lr, sd):
+    events.append(("run", v, lr, sd))
+    val = 0.9 if lr == best.get(v, best["ict"]) else 0.1 * lrs.index(lr)
+    return {"variant": v, "lr": lr, "seed": sd, "val_pass@1": val}
+
+  def test(v, lr, sd):
+    events.append(("test", v, lr, sd))
+    return {"variant": v, "lr": lr, "seed": sd, "n": 4, "counts": [4 if lr == lrs[0] else 0]}
+
+  chosen = cm.sweep(["grpo", "ict"], ["score=kl"], lrs, [0, 1, 2], [0, 1], [0], run, test, log=lambda r: None)
+  assert chosen == {**best, "score=kl": best["ict"]}
+  first_test = next(i for i, e in enumerate(events) if e[0] == "test")
+  validation = [e for e in events[:first_test] if e[0] == "run"]
+  assert validation == [("run", v, lr, s) for v in ("grpo", "ict") for lr in lrs for s in (0, 1)]
+  tested = [e[1:] for e in events if e[0] == "test"]
+  assert tested == [("warm-start", None, s) for s in (0, 1, 2)] + [
+      (v, chosen[v], s) for v, seeds in (("grpo", (0, 1, 2)), ("ict", (0, 1, 2)), ("score=kl", (0,))) for s in seeds
+  ]
+  # every tested (variant, lr, seed) was trained first
+  for i, e in enumerate(events):
+    if e[0] == "test" and e[1] != "warm-start":
+      assert ("run", *e[1:]) in events[:i]
+
+
+def test_summary_passk_to_64_and_paired_differences(cm):
   rng = np.random.default_rng(1)
-  base = {s: float(rng.random()) for s in range(4)}
-  ict = {s: float(rng.random()) for s in range(5)}  # seed 4 has no warm-start evaluation
-  runs = [{"variant": cm.BASELINE, "seed": s, "pass@1": p, "pass@4": p} for s, p in base.items()]
-  runs += [{"variant": "ict", "seed": s, "pass@1": p, "pass@4": p} for s, p in ict.items()]
-  summary = cm.summarize(runs)
-  gain = np.array([ict[s] - base[s] for s in range(4)])
-  assert summary["ict"]["gain@1"] == pytest.approx({"mean": gain.mean(), "std": gain.std(ddof=1), "n": 4})
-  assert "gain@1" not in summary[cm.BASELINE]
-  assert summary[cm.BASELINE]["diff@1"]["n"] == 4  # the warm-start minus ICT, on the seeds both have
-  lines = cm.table(summary).splitlines()
-  assert lines[2].startswith("| warm-start (no RL) | 4 |") and lines[3].startswith("| ICT | 5 |")
-  assert lines[3].endswith(f"| {100 * gain.mean():+.1f} ± {100 * gain.std(ddof=1):.1f} (n=4) |")
+  n, problems, seeds = 64, 5, [0, 1, 2]
+  chosen = {"grpo": 2e-4, "ict": 5e-4, "warm-start": None}
+  counts = {(v, s): rng.integers(0, n + 1, problems).tolist() for v in chosen for s in seeds}
+  tests = [{"variant": v, "lr": chosen[v], "seed": s, "n": n, "counts": c} for (v, s), c in counts.items()]
+  tests.append({"variant": "ict", "lr": 1e-4, "seed": 0, "n": n, "counts": [n] * problems})  # not chosen: ignored
+  summary = cm.summarize(tests, chosen)
+  assert summary["ict"]["seeds"] == seeds and summary["ict"]["lr"] == 5e-4
+  for v in chosen:
+    curve = np.array(summary[v]["curve"])
+    want = np.array([[_pass_at_k(counts[v, s], n, k) for k in range(1, n + 1)] for s in seeds])
+    assert curve.shape == (3, 64) and np.allclose(curve, want, atol=1e-12)
+    assert np.all(np.diff(curve, axis=1) >= -1e-12)
+  for k in cm.KS:
+    p = np.array([_pass_at_k(counts["ict", s], n, k) for s in seeds])
+    g = np.array([_pass_at_k(counts["grpo", s], n, k) for s in seeds])
+    b = np.array([_pass_at_k(counts["warm-start", s], n, k) for s in seeds])
+    assert summary["ict"][f"pass@{k}"]["mean"] == pytest.approx(p.mean())
+    assert summary["ict"][f"pass@{k}"]["std"] == pytest.approx(p.std(ddof=1))
+    assert summary["ict"][f"diff@{k}"] == pytest.approx({"mean": (p - g).mean(), "std": (p - g).std(ddof=1), "n": 3})
+    assert summary["ict"][f"gain@{k}"] == pytest.approx({"mean": (p - b).mean(), "std": (p - b).std(ddof=1), "n": 3})
+  assert "diff@1" not in summary["grpo"] and "gain@1" not in summary["warm-start"]
+  validation = [
+      {"variant": v, "lr": lr, "seed": s, "val_pass@1": 0.5}
+      for v in ("grpo", "ict")
+      for lr in (2e-4, 5e-4)
+      for s in seeds
+  ]
+  lines = cm.table(summary, validation).splitlines()
+  assert lines[0].count("pass@") == 3 * len(cm.KS)
+  assert [line.split(" | ")[:3] for line in lines[2:5]] == [
+      ["| warm-start (no RL)", "–", "3"],
+      ["| GRPO", "0.0002", "3"],
+      ["| ICT", "0.0005", "3"],
+  ]
+  assert "| GRPO | 50.0* (n=3) | 50.0 (n=3) |" in lines and "| ICT | 50.0 (n=3) | 50.0* (n=3) |" in lines

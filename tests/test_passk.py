@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ict_jax.eval.passk import mean_pass_at_k, pass_at_k
+from ict_jax.eval.passk import mean_pass_at_k, pass_at_k, pass_at_k_curve
 
 
 def _exact(n: int, c: int, k: int) -> Fraction:
@@ -79,3 +79,15 @@ def test_invalid_arguments(n, c, k):
 def test_mean_pass_at_k_rejects_empty():
   with pytest.raises(ValueError, match="empty"):
     mean_pass_at_k([], 4, 1)
+
+
+def test_curve_to_64_is_the_exact_mean_and_monotone():
+  """pass@k for k = 1..64 of known per-problem counts out of 64: the exact binomial mean at every
+  k, non-decreasing in k, pass@1 the mean success rate and pass@64 the share of problems solved."""
+  counts = [0, 1, 2, 7, 32, 63, 64]
+  curve = pass_at_k_curve(counts, 64)
+  want = [float(sum(_exact(64, c, k) for c in counts) / len(counts)) for k in range(1, 65)]
+  assert curve.shape == (64,) and np.allclose(curve, want, rtol=0, atol=1e-12)
+  assert np.all(np.diff(curve) >= -1e-15)
+  assert curve[0] == pytest.approx(np.mean(counts) / 64) and curve[-1] == pytest.approx(6 / 7)
+  assert pass_at_k_curve(counts, 64, [4, 16]) == pytest.approx([want[3], want[15]])

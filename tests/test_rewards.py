@@ -318,8 +318,9 @@ def test_format_reward(completion, want):
 
 # ------------------------------------------------------------------------- registry, score
 def test_registry_and_score():
-  assert set(REWARDS) == {"math", "choice", "format", "answer"}
+  assert set(REWARDS) == {"math", "choice", "format", "answer", "chain_steps"}
   assert score("answer", " 8", "8") == 1.0 and score("answer", "18", "8") == 0.0
+  assert score("chain_steps", "1+2=3,3+4=7;\\boxed{7}", "1+2+4=7") == 1.0
   assert score("math", r"so \boxed{\frac{1}{2}}", "0.5") == 1.0
   assert score("choice", "Answer: B", "B") == 1.0
   assert score("format", r"Reasoning first, then \boxed{1}", None) == 1.0

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from ict_jax.rewards.registry import REWARDS, RewardFn, score
 
-ANSWER_TYPE_TO_KIND: dict[str, str] = {"math_boxed": "math", "choice": "choice", "answer": "answer"}
+ANSWER_TYPE_TO_KIND: dict[str, str] = {
+    "math_boxed": "math",
+    "choice": "choice",
+    "answer": "answer",
+    "chain_steps": "chain_steps",
+}
 
 
 def reward_kind(answer_type: str) -> str:

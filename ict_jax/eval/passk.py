@@ -31,3 +31,10 @@ def mean_pass_at_k(correct_counts: Sequence[int], n: int | Sequence[int], k: int
     raise ValueError("mean_pass_at_k: correct_counts is empty")
   ns = np.broadcast_to(np.asarray(n, dtype=np.int64), counts.shape)
   return float(np.mean([pass_at_k(ni, ci, k) for ni, ci in zip(ns, counts)]))
+
+
+def pass_at_k_curve(correct_counts: Sequence[int], n: int, ks: Sequence[int] | None = None) -> np.ndarray:
+  """``mean_pass_at_k`` at each k of ``ks`` (default 1..n), as a float64 array: the pass@k curve
+  of one run from its per-problem correct counts out of ``n`` samples."""
+  ks = range(1, int(n) + 1) if ks is None else ks
+  return np.array([mean_pass_at_k(correct_counts, n, k) for k in ks], dtype=np.float64)

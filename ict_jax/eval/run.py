@@ -23,6 +23,7 @@ import numpy as np
 from ict_jax.data.prompts import MATH_INSTRUCTION, encode_prompts
 from ict_jax.eval import checkers
 from ict_jax.eval.passk import mean_pass_at_k
+from ict_jax.rewards.registry import gold_text
 
 # answer type -> RewardPool kind; "answer" is the bare final answer of the synthetic task.
 ANSWER_TYPES: dict[str, str] = {**checkers.ANSWER_TYPE_TO_KIND, "answer": "answer"}
@@ -197,7 +198,7 @@ def evaluate(
         raise ValueError(
             f"evaluate: the sampler returned {len(texts)} completions for " f"{stop - start} prompts x {n} samples"
         )
-      golds = [kept[g]["answer"] for g in range(start, stop) for _ in range(n)]
+      golds = [gold_text(kind, kept[g]) for g in range(start, stop) for _ in range(n)]
       rewards, rstats = pool.score_batch(kind, texts, golds)
       correct[start:stop] = (np.asarray(rewards) > 0.5).reshape(stop - start, n)
       for key_ in stats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ict_jax.rewards.chain import chain_steps_reward
 from ict_jax.rewards.choice import choice_reward
 from ict_jax.rewards.format import format_reward
 from ict_jax.rewards.math import answer_reward, math_reward
@@ -21,7 +22,17 @@ REWARDS: dict[str, RewardFn] = {
     "choice": choice_reward,
     "format": format_reward,
     "answer": answer_reward,
+    "chain_steps": chain_steps_reward,
 }
+
+
+def gold_text(kind: str, example: dict) -> object:
+  """What the verifier `kind` is given as the gold of `example`: its ``answer``, except for
+  ``chain_steps``, which checks the worked steps and so needs the problem too:
+  ``<prompt><answer>`` ("3+5+2=" + "10")."""
+  if kind == "chain_steps":
+    return f"{example['prompt']}{example['answer']}"
+  return example["answer"]
 
 
 def sanitize(text: str | bytes, max_chars: int = MAX_COMPLETION_CHARS) -> str:
