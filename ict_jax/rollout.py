@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax import grpo
+from ict_jax import answer_positions, grpo
 from ict_jax.data.prompts import encode_prompts
 from ict_jax.sampling import RolloutPolicy, bucket_length, generate, make_rollout_policy
 from ict_jax.tokenizer import left_pad
@@ -40,6 +40,8 @@ class Rollout:
   completions: list[str]  # [n] texts of `rows`
   golds: list[Any]  # [n] gold answers of `rows`
   stats: dict[str, float]
+  stop_pos: np.ndarray  # [N] int32: each row's stop token (-1: none), `answer_positions`
+  answer_end: np.ndarray  # [N] int32: first position after the final box (-1: no box)
 
   def batch(self) -> dict[str, Any]:
     """The train step's inputs."""
@@ -49,6 +51,8 @@ class Rollout:
         completion_ids=self.completion_ids,
         completion_mask=self.completion_mask,
         advantages=self.advantages,
+        stop_pos=self.stop_pos,
+        answer_end=self.answer_end,
     )
 
 
@@ -196,13 +200,15 @@ def collect(
     counts = [counts[0] + fstats.get("timeouts", 0), counts[1] + fstats.get("errors", 0)]
   reward_s = time.perf_counter() - t0
   stopped = ((mask != 0) & np.isin(ids, np.asarray(tokenizer.eos_ids, ids.dtype))).any(axis=1)
-  # per row: reward, length, truncated; the host's timeout and error counts ride on its first row
-  per_row = np.zeros((len(rows), 5), np.float32)
+  # per row: reward, length, truncated, stop position, answer end; the host's timeout and error
+  # counts ride on its first row
+  per_row = np.zeros((len(rows), 7), np.float32)
   per_row[:, 0], per_row[:, 1], per_row[:, 2] = local, mask.sum(axis=1), ~stopped
+  per_row[:, 5], per_row[:, 6] = answer_positions.positions(tokenizer, ids, mask, tokenizer.eos_ids)
   if len(rows):
-    per_row[0, 3:] = counts
+    per_row[0, 3:5] = counts
   whole = gather_rows(rows, per_row, n)
-  timeouts, errors = (int(c) for c in whole[:, 3:].sum(axis=0))
+  timeouts, errors = (int(c) for c in whole[:, 3:5].sum(axis=0))
   scores, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
   rewards = scores if score_truncated else np.where(truncated, np.float32(truncated_reward), scores)
   if mask_truncated and truncated.any():
@@ -237,4 +243,6 @@ def collect(
       texts,
       golds,
       stats,
+      whole[:, 5].astype(np.int32),
+      whole[:, 6].astype(np.int32),
   )
