@@ -65,7 +65,7 @@ def token_masks(stop_pos, answer_end, mask):
   return stop, post
 
 
-def where_metrics(token_mask, mask, entropy, stop_pos, answer_end) -> dict:
+def where_metrics(token_mask, mask, entropy, stop_pos, answer_end, advantages) -> dict:
   """(sum, count) pairs (finalised by `grpo.finalize_metrics`) of where a step's selection falls:
 
   selected_stop_share         stop tokens among the selected tokens
@@ -73,15 +73,22 @@ def where_metrics(token_mask, mask, entropy, stop_pos, answer_end) -> dict:
   stop_selected_rate          stop tokens that are selected (so get gradient) among all stop tokens
   post_answer_frac            post-answer tokens among all real tokens
   stop_entropy                mean entropy (nats) at the stop position
+  stop_advantage              mean advantage [N] of the rows' stop tokens (the sign of the push
+                              each gets under dense GRPO)
+  stop_advantage_selected     mean advantage of the selected stop tokens (what the selection
+                              trains the stop token with)
   """
   stop, post = token_masks(stop_pos, answer_end, mask)
   real = jnp.asarray(mask) != 0
   sel = (real & token_mask.astype(bool)).astype(jnp.float32)
   stop, post = stop.astype(jnp.float32), post.astype(jnp.float32)
+  adv = jnp.asarray(advantages, jnp.float32)[:, None]
   return {
       "selected_stop_share": (jnp.sum(sel * stop), sel.sum()),
       "selected_post_answer_share": (jnp.sum(sel * post), sel.sum()),
       "stop_selected_rate": (jnp.sum(sel * stop), stop.sum()),
       "post_answer_frac": (post.sum(), real.astype(jnp.float32).sum()),
       "stop_entropy": (jnp.sum(entropy.astype(jnp.float32) * stop), stop.sum()),
+      "stop_advantage": (jnp.sum(adv * stop), stop.sum()),
+      "stop_advantage_selected": (jnp.sum(adv * sel * stop), jnp.sum(sel * stop)),
   }

@@ -274,7 +274,7 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"], stats["renyi2"]))
   if "stop_pos" in batch:  # a rollout's batch: where the selection falls (stop token, post-answer)
     metrics.update(
-        answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch["stop_pos"], batch["answer_end"])
+        answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch["stop_pos"], batch["answer_end"], adv)
     )
   return terms.numerator, (terms.denominator, metrics, sg_logp)
 

@@ -67,10 +67,11 @@ def test_where_metrics_equal_numpy_counts():
   # every third row's stop token selected, the others' by chance
   sel = (rng.random((n, c)) < 0.4) | ((np.arange(c)[None] == stop[:, None]) & (np.arange(n)[:, None] % 3 == 0))
   ent = rng.random((n, c)).astype(np.float32)
-  got = jax.jit(answer_positions.where_metrics)(sel, mask, ent, stop, end)
+  adv = rng.normal(size=n).astype(np.float32)
+  got = jax.jit(answer_positions.where_metrics)(sel, mask, ent, stop, end, adv)
   got = {k: float(s) / float(cnt) for k, (s, cnt) in got.items()}
   n_sel = n_sel_stop = n_sel_post = n_stop = n_post = n_real = 0
-  ent_stop = 0.0
+  ent_stop = adv_stop = adv_sel_stop = 0.0
   for i in range(n):
     for t in range(lengths[i]):
       is_stop = t == stop[i]
@@ -79,9 +80,11 @@ def test_where_metrics_equal_numpy_counts():
       n_stop += is_stop
       n_post += is_post
       ent_stop += ent[i, t] * is_stop
+      adv_stop += adv[i] * is_stop
       if sel[i, t]:
         n_sel += 1
         n_sel_stop += is_stop
+        adv_sel_stop += adv[i] * is_stop
         n_sel_post += is_post
   assert n_stop > 2 and n_post > 2 and 0 < n_sel_stop < n_stop
   want = {
@@ -90,5 +93,7 @@ def test_where_metrics_equal_numpy_counts():
       "stop_selected_rate": n_sel_stop / n_stop,
       "post_answer_frac": n_post / n_real,
       "stop_entropy": ent_stop / n_stop,
+      "stop_advantage": adv_stop / n_stop,
+      "stop_advantage_selected": adv_sel_stop / n_sel_stop,
   }
   assert got == pytest.approx(want, rel=1e-6)

@@ -592,6 +592,7 @@ def test_ict_ablations_in_the_compiled_step(score, keep, fraction, reference_, b
   state, metrics, _ = step(state_at(2), batch)
   post = sum(n - n // 2 - (i % 2 == 0) for i, n in enumerate(LENGTHS))  # positions >= end, not the stop
   assert float(metrics["post_answer_frac"]) == pytest.approx(post / LENGTHS.sum(), rel=1e-6)
+  assert float(metrics["stop_advantage"]) == pytest.approx(batch["advantages"][::2].mean(), rel=1e-5)
   shares = ("selected_stop_share", "selected_post_answer_share", "stop_selected_rate")
   assert all(0 <= float(metrics[k]) <= 1 for k in shares) and float(metrics["stop_entropy"]) > 0
   k = np.array([max(1, math.ceil(Fraction(str(fraction)) * n)) for n in LENGTHS])
