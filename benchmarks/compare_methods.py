@@ -67,6 +67,7 @@ ABLATIONS = (
     "top_fraction=0.2",
     "top_fraction=0.3",
     "top_fraction=0.9+keep=frequent",
+    "reference=sequence_mean",
 )
 ABLATION_KEYS = {"score": str, "keep": str, "top_fraction": float, "reference": str}
 CURVES = (

@@ -13,7 +13,10 @@ states -> per-token log-probs): forward + backward of a plain chunked log-prob h
 with per-chunk `jax.checkpoint` (no statistics; what a plain GRPO step needs), the fused head with
 entropy, Renyi-2 and JS and a gradient on every row (`fused_dense`, what the grpo step runs) or on
 ICT's selected rows only (`fused_sparse`, what the ict step runs), and the fused forward alone;
-`forward_share_of_ict_step` is that forward / the ict step. Threads: the process is pinned to
+`forward_share_of_ict_step` is that forward / the ict step. `references` sets the ict step with
+`ict.reference=active_mean` (the default) beside `sequence_mean` (each response's own mean
+distribution, which needs a first pass over the response's chunks): median step time and the
+compiled step's temporary bytes (`memory_analysis().temp_size_in_bytes`). Threads: the process is pinned to
 the first `--threads` cores (`os.sched_setaffinity`, like `taskset`) before JAX starts. Prints
 one JSON object.
 
@@ -77,11 +80,13 @@ def main(argv=None) -> None:
   optimizer = ts.make_optimizer(OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_steps=100)
 
   steps = {}
-  for method in ("grpo", "ict"):
-    s = step_bench.JaxStep(
-        graphdef, jax.tree.map(jnp.copy, params), dataclasses.replace(base, method=method), optimizer, batch
-    )
-    steps[method] = s.run()  # warm-up
+  # "ict" is the default reference (active_mean); "ict_sequence_mean" the same step with ICT's
+  # other reading of the reference (a response's own mean distribution: one more LM-head pass)
+  variants_of_step = {"grpo": dict(method="grpo"), "ict": dict(method="ict")}
+  variants_of_step["ict_sequence_mean"] = dict(method="ict", reference="sequence_mean")
+  for name, kw in variants_of_step.items():
+    s = step_bench.JaxStep(graphdef, jax.tree.map(jnp.copy, params), dataclasses.replace(base, **kw), optimizer, batch)
+    steps[name] = s.run()  # warm-up
 
   # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
   model = nnx.merge(graphdef, params)
@@ -187,6 +192,13 @@ def main(argv=None) -> None:
               "all_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
               "compile_s": {m: round(s.compile_s, 2) for m, s in steps.items()},
               "selected_frac": {m: float(s.metrics["selected_frac"]) for m, s in steps.items()},
+              "references": {  # the ict step per ict.reference: time and XLA's temporary buffers
+                  ref: {
+                      "step_s": round(med[m], 4),
+                      "temp_bytes": int(steps[m].compiled.memory_analysis().temp_size_in_bytes),
+                  }
+                  for ref, m in (("active_mean", "ict"), ("sequence_mean", "ict_sequence_mean"))
+              },
               "breakdown": breakdown,
               "sparse_rows": {"selected": int(ict_rows.sum()), "capacity": capacity, "of": n * c},
               "forward_share_of_ict_step": round(med["fused_forward"] / med["ict"], 4),

@@ -3,10 +3,11 @@
 Writes `W/analysis/step_<S>.html` (open it in a browser) and `W/analysis/step_<S>.png`: the
 completions the trainer logged with per-token statistics at step S (`tokens/<step>.jsonl`, written at
 checkpoint steps; default the latest), token by token, coloured by ICT's JS score (switchable to
-entropy and to the sampled token's probability), ICT's selected tokens boxed, and the paper-style
+entropy and to the sampled token's probability), ICT's selected tokens boxed, the stop token and
+the tokens after the final box marked (where a collapsing run's selection goes), and the paper-style
 statistics of the selected tokens: their mean probability, their share of high- and low-entropy
 tokens (above / below the median entropy of the step's logged tokens) and where in the response
-they sit (fifths of the response length).
+they sit (fifths of the response length), and their shares of stop and post-answer tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
       else np.zeros(0)
   )
   first = np.concatenate([np.arange(len(r["prob"])) == 0 for r in rows]) if rows else np.zeros(0, bool)
+  # stop token / after the final box (token_view rows from before these marks have neither)
+  flag = lambda key: (  # noqa: E731
+      np.concatenate([np.asarray(r.get(key, [False] * len(r["prob"])), bool) for r in rows])
+      if rows
+      else np.zeros(0, bool)
+  )
+  stop, post = flag("stop"), flag("post_answer")
   median = float(np.median(ent)) if ent.size else 0.0
   fifths = np.minimum((rel * 5).astype(int), 4)
 
@@ -62,6 +70,11 @@ def selection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
       "first_token_selected_share": mean(sel[first]),
       "mean_js_first_token": mean(js[first]),
       "mean_js_later_tokens": mean(js[~first]),
+      "stop_share_selected": mean(stop[sel]),
+      "stop_share_all": mean(stop),
+      "stop_selected_rate": mean(sel[stop]),
+      "post_answer_share_selected": mean(post[sel]),
+      "post_answer_share_all": mean(post),
   }
 
 
@@ -89,6 +102,8 @@ _CSS = """
 .ictv input.k-entropy:checked~.rows .tok{background:var(--entropy)!important}
 .ictv input.k-prob:checked~.rows .tok{background:var(--prob)!important}
 .ictv .tok.sel{border-color:#111;font-weight:700}
+.ictv .tok.stop{outline:2px dashed #1a73e8;outline-offset:1px}
+.ictv .tok.post{text-decoration:underline wavy #e37400}
 .ictv .frag{color:#999}
 .ictv .legend{display:inline-flex;align-items:center;gap:8px;font-size:12px;color:#555;margin-left:6px}
 .ictv .bar{width:180px;height:12px;border-radius:3px;background:linear-gradient(90deg,#fff,rgb(200,40,40))}
@@ -114,7 +129,7 @@ def colour(v: float) -> str:
   return f"rgb({round(255 - t * 55)},{round(255 - t * 215)},{round(255 - t * 215)})"
 
 
-def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> str:
+def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float, stop=False, post=False) -> str:
   cj, ch, cp = colour(j / LOG2), colour(h / hmax), colour(p)
   box = ";border-color:#111" if s else ""
   # A token holding only the first bytes of a character has no text of its own (the character
@@ -128,10 +143,12 @@ def _token_span(t: str, j: float, h: float, p: float, s: bool, hmax: float) -> s
           " | no text: first bytes of a character a later token completes, or an embedding padding row",
       )
   )
+  cls = "tok" + (" sel" if s else "") + (" stop" if stop else "") + (" post" if post else "")
+  marks = (" | selected" if s else "") + (" | stop token" if stop else "") + (" | after the answer" if post else "")
   return (
-      f'<span class="tok{" sel" if s else ""}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
+      f'<span class="{cls}" style="background:{cj}{box};--js:{cj};--entropy:{ch};--prob:{cp}" '
       f'data-js="{j:.6f}" data-entropy="{h:.6f}" data-prob="{p:.6f}" title="JS {j:.3g} | entropy {h:.3f} | '
-      f'p {p:.3f}{" | selected" if s else ""}{frag}">{text}</span>'
+      f'p {p:.3f}{marks}{frag}">{text}</span>'
   )
 
 
@@ -154,9 +171,18 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
           f'<b>{html.escape(r["gold"])}</b></div>'
       )
       previous_prompt = r["prompt"]
+    none = [False] * len(r["tokens"])
     toks = "".join(
-        _token_span(t, j, h, p, s, hmax)
-        for t, j, h, p, s in zip(r["tokens"], r["js"], r["entropy"], r["prob"], r["selected"])
+        _token_span(t, j, h, p, s, hmax, e, a)
+        for t, j, h, p, s, e, a in zip(
+            r["tokens"],
+            r["js"],
+            r["entropy"],
+            r["prob"],
+            r["selected"],
+            r.get("stop", none),
+            r.get("post_answer", none),
+        )
     )
     ok = r["reward"] > 0
     if not r["tokens"]:  # a completion masked out of the loss (loss.mask_truncated_completions)
@@ -184,6 +210,8 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
 <tr><td>high-entropy share (H &gt; median {stats['entropy_median']:.3f})</td><td>{f(stats['high_entropy_share'])}</td><td>0.5 by definition</td></tr>
 <tr><td>low-entropy share</td><td>{f(stats['low_entropy_share'])}</td><td></td></tr>
 <tr><td>mean relative position in the response</td><td>{f(stats['mean_relative_position_selected'])}</td><td>0.5</td></tr>
+<tr><td>stop-token share (selected: {f(stats['stop_selected_rate'])} of the stop tokens)</td><td>{f(stats['stop_share_selected'])}</td><td>{f(stats['stop_share_all'])}</td></tr>
+<tr><td>post-answer share (tokens after the final box)</td><td>{f(stats['post_answer_share_selected'])}</td><td>{f(stats['post_answer_share_all'])}</td></tr>
 <tr><td>first tokens selected / mean JS of first vs later tokens</td><td>{f(stats['first_token_selected_share'])}</td><td>{g(stats['mean_js_first_token'])} vs {g(stats['mean_js_later_tokens'])}</td></tr>
 </table>"""
   inputs = "".join(
@@ -197,7 +225,9 @@ def render_fragment(rows: Sequence[dict[str, Any]], stats: dict[str, Any] | None
   return f"""<div class="ictv" id="{uid}"><style>{_CSS}</style>
 <div class="note">{len(rows)} completions in groups of one prompt &middot; colour = the token's score;
 <b style="border:2px solid #111;padding:0 3px">boxed</b> = selected by ICT (top share of each response by
-score){warm_note}. Hover a token for its values.</div>
+score); <span style="outline:2px dashed #1a73e8">dashed</span> = the stop token;
+<span style="text-decoration:underline wavy #e37400">wavy</span> = after the final box{warm_note}.
+Hover a token for its values.</div>
 {inputs}<div class="controls">colour by: {labels}
 <span class="legend">0 <span class="bar"></span> {maxima}</span></div>
 <div class="rows">{''.join(lines)}</div>

@@ -415,6 +415,8 @@ def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dic
       completion_ids=((rows, completion_len), jnp.int32),
       completion_mask=((rows, completion_len), jnp.int32),
       advantages=((rows,), jnp.float32),
+      stop_pos=((rows,), jnp.int32),
+      answer_end=((rows,), jnp.int32),
   )
   if cfg.train.num_iterations > 1:  # the second pass of a batch also carries old log-probs
     shapes["old_logp"] = ((rows, completion_len), jnp.float32)

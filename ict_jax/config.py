@@ -80,7 +80,7 @@ class IctConfig:
   # ICT ablations (selection.SCORES / KEEPS / REFERENCES); top_fraction is the fourth
   score: str = "js"  # js | kl | entropy | random: what ranks a response's tokens
   keep: str = "unique"  # unique (the top top_fraction) | frequent (the bottom)
-  reference: str = "active_mean"  # P of the JS / KL score: active_mean | others_mean
+  reference: str = "active_mean"  # P of the JS / KL score: active_mean | others_mean | sequence_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ _CHOICES = {
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "ict.score": ("js", "kl", "entropy", "random"),
     "ict.keep": ("unique", "frequent"),
-    "ict.reference": ("active_mean", "others_mean"),
+    "ict.reference": ("active_mean", "others_mean", "sequence_mean"),
     "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
     "loss.advantage_scale": ("group", "batch", "none"),
     "optim.schedule": ("constant", "cosine", "linear"),

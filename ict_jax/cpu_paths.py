@@ -151,14 +151,18 @@ def _sum_without(members, i):
   return tuple(sum(parts[1:], parts[0]) for parts in zip(*rest))
 
 
-def blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean", kl=False):
+def blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="active_mean", kl=False, seq_ref=None):
   """`selection.chunk_stats` on 2-D [B, V] slices (B <= block positions of one response).
 
   logits [N, C, V] float32 (temperature-scaled, no gradient), lse [N, C], valid [N, C] in the
   logits' dtype. p = valid * softmax is computed once per slice (one exp per logit) and feeds all
-  four statistics; rows with valid == 0 get p = 0 and are zeroed at the end."""
+  four statistics; rows with valid == 0 get p = 0 and are zeroed at the end. seq_ref [N, V]: each
+  row's own reference (reference "sequence_mean")."""
   n, c, _ = logits.shape
   s_w = lse - jnp.log(valid)  # exp(l - s_w) = valid * p
+  if reference == "sequence_mean" and group_size is not None:
+    seq_ref = seq_ref.astype(logits.dtype)
+    seq_log = jnp.log(jnp.maximum(seq_ref, _TINY))  # once per row, not per block
   ent, ren, js, kls = [], [], [], []
   for a in range(0, c, block):
     b = min(a + block, c)
@@ -179,6 +183,8 @@ def blocked_stats(logits, lse, valid, group_size, block=ROW_BLOCK, reference="ac
         big, log_big = jax.lax.optimization_barrier((big, log_big))
       for i in rows:
         has_ref = jnp.ones_like(valid[i, a:b])
+        if reference == "sequence_mean":  # row i's own mean over its positions
+          big, log_big = seq_ref[i][None], seq_log[i][None]
         if reference == "others_mean":  # leave row i out
           rest, others = _sum_without([(p[j], valid[j, a:b]) for j in rows], i - q)
           big = rest / jnp.maximum(others, 1.0)[:, None]

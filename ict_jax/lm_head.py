@@ -81,6 +81,7 @@ def _w(vocab_major: bool) -> str:
 # the rows (micro-batch / data) holds whole groups, so the JS group mean moves no [k, V] block.
 ROW_NAMES = ("act_head_batch", None)  # [N, k] statistics and ids
 LOGIT_NAMES = ("act_head_batch", None, "act_head_vocab")  # [N, k, V]
+_REF_NAMES = ("act_head_batch", "act_head_vocab")  # [N, V]: the "sequence_mean" reference
 
 
 def _weight_names(vocab_major: bool):
@@ -113,6 +114,21 @@ def _forward(
 ):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
+  xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
+  seq_ref = None
+  if reference == selection.SEQUENCE_REFERENCE and group_size is not None:
+    # each response's mean distribution over its real positions: a first pass over the chunks
+    # (the logits recomputed, one [N, k, V] block live at a time), summed into [N, V]
+    def add(total, xs_c):
+      h_c, _, m_c = xs_c
+      logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)
+      p = jnp.exp(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+      return total + jnp.einsum("nkv,nk->nv", p, constrain(m_c, ROW_NAMES)), None
+
+    total, _ = jax.lax.scan(
+        add, constrain(jnp.zeros((n, w.shape[0 if vocab_major else 1]), jnp.float32), _REF_NAMES), xs
+    )
+    seq_ref = constrain(total / jnp.maximum(mask.sum(axis=1), 1.0)[:, None], _REF_NAMES)
 
   def chunk(xs):
     h_c, ids_c, m_c = xs  # [N, k, D], [N, k], [N, k]
@@ -120,9 +136,11 @@ def _forward(
     logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
-    return logp, lse, selection.chunk_stats(logits, m_c, group_size, lse, reference=reference, kl=kl, kernels=kernels)
+    stats = selection.chunk_stats(
+        logits, m_c, group_size, lse, reference=reference, kl=kl, kernels=kernels, seq_ref=seq_ref
+    )
+    return logp, lse, stats
 
-  xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
   logp, lse, stats = jax.lax.map(chunk, xs)
   return _unchunked(logp, c), _unchunked(lse, c), jax.tree.map(lambda s: _unchunked(s, c), stats)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax import grpo
+from ict_jax import answer_positions, grpo
 from ict_jax.data.prompts import encode_prompts
 from ict_jax.rewards.registry import gold_text
 from ict_jax.sampling import (
@@ -48,6 +48,8 @@ class Rollout:
   golds: list[Any]  # [n] gold answers of `rows`
   stats: dict[str, float]
   completion_lengths: np.ndarray  # [N] tokens sampled a row (before mask_truncated), the same on every host
+  stop_pos: np.ndarray  # [N] int32: each row's stop token (-1: none), `answer_positions`
+  answer_end: np.ndarray  # [N] int32: first position after the final box (-1: no box)
 
   def batch(self) -> dict[str, Any]:
     """The train step's inputs."""
@@ -57,6 +59,8 @@ class Rollout:
         completion_ids=self.completion_ids,
         completion_mask=self.completion_mask,
         advantages=self.advantages,
+        stop_pos=self.stop_pos,
+        answer_end=self.answer_end,
     )
 
 
@@ -223,13 +227,15 @@ def collect(
   golds = [g for gs in golds for g in gs]
   texts, golds = [texts[i] for i in order], [golds[i] for i in order]
   stopped = ((mask != 0) & np.isin(ids, np.asarray(tokenizer.eos_ids, ids.dtype))).any(axis=1)
-  # per row: reward, length, truncated; the host's timeout and error counts ride on its first row
-  per_row = np.zeros((len(rows), 5), np.float32)
+  # per row: reward, length, truncated, stop position, answer end; the host's timeout and error
+  # counts ride on its first row
+  per_row = np.zeros((len(rows), 7), np.float32)
   per_row[:, 0], per_row[:, 1], per_row[:, 2] = local, mask.sum(axis=1), ~stopped
+  per_row[:, 5], per_row[:, 6] = answer_positions.positions(tokenizer, ids, mask, tokenizer.eos_ids)
   if len(rows):
-    per_row[0, 3:] = counts
+    per_row[0, 3:5] = counts
   whole = gather_rows(rows, per_row, n)
-  timeouts, errors = (int(c) for c in whole[:, 3:].sum(axis=0))
+  timeouts, errors = (int(c) for c in whole[:, 3:5].sum(axis=0))
   scores, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
   rewards = scores if score_truncated else np.where(truncated, np.float32(truncated_reward), scores)
   if mask_truncated and truncated.any():
@@ -265,4 +271,6 @@ def collect(
       golds,
       stats,
       lengths.astype(np.int32),
+      whole[:, 5].astype(np.int32),
+      whole[:, 6].astype(np.int32),
   )

@@ -34,6 +34,7 @@ __all__ = [
     "REFERENCES",
     "SCORES",
     "SELECTORS",
+    "SEQUENCE_REFERENCE",
     "Score",
     "Selector",
     "chunk_stats",
@@ -44,6 +45,7 @@ __all__ = [
     "masked_quantile",
     "select_tokens",
     "selection_metrics",
+    "sequence_reference",
     "sequence_stats",
     "stapo_mask",
     "token_stats",
@@ -59,7 +61,11 @@ REFERENCES: dict[str, str] = {
     "scored rollout included (our reading; the default)",
     "others_mean": "P_{i,t} = mean over the group's other rollouts j != i active at t "
     "(leave-one-out; score 0 where no other rollout is active)",
+    "sequence_mean": "P_i = mean of p_{i,s} over the real positions s of response i itself (a "
+    "reading of the paper's 'distinctive distributional patterns': no position alignment "
+    "across rollouts)",
 }
+SEQUENCE_REFERENCE = "sequence_mean"  # the reference that needs a pass over the whole response first
 KEEPS: dict[str, str] = {
     "unique": "keep the highest-scoring tokens of each response (ICT)",
     "frequent": "keep the lowest-scoring tokens of each response (the paper's 90%-frequent)",
@@ -136,6 +142,20 @@ def _sum_of_others(members, i):
   return tuple(sum(parts[1:], parts[0]) for parts in zip(*rest))
 
 
+def _js_to(p: jax.Array, logp: jax.Array, big_p: jax.Array, valid: jax.Array, kl: bool) -> dict[str, jax.Array]:
+  """p, logp [..., V], a reference big_p broadcastable to them, valid [...] ->
+  {"js": JS(p || P) [...]} (+ "kl": KL(p || P)), 0 where valid == 0."""
+  log_big_p = _safe_log(big_p)
+  log_mid = _safe_log(0.5 * (p + big_p))
+  kl_p = _xlogy_ratio(p, logp, log_mid).sum(axis=-1)
+  kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, p.shape), log_big_p, log_mid).sum(axis=-1)
+  out = {"js": jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2) * valid}
+  if kl:
+    log_ref = jnp.log(jnp.maximum(big_p, _TINY))
+    out["kl"] = jnp.maximum(_xlogy_ratio(p, logp, log_ref).sum(axis=-1), 0.0) * valid
+  return out
+
+
 def _js_to_group_mean(
     p: jax.Array,
     logp: jax.Array,
@@ -143,25 +163,45 @@ def _js_to_group_mean(
     group_size: int,
     reference: str = "active_mean",
     kl: bool = False,
+    seq_ref: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-  """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P))."""
+  """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P)).
+
+  seq_ref [N, V]: the "sequence_mean" reference (default: the mean over this chunk's positions)."""
   n, c, v = p.shape  # chunk_stats has checked that G divides N
+  if reference == SEQUENCE_REFERENCE:
+    if seq_ref is None:
+      seq_ref = _mean_over_positions(p, mask)
+    return _js_to(p, logp, seq_ref[:, None, :].astype(p.dtype), mask.astype(p.dtype), kl)
   pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
-  lpg = logp.reshape(pg.shape)
   w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
   big_p, has_ref = _group_reference(pg, w, group_size, reference)
-  log_big_p = _safe_log(big_p)
-  mid = 0.5 * (pg + big_p)  # [P, G, C, V]
-  log_mid = _safe_log(mid)
-  kl_p = _xlogy_ratio(pg, lpg, log_mid).sum(axis=-1)  # [P, G, C]
-  kl_big = _xlogy_ratio(jnp.broadcast_to(big_p, pg.shape), log_big_p, log_mid).sum(axis=-1)
-  valid = (w * has_ref)[..., 0]  # [P, G, C]
-  js = jnp.clip(0.5 * (kl_p + kl_big), 0.0, LOG2) * valid
-  out = {"js": js.reshape(n, c)}
-  if kl:
-    log_ref = jnp.log(jnp.maximum(big_p, _TINY))
-    out["kl"] = (jnp.maximum(_xlogy_ratio(pg, lpg, log_ref).sum(axis=-1), 0.0) * valid).reshape(n, c)
-  return out
+  out = _js_to(pg, logp.reshape(pg.shape), big_p, (w * has_ref)[..., 0], kl)
+  return {k: x.reshape(n, c) for k, x in out.items()}
+
+
+def _mean_over_positions(p: jax.Array, mask: jax.Array) -> jax.Array:
+  """p [N, C, V], mask [N, C] -> [N, V]: each row's mean of p over its real positions."""
+  w = mask.astype(p.dtype)
+  return jnp.einsum("ncv,nc->nv", p, w) / jnp.maximum(w.sum(axis=1), 1.0)[:, None]
+
+
+def sequence_reference(logits: jax.Array, mask: jax.Array, chunk_size: int = 128) -> jax.Array:
+  """The "sequence_mean" reference: P_i = (1 / len_i) sum_s mask[i, s] softmax(logits[i, s]),
+  [N, V] float32, no gradient, from logits [N, T, V] (temperature-scaled) and mask [N, T], summed
+  in T-chunks of `chunk_size` (the logits sliced in place, as `sequence_stats`)."""
+  n, t, v = logits.shape
+  c = max(1, min(int(chunk_size), t))
+  valid = mask.astype(jnp.float32)
+
+  def body(k, total):
+    start = jnp.minimum(k * c, t - c)  # the last chunk overlaps its predecessor: count each s once
+    x = jax.lax.stop_gradient(jax.lax.dynamic_slice_in_dim(logits, start, c, axis=1)).astype(jnp.float32)
+    w = jax.lax.dynamic_slice_in_dim(valid, start, c, axis=1) * (start + jnp.arange(c) >= k * c)
+    return total + jnp.einsum("ncv,nc->nv", jax.nn.softmax(x, axis=-1), w)
+
+  total = jax.lax.fori_loop(0, -(-t // c), body, jnp.zeros((n, v), jnp.float32))
+  return total / jnp.maximum(valid.sum(axis=1), 1.0)[:, None]
 
 
 _TINY = 1e-37  # floor inside log(): 0 * log(floor) = 0 where the exact value is 0 log 0
@@ -176,6 +216,7 @@ def chunk_stats(
     reference: str = "active_mean",
     kl: bool = False,
     kernels: str = "portable",
+    seq_ref: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
   """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
@@ -188,11 +229,14 @@ def chunk_stats(
     kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
     kernels: "portable" (one fused [N, C, V] pass) or "cpu" (the same values over 2-D row
       blocks, ``cpu_paths.blocked_stats``); see ``ict_jax.cpu_paths``.
+    seq_ref: [N, V] the "sequence_mean" reference of each row (``sequence_reference`` of the
+      whole response); default: the mean over this chunk's real positions, the same when the
+      chunk holds the whole response.
 
   Returns dict with
     entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
-    js: 0.5 KL(p||m) + 0.5 KL(P||m), m = (p + P)/2, P = mean of p over the group's rows
-      active at that position, natural log, in [0, log 2];
+    js: 0.5 KL(p||m) + 0.5 KL(P||m), m = (p + P)/2, P the reference (default: the mean of p
+      over the group's rows active at that position), natural log, in [0, log 2];
   every entry is 0 where mask_chunk == 0.
   """
   if group_size is not None and (group_size < 1 or logits_chunk.shape[0] % group_size):
@@ -206,6 +250,8 @@ def chunk_stats(
   if kernels == "cpu":
     logits = jax.lax.stop_gradient(logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
     lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
+    if reference == SEQUENCE_REFERENCE and seq_ref is None and group_size is not None:
+      seq_ref = _mean_over_positions(jnp.exp(logits - jax.lax.stop_gradient(lse)[..., None]), mask_chunk)
     return cpu_paths.blocked_stats(
         logits,
         jax.lax.stop_gradient(lse).astype(logits.dtype),
@@ -213,12 +259,13 @@ def chunk_stats(
         group_size,
         reference=reference,
         kl=kl,
+        seq_ref=seq_ref,
     )
   p, logp, entropy, renyi2 = _entropies(logits_chunk, lse)
   valid = mask_chunk.astype(entropy.dtype)
   out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
   if group_size is not None:
-    out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl))
+    out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl, seq_ref))
   return out
 
 
@@ -244,6 +291,7 @@ def sequence_stats(
   n_chunks = -(-t // c)
   names = ("entropy", "renyi2") + (("js",) + (("kl",) if kl else ()) if group_size is not None else ())
   dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  seq_ref = sequence_reference(logits, mask, c) if reference == SEQUENCE_REFERENCE and group_size is not None else None
 
   def body(k, out):
     start = jnp.minimum(k * c, t - c)  # last chunk ends at T, overlapping the previous one
@@ -254,6 +302,7 @@ def sequence_stats(
         reference=reference,
         kl=kl,
         kernels=kernels,
+        seq_ref=seq_ref,
     )
     return {name: jax.lax.dynamic_update_slice_in_dim(out[name], stats[name], start, axis=1) for name in names}
 

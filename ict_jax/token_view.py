@@ -6,12 +6,14 @@ completion to `<workdir>/tokens/<step>.jsonl`, one object per step written whole
 cannot append; a resumed run that logs a step again replaces it):
 
     {"step", "prompt", "gold", "reward", "advantage", "dense_warmup", "tokens": [str],
-     "prob": [pi(y_t)], "entropy": [H_t], "js": [u_t], "selected": [bool]}
+     "prob": [pi(y_t)], "entropy": [H_t], "js": [u_t], "selected": [bool], "stop": [bool],
+     "post_answer": [bool]}
 
 `js` is ICT's score with the configured reference and `selected` ICT's selection (top
 `ict.top_fraction` of the response by the configured score and end; JS when the score is
 "random"), both computed by the same functions as the train step on whole groups, so they are the
-step's values. `dense_warmup` marks steps inside ICT's dense warm-up, where every token trained.
+step's values. `stop` marks the stop token and `post_answer` the tokens after the final box
+(`answer_positions`). `dense_warmup` marks steps inside ICT's dense warm-up, where every token trained.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax import selection, sharding
+from ict_jax import answer_positions, selection, sharding
 
 DIR = "tokens"  # <workdir>/tokens/<step:08d>.jsonl
 
@@ -97,6 +99,10 @@ def records(
   ids and masks). `golds`: row index -> gold answer (the rows this host scored; others get "");
   rewards, advantages [N] of the whole batch."""
   out = []
+  c_ids, c_mask = np.asarray(view["completion_ids"]), np.asarray(view["completion_mask"])
+  stop, post = answer_positions.token_masks(
+      *answer_positions.positions(tokenizer, c_ids, c_mask, tokenizer.eos_ids), c_mask
+  )
   for i in range(view["prob"].shape[0]):
     m = np.asarray(view["completion_mask"][i]).astype(bool)
     ids = np.asarray(view["completion_ids"][i])[m]
@@ -112,6 +118,8 @@ def records(
             "tokens": tokenizer.decode_pieces(ids),
             **{k: [round(float(x), 6) for x in view[k][i][m]] for k in ("prob", "entropy", "js")},
             "selected": [bool(x) for x in view["selected"][i][m]],
+            "stop": [bool(x) for x in stop[i][m]],
+            "post_answer": [bool(x) for x in post[i][m]],
         }
     )
   return out

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax import grpo, lm_head, selection
+from ict_jax import answer_positions, grpo, lm_head, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
 from ict_jax.sampling import bucket_length
@@ -272,6 +272,10 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
   )
   metrics = dict(terms.metrics)
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"], stats["renyi2"]))
+  if "stop_pos" in batch:  # a rollout's batch: where the selection falls (stop token, post-answer)
+    metrics.update(
+        answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch["stop_pos"], batch["answer_end"], adv)
+    )
   return terms.numerator, (terms.denominator, metrics, sg_logp)
 
 

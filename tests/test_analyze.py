@@ -135,3 +135,17 @@ def test_page_and_command_line(tmp_path):
   )
   assert bad.returncode == 2 and "no token statistics for step 3" in bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_stop_and_post_answer_marks_by_hand():
+  """Rows with stop / post-answer flags: the shares among the selected tokens are hand counts, and
+  the page marks those tokens; rows logged before the flags existed count as having none."""
+  a = dict(ROWS[0], stop=[False, False, False, False, True], post_answer=[False] * 5)
+  b = dict(ROWS[1], stop=[False] * 5, post_answer=[False, False, True, True, True])  # truncated junk
+  s = analyze.selection_stats([a, b])
+  assert s["stop_share_selected"] == 0.5 and s["post_answer_share_selected"] == 0.5  # of 2 selected
+  assert s["stop_selected_rate"] == 1.0 and s["stop_share_all"] == 0.1 and s["post_answer_share_all"] == 0.3
+  assert analyze.selection_stats(ROWS)["stop_share_selected"] == 0.0
+  page = analyze.render_fragment([a, b])
+  assert page.count('class="tok sel stop"') == 1 and page.count('class="tok sel post"') == 1
+  assert page.count(' post"') == 3 and "| stop token" in page

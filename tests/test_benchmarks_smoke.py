@@ -267,6 +267,12 @@ def test_selection_tiny():
   assert (out["model"], out["vocab"], out["completion_len"]) == ("tiny", 512, 16)
   assert out["overhead_ratio"] == pytest.approx(out["ict_step_s"] / out["grpo_step_s"], rel=1e-2)
   assert out["selected_frac"]["grpo"] == 1.0 and 0 < out["selected_frac"]["ict"] < 0.5
+  assert out["selected_frac"]["ict_sequence_mean"] == out["selected_frac"]["ict"]  # same k per response
+  refs = out["references"]
+  assert set(refs) == {"active_mean", "sequence_mean"} and all(
+      r["temp_bytes"] > 0 and r["step_s"] > 0 for r in refs.values()
+  )
+  assert refs["active_mean"]["step_s"] == out["ict_step_s"]
   rows = out["sparse_rows"]
   assert 0 < rows["selected"] <= rows["capacity"] < rows["of"] == 8 * 16
   assert set(out["breakdown"]) == {

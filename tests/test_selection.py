@@ -374,7 +374,8 @@ def test_sharded_jit_matches_unsharded():
 # ----------------------------------------------------------------------------- ICT ablations
 def np_reference_scores(logits, mask, g, reference):
   """(JS, KL)(p_i || P) per token with P from scipy/numpy loops: "active_mean" averages the
-  group's active rollouts, "others_mean" the other active rollouts (none -> score 0)."""
+  group's active rollouts, "others_mean" the other active rollouts (none -> score 0),
+  "sequence_mean" row i's own real positions."""
   p = np_softmax(logits)
   n, t, _ = p.shape
   js, kl = np.zeros((n, t)), np.zeros((n, t))
@@ -384,10 +385,13 @@ def np_reference_scores(logits, mask, g, reference):
       for i in rows:
         if not mask[i, pos]:
           continue
-        pool = [j for j in rows if mask[j, pos] and (reference == "active_mean" or j != i)]
-        if not pool:
-          continue
-        big = np.mean([p[j, pos] for j in pool], axis=0)
+        if reference == "sequence_mean":
+          big = np.mean([p[i, s] for s in range(t) if mask[i, s]], axis=0)
+        else:
+          pool = [j for j in rows if mask[j, pos] and (reference == "active_mean" or j != i)]
+          if not pool:
+            continue
+          big = np.mean([p[j, pos] for j in pool], axis=0)
         js[i, pos] = jensenshannon(p[i, pos], big, base=np.e) ** 2
         with np.errstate(divide="ignore", invalid="ignore"):
           kl[i, pos] = np.sum(np.where(p[i, pos] > 0, p[i, pos] * np.log(p[i, pos] / big), 0.0))
@@ -408,10 +412,41 @@ def test_reference_and_kl_scores_match_scipy(reference, kernels):
       jnp.asarray(logits), jnp.asarray(mask)
   )
   np.testing.assert_allclose(np.asarray(seq["kl"]), want_kl, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(seq["js"]), want_js, atol=2e-6, rtol=1e-4)  # 4 chunks
   if reference == "active_mean":  # the default reproduces js_scores
     np.testing.assert_allclose(np.asarray(got["js"]), np_js(logits, mask, 4), atol=2e-6, rtol=1e-4)
   with pytest.raises(ValueError, match="reference"):
     selection.chunk_stats(jnp.asarray(logits), jnp.asarray(mask), 4, reference="median")
+
+
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+def test_sequence_mean_in_the_fused_lm_head_matches_scipy(kernels):
+  """The train step's path: the fused LM head computes the "sequence_mean" reference over every
+  chunk of a response (3 chunks here) before scoring; JS = scipy's jensenshannon(p, P, base e)^2."""
+  from ict_jax import lm_head
+
+  rng = np.random.default_rng(3)
+  n, c, d, v, temp = 8, 11, 16, 37, 0.7
+  h = rng.normal(size=(n, c, d)).astype(np.float32)
+  w = (rng.normal(size=(d, v)) * 0.5).astype(np.float32)
+  ids = rng.integers(0, v, size=(n, c)).astype(np.int32)
+  mask = (np.arange(c)[None] < np.array([11, 4, 0, 9, 1, 11, 7, 6])[:, None]).astype(np.float32)
+  _, stats = lm_head.logp_and_stats(
+      jnp.asarray(h),
+      jnp.asarray(w),
+      jnp.asarray(ids),
+      jnp.asarray(mask),
+      temperature=temp,
+      group_size=4,
+      chunk_size=4,
+      reference="sequence_mean",
+      kernels=kernels,
+  )
+  logits = np.einsum("ncd,dv->ncv", h.astype(np.float64), w.astype(np.float64)) / temp
+  want_js, _ = np_reference_scores(logits, mask, 4, "sequence_mean")
+  longer = (mask > 0) & (mask.sum(axis=1, keepdims=True) > 1)  # a one-token response is its own mean
+  assert want_js[longer].min() > 1e-3 and np.abs(want_js[4]).max() == 0.0
+  np.testing.assert_allclose(np.asarray(stats["js"]), want_js, atol=2e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.2, 0.3, 0.9])

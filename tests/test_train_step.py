@@ -575,7 +575,7 @@ def test_sharded_step_equals_single_device(shape, steps, batch):
 @pytest.mark.parametrize(
     "score,keep,fraction,reference_",
     [
-        ("js", "frequent", 0.9, "active_mean"),
+        ("js", "frequent", 0.9, "sequence_mean"),
         ("kl", "unique", 0.2, "others_mean"),
         ("entropy", "unique", 0.3, "active_mean"),
         ("random", "unique", 0.1, "active_mean"),
@@ -585,7 +585,16 @@ def test_ict_ablations_in_the_compiled_step(score, keep, fraction, reference_, b
   """ICT's ablations run inside the compiled step: each response keeps ceil(f * len) tokens,
   "frequent" keeps the lowest JS scores, and the update is finite."""
   step = compile_step(step_config("ict", score=score, keep=keep, top_fraction=fraction, reference=reference_))
+  # a rollout's batch: even rows stop at their last token, odd ones are truncated; answers end mid-way
+  stop_pos = np.where(np.arange(N) % 2 == 0, LENGTHS - 1, -1).astype(np.int32)
+  answer_end = (LENGTHS // 2).astype(np.int32)
+  batch = {**batch, "stop_pos": stop_pos, "answer_end": answer_end}
   state, metrics, _ = step(state_at(2), batch)
+  post = sum(n - n // 2 - (i % 2 == 0) for i, n in enumerate(LENGTHS))  # positions >= end, not the stop
+  assert float(metrics["post_answer_frac"]) == pytest.approx(post / LENGTHS.sum(), rel=1e-6)
+  assert float(metrics["stop_advantage"]) == pytest.approx(batch["advantages"][::2].mean(), rel=1e-5)
+  shares = ("selected_stop_share", "selected_post_answer_share", "stop_selected_rate")
+  assert all(0 <= float(metrics[k]) <= 1 for k in shares) and float(metrics["stop_entropy"]) > 0
   k = np.array([max(1, math.ceil(Fraction(str(fraction)) * n)) for n in LENGTHS])
   assert float(metrics["selected_frac"]) == pytest.approx(k.sum() / LENGTHS.sum(), abs=1e-7)
   assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0

@@ -53,6 +53,18 @@ def boxed_spans(text: str) -> list[tuple[int, int, int]]:
   return spans
 
 
+def answer_end(text: str) -> int | None:
+  """Index just past the final box, the one ``extract_boxed`` reads (its closing brace, or the
+  end of a ``\\boxed 5`` token); ``None`` when there is no closed box."""
+  if not isinstance(text, str) or "\\" not in text:
+    return None
+  spans = boxed_spans(text)
+  if not spans:
+    return None
+  _, lo, hi = spans[-1]
+  return hi + 1 if text[lo - 1] == "{" else hi
+
+
 def extract_boxed(text: str) -> str | None:
   """Content of the last box (the one that starts last), stripped; ``None`` when there is none.
 
