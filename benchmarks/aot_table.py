@@ -174,12 +174,30 @@ def _ratio(r: dict) -> str:
   return "—" if x is None else f"{x:.2f}"
 
 
+def _phase_ratios(r: dict) -> str:
+  """Each decode phase's step bytes / (weights + that phase's KV), issue 25's goal <= 1.3."""
+  x = r.get("decode_phase_bytes_over_weights_kv")
+  return "—" if not x else " / ".join(f"{v:.2f}" for v in x)
+
+
+def _bound(r: dict | None, parts: bool = False) -> str:
+  """The sampler report's lower bound on a step's time: seconds (h for train.steps)."""
+  b = r and r.get("step_bound")
+  if not b:
+    return "—"
+  text = f"{b['step_time_lower_bound_s']:.1f} s ({b['hours_lower_bound']:.1f} h)"
+  if parts:
+    text += f": update {b['update_s']:.1f} + prefill {b['prefill_s']:.2f} + decode {b['decode_s']:.1f}"
+  return text
+
+
 def sampler_table(reports: dict[str, dict]) -> str:
   """The sampler reports (`ict_jax.aot --part sample`): bytes per chip."""
   rows = _header(
       "model", "target", "mesh (data, fsdp, tensor)", "rollout dtype", "decode batch (rows a chip)", "tokens / row",
       "rollout weights", "KV cache", "args", "temps", "peak", "+ train state", "usable HBM", "fits (margin)",
       "compile s", "decode step bytes", "minimum (weights + KV)", "ratio",
+      "each decode phase: bytes / (weights + its KV)", "step time lower bound (h for train.steps): s",
   )  # fmt: skip
   for name in RUNS:
     model, target, _ = RUNS[name]
@@ -188,7 +206,9 @@ def sampler_table(reports: dict[str, dict]) -> str:
     r = reports.get(name)
     if r is None:
       rows.append(
-          f"| {model} | {target} |" + " |" * 12 + f" **not measured** (`{' '.join(command(name, 'sample'))}`) | | | |"
+          f"| {model} | {target} |"
+          + " |" * 12
+          + f" **not measured** (`{' '.join(command(name, 'sample'))}`) | | | | | |"
       )
       continue
     r = r["sampler"]
@@ -199,7 +219,7 @@ def sampler_table(reports: dict[str, dict]) -> str:
         f"{_gib(s['rollout_policy_bytes'])} | {_gib(s['kv_cache_bytes'])} | {_gib(r.get('argument_bytes'))} | "
         f"{_gib(r.get('temp_bytes'))} | {_gib(r['peak_bytes_per_device'])} | {_gib(r['resident_bytes'])} | "
         f"{_gib(r['hbm_bytes_per_device'])} | {_fit(r)} | {r['compile_s']:.0f} | {_gib(r.get('decode_step_bytes'))} | "
-        f"{_gib(r.get('decode_step_min_bytes'))} | {_ratio(r)} |"
+        f"{_gib(r.get('decode_step_min_bytes'))} | {_ratio(r)} | {_phase_ratios(r)} | {_bound(r, parts=True)} |"
     )
   return "\n".join(rows)
 
@@ -209,12 +229,13 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
   rows = _header(
       "model", "target", "mesh (data, fsdp, tensor)", "micro-batch", "train step: peak / usable GiB a chip, fits",
       "decode batch", "sampler: peak + train state / usable GiB, fits", "decode step bytes / minimum",
+      "step time LOWER BOUND (h for train.steps)",
   )  # fmt: skip
   for name in RUNS:
     model, target, _ = RUNS[name]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
     if t is None and r is None:
-      rows.append(f"| {model} | {target} | | | not measured | | not measured | |")
+      rows.append(f"| {model} | {target} | | | not measured | | not measured | | |")
       continue
     r = r and r["sampler"]
     train = (
@@ -232,7 +253,7 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
     rows.append(
         f"| {model} | {target} | {_mesh((t or r)['shapes'])} | "
         f"{t['shapes']['micro_batch_size'] if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
-        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} |"
+        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {_bound(r)} |"
     )
   return "\n".join(rows)
 

@@ -6,6 +6,7 @@ are kept small (16-32 rows, 32-token sequences) so each compile takes seconds.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -170,7 +171,11 @@ def test_gpu_target_compiles_and_compares_peak_with_hbm(tmp_path):
 
 
 # ---- the sampler ------------------------------------------------------------------------------
-SAMPLE = [*SMALL, "--target", "v5e-8", "--part", "sample"]  # 16 rows over fsdp 8
+# 16 rows over fsdp 8, 32 completion columns: two decode phases (read bounds 16 and 32)
+SAMPLE = [*SMALL, "--completion_len", "32", "--target", "v5e-8", "--part", "sample"]
+# the step bound's lengths, made exact: every prompt at the 16-column cap (median 120 clipped to
+# [20, 16]), every completion 24 tokens (sigma 0, none capped)
+FIXED_LENGTHS = ["--completion_median=24", "--completion_sigma=0", "--capped_share=0"]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +184,7 @@ def sampler_small(tmp_path_factory):
   out = {}
   for dbs in (8, 16):
     path = tmp_path_factory.mktemp("aot") / f"dbs{dbs}.json"
-    proc, report = aot(*SAMPLE, f"--config.rollout.decode_batch_size={dbs}", json_path=path)
+    proc, report = aot(*SAMPLE, *FIXED_LENGTHS, f"--config.rollout.decode_batch_size={dbs}", json_path=path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out[dbs] = (proc, report)
   return out
@@ -205,15 +210,15 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
   assert s["prefill_rows"] == 2 and s["shapes"]["samples_per_prompt"] == 8
   c = Qwen2Config.preset("tiny")
   assert s["prefill_flops"] == 2 * 16 * c.flops_per_token(16, training=False)
-  # 16 completion columns are one decode phase: steps 1..15 read 2 x 16 prompt + 16 x 16 completion
-  # slots, of which 2 x 16 + 16 x (i - 1) are written
-  assert s["shapes"]["decode_phases"] == [16]
-  assert s["kv_read_over_filled"] == pytest.approx(15 * (32 + 256) / (15 * 32 + 16 * 105))
+  # 32 completion columns are two decode phases: steps 1..31 read 2 x 16 prompt slots and 16 rows x
+  # 16 completion slots (steps 1..16) or x 32 (17..31), of which 2 x 16 + 16 x (i - 1) are written
+  assert s["shapes"]["decode_phases"] == [16, 32]
+  assert s["kv_read_over_filled"] == pytest.approx((31 * 32 + 16 * (16 * 16 + 15 * 32)) / (31 * 32 + 16 * 465))
   # the minimum a step reads: the bf16 rollout copy, whole on every chip (tensor 1; fsdp holds no
-  # weight when decoding), this chip's 2 rows of the 16 completion slots and the 2 prompts' 16
+  # weight when decoding), this chip's 2 rows of the 32 completion slots and the 2 prompts' 16
   # slots (2 prompts do not split over 8 chips: each chip holds both)
   weights = c.num_params() * 2
-  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 16) + _kv_bytes_per_chip(2, 16)
+  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 32) + _kv_bytes_per_chip(2, 16)
   assert s["shapes"]["prompt_kv_cache_bytes"] == _kv_bytes_per_chip(2, 16)
   assert s["decode_bytes_ratio"] >= 1.0  # nothing reads less than every weight and the cache once
   assert s["decode_bytes_ratio"] == pytest.approx(s["decode_step_bytes"] / s["decode_step_min_bytes"])
@@ -233,9 +238,87 @@ def test_bigger_decode_batch_needs_more_sampler_memory(sampler_small):
   data = lambda r: r["peak_bytes_per_device"] - r["generated_code_bytes"]
   assert data(big) > data(small)
   assert big["argument_bytes"] == small["argument_bytes"]  # same weights, same prompts
-  # one more row a chip (its 16 completion slots) and one more prompt (16 slots) to read each step
-  assert big["decode_step_min_bytes"] - small["decode_step_min_bytes"] == _kv_bytes_per_chip(1, 32)
+  # one more row a chip (its 32 completion slots) and one more prompt (16 slots) to read each step
+  assert big["decode_step_min_bytes"] - small["decode_step_min_bytes"] == _kv_bytes_per_chip(1, 48)
   assert big["decode_step_bytes"] > small["decode_step_bytes"]
+
+
+def test_every_decode_phase_has_its_bytes_against_weights_and_its_kv(sampler_small):
+  """One compiled decode step a phase: the bytes it reads against the bf16 rollout copy + the
+  prompt cache + the completion slots that phase reads (its bound); the last phase is the whole
+  cache (decode_step_bytes)."""
+  from ict_jax.models.config import Qwen2Config
+
+  r = sampler_small[16][1]
+  s = r["sampler"]
+  weights = Qwen2Config.preset("tiny").num_params() * 2
+  assert s["decode_phase_min_bytes"] == [
+      weights + _kv_bytes_per_chip(2, 16) + _kv_bytes_per_chip(2, bound) for bound in (16, 32)
+  ]
+  ratios = s["decode_phase_bytes_over_weights_kv"]
+  assert len(ratios) == 2 and all(x > 0 for x in ratios)
+  assert ratios == pytest.approx([b / m for b, m in zip(s["decode_phase_bytes"], s["decode_phase_min_bytes"])])
+  assert s["decode_phase_bytes"][-1] == s["decode_step_bytes"]
+  assert r["decode_phase_bytes_over_weights_kv"] == ratios  # and at the top of the JSON
+  assert "decode phases [16, 32]: step bytes / (weights + that phase's KV)" in sampler_small[16][0].stdout
+
+
+def test_step_time_lower_bound_is_the_hand_formula(sampler_small):
+  """FIXED_LENGTHS: 2 prompts of 16 tokens, 16 completions of 24. The bound: the update's FLOPs
+  (3 x forward: the decoder on 40 tokens a row, the head on its 24 completion tokens) at 8 x v5e's
+  197 TFLOP/s; the prefill (2 prompts, the head on their last token) at max(FLOPs at the peak, the
+  rollout weights + prompt cache at 819 GB/s); decode steps 1..23 (16 in the phase of bound 16, 7
+  in the phase of 32) at max(bytes / 819 GB/s, FLOPs / 197 TFLOP/s) of that phase's compiled step."""
+  import importlib.util
+
+  from ict_jax.models.config import Qwen2Config
+
+  peak, bw = 197e12, 819e9  # a v5e chip: Cloud TPU docs
+  r = sampler_small[16][1]
+  s = r["sampler"]
+  b = s["step_bound"]
+  c = Qwen2Config.preset("tiny")
+  head = 2 * c.hidden_size * c.vocab_size
+  fwd = lambda n: c.flops_per_token(n, training=False) - head  # the decoder, a token
+  update = 16 * 3 * (40 * fwd(40) + 24 * head)
+  assert b["update_flops"] == pytest.approx(update, rel=1e-9) and b["update_s"] == pytest.approx(update / (8 * peak))
+  prefill = 2 * (16 * fwd(16) + head)
+  assert b["prefill_flops"] == pytest.approx(prefill, rel=1e-9)
+  prefill_bytes = s["shapes"]["rollout_policy_bytes"] + s["shapes"]["prompt_kv_cache_bytes"]
+  assert b["prefill_s"] == pytest.approx(max(prefill / (8 * peak), prefill_bytes / bw))
+  assert b["decode_steps_per_phase"] == [16, 7] and b["decode_phases"] == [16, 32]
+  assert b["decode_phase_bytes"] == s["decode_phase_bytes"] and b["decode_phase_flops"] == s["decode_phase_flops"]
+  decode = sum(n * max(x / bw, f / peak) for n, x, f in zip((16, 7), s["decode_phase_bytes"], s["decode_phase_flops"]))
+  assert b["decode_s"] == pytest.approx(decode)
+  bound = update / (8 * peak) + max(prefill / (8 * peak), prefill_bytes / bw) + decode
+  assert r["step_time_lower_bound_s"] == pytest.approx(bound) == s["step_time_lower_bound_s"]
+  assert b["real_tokens"] == 16 * 40 and b["capped_fraction"] == 0
+  spec = importlib.util.spec_from_file_location("tiny_arith", os.path.join(ROOT, "configs", "tiny_arith.py"))
+  cfg = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cfg)
+  steps = cfg.get_config().train.steps
+  assert b["train_steps"] == steps and r["hours_lower_bound"] == pytest.approx(bound * steps / 3600)
+  assert "step time LOWER BOUND on v5e-8 (not a measurement" in sampler_small[16][0].stdout
+
+
+def test_length_distribution_matches_its_parameters():
+  """The default distribution (issue 25's): log-normal medians, clipping, the capped share."""
+  import numpy as np
+
+  from ict_jax.length_model import LengthDistribution
+
+  d = LengthDistribution()
+  prompts, completions = d.sample(np.random.default_rng(0), 20000, 8, 512, 2048)
+  assert prompts.shape == (20000,) and completions.shape == (160000,)
+  assert prompts.min() >= 20 and prompts.max() <= 512 and completions.min() >= 16 and completions.max() == 2048
+  assert np.median(prompts) == pytest.approx(120, rel=0.02)
+  capped = completions == 2048
+  # 15% set to the cap, plus the log-normal's own tail above it: P(z > ln(2048 / 450) / 0.7)
+  tail = 0.5 * math.erfc(math.log(2048 / 450) / 0.7 / math.sqrt(2))
+  assert capped.mean() == pytest.approx(0.15 + 0.85 * tail, abs=0.005)
+  assert np.median(completions[~capped]) == pytest.approx(450, rel=0.02)
+  with pytest.raises(ValueError, match="capped_share"):
+    LengthDistribution(capped_share=1.5)
 
 
 def test_decode_batch_auto_is_sized_from_the_targets_hbm(sampler_small, tmp_path):
@@ -248,9 +331,9 @@ def test_decode_batch_auto_is_sized_from_the_targets_hbm(sampler_small, tmp_path
   proc, r = aot(*SAMPLE, "--config.rollout.decode_batch_size=auto", json_path=tmp_path / "auto.json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert r["sampler"]["decode_batch_size"] == 16
-  # a row's 16 completion slots + 8 f32 [V], plus its prompt's 16 slots (16 rows: 2 prompts on
+  # a row's 32 completion slots + 8 f32 [V], plus its prompt's 16 slots (16 rows: 2 prompts on
   # every chip, one a row; 8 rows: 1 prompt)
-  row = _kv_bytes_per_chip(1, 32) + 8 * Qwen2Config.preset("tiny").vocab_size * 4
+  row = _kv_bytes_per_chip(1, 48) + 8 * Qwen2Config.preset("tiny").vocab_size * 4
   hbm = s["resident_bytes"] + s["shapes"]["rollout_policy_bytes"] + 1.5 * row / 0.8
   proc, r = aot(
       *SAMPLE, "--config.rollout.decode_batch_size=auto", f"--hbm_gib={hbm / 2**30}", json_path=tmp_path / "a2.json"
@@ -291,6 +374,7 @@ def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, 
         (["--target", "v5p-32"], ["micro_batch_size: a micro-batch of 8 rows", "= 16 devices"]),
         (["--target", "v5e-8", "--config.rollout.decode_batch_size=5"], ["decode_batch_size: 5 does not divide"]),
         (["--target", "v5e-8", "--hbm_gib=-1"], ["--hbm_gib must be >= 0"]),
+        (["--target", "v5e-8", "--capped_share=1.5"], ["--capped_share must be in [0, 1], got 1.5"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):

@@ -1,0 +1,106 @@
+"""`python -m ict_jax.aot`: compile the train step and the sampler for an accelerator this machine
+does not have.
+
+    python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5p-32 \
+        [--config.train.micro_batch_size=32] [--part train|sample|both] [--completion_len 1024] \
+        [--hbm_gib 14] [--json out.json]
+
+Builds the abstract train state and batch with `jax.eval_shape` (no weight is allocated), with
+the shapes the trainer feeds: rows = prompts_per_step x group_size, prompt_ids/prompt_mask
+[rows, P] (P = the bucket of data.max_prompt_len), completion_ids/completion_mask [rows, C]
+(C = rollout.max_new_tokens unless --completion_len), advantages [rows]. The state, its
+shardings and the jitted step come from the trainer's own functions (`setup`, `train_step`),
+so what compiles here is what runs there. Then it compiles for the target's devices:
+- TPU: compile-only devices of `jax.experimental.topologies.get_topology_desc` (libtpu). libtpu
+  refuses a program that overflows HBM (RESOURCE_EXHAUSTED): that is the fit test.
+- GPU: the CUDA PJRT plugin with an XLA GPU target spec (`gpu_specs/`). XLA:GPU has no such
+  error, so peak bytes are compared with HBM x XLA_PYTHON_CLIENT_MEM_FRACTION (0.90, the value
+  `launch/gpu_slurm.sbatch` sets).
+  The cuDNN attention (`model.attention` cudnn, auto's choice for 16-bit compute) compiles as the
+  trainer runs it: without the cuDNN library here, JAX's cuDNN version probe is answered for the
+  trace (`_cudnn_tracing`; the report's note says so, and that cuDNN's workspace is not counted).
+
+Prints per chip: arguments, outputs, temporaries, generated code, the usable HBM, fits and the
+margin; compile seconds; the collectives of the optimised HLO by kind; model FLOPs per step
+(`Qwen2Config.flops_per_token` x tokens; not `cost_analysis()`, which counts a loop body once).
+The sampler (`compile_sampler`, --part sample): `sampling.lower_generate` for the rollout copy
+(`rollout.dtype`, decoding layout) at the trainer's decode batch (`rollout.decode_batch_size`,
+"auto" sized from the HBM the train state and the rollout copy leave free); it fits when its peak
+plus the train state (on the chips during the rollout) is within the usable HBM. Its decode step
+is compiled alone, layer scan unrolled, once a length-bounded decode phase (the completion slots
+it reads), for `cost_analysis()` bytes accessed, reported against that phase's minimum (rollout
+weights + the KV cache it reads, per chip). --part both (default): exit 1 unless both fit.
+Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
+
+The compilers (libtpu, the CUDA plugin) print warnings or tracebacks at every plain CPU start
+when installed next to JAX, so they live in their own folder that only this module puts on
+`sys.path`: $ICT_JAX_AOT_LIBS, default ~/.cache/ict_jax/aot-libs, filled by
+    pip install --no-deps --target ~/.cache/ict_jax/aot-libs -r requirements-aot.txt
+(installed next to JAX, e.g. on a TPU VM or in CI, they are found there too).
+
+With the sampler compiled, a lower bound on one training step's time on the target (`plan.py`:
+the update's real-token FLOPs at the chips' peak, prefill and decode bytes at their HBM bandwidth,
+on a length distribution set by --prompt_median, --completion_median, --capped_share, ...) and on
+the hours of train.steps steps: a bound to plan with, not a measurement.
+
+One module a concern:
+  targets.py   the targets (chips, usable HBM, peak FLOP/s, bandwidth) and their compile-only devices
+  measure.py   compiling a lowered program: its memory, collectives (`Report`)
+  step.py      the trainer's set-up on the target's mesh and its jitted train step
+  sampler.py   the rollout's sampler and its decode step, one compile a decode phase
+  plan.py      the lower bound on a step's time
+  report.py    the reports as text
+  cli.py       the command line (`main`)
+"""
+
+from __future__ import annotations
+
+from ict_jax.aot import _env  # noqa: F401  (first: before JAX is imported)
+from ict_jax.aot._env import LIBS_DIR
+
+import jax  # noqa: E402
+
+# compile_s is a compile, never a load from JAX_COMPILATION_CACHE_DIR
+jax.config.update("jax_enable_compilation_cache", False)
+
+from ict_jax.aot.measure import (  # noqa: E402
+    COLLECTIVES,
+    Report,
+    bytes_per_device,
+    count_collectives,
+    count_cudnn_attention,
+    measure,
+)
+from ict_jax.aot.plan import DecodeCosts, StepBound, step_bound  # noqa: E402
+from ict_jax.aot.report import format_report  # noqa: E402
+from ict_jax.aot.sampler import compile_decode_step, compile_sampler, decode_cache  # noqa: E402
+from ict_jax.aot.step import compile_train_step, train_batch_shapes  # noqa: E402
+from ict_jax.aot.targets import GPU_MEM_FRACTION, GiB, TARGETS, AotError, Target, target_devices  # noqa: E402
+from ict_jax.aot.cli import PARTS, main  # noqa: E402
+
+__all__ = [
+    "LIBS_DIR",
+    "COLLECTIVES",
+    "GPU_MEM_FRACTION",
+    "GiB",
+    "PARTS",
+    "TARGETS",
+    "AotError",
+    "DecodeCosts",
+    "Report",
+    "StepBound",
+    "Target",
+    "bytes_per_device",
+    "compile_decode_step",
+    "compile_sampler",
+    "compile_train_step",
+    "count_collectives",
+    "count_cudnn_attention",
+    "decode_cache",
+    "format_report",
+    "main",
+    "measure",
+    "step_bound",
+    "target_devices",
+    "train_batch_shapes",
+]

@@ -1,0 +1,141 @@
+"""`python -m ict_jax.aot` (module docstring of `ict_jax.aot`): flags, the compiles, the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+from etils import epath
+
+from ict_jax.aot.report import format_report
+from ict_jax.aot.sampler import compile_sampler
+from ict_jax.aot.step import compile_train_step
+from ict_jax.aot.targets import TARGETS, AotError, GiB
+from ict_jax.config import ConfigError
+from ict_jax.length_model import LengthDistribution
+
+PARTS = ("train", "sample", "both")  # --part: which programs to compile
+
+
+def _fail(msg: str) -> None:
+  print(f"ict_jax.aot: error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def main(argv=None) -> None:
+  from absl import flags
+  from ml_collections import config_flags
+
+  from ict_jax import config as config_lib
+
+  fl = flags.FlagValues()
+  flags.DEFINE_string("target", "", f"one of {', '.join(TARGETS)}", flag_values=fl)
+  flags.DEFINE_integer(
+      "completion_len",
+      0,
+      "completion columns of the batch (0: " "rollout.max_new_tokens, what the trainer feeds)",
+      flag_values=fl,
+  )
+  flags.DEFINE_integer("prompt_len", 0, "prompt columns (0: the bucket of data.max_prompt_len)", flag_values=fl)
+  flags.DEFINE_string("json", "", "also write the report here as JSON", flag_values=fl)
+  flags.DEFINE_float(
+      "hbm_gib",
+      0.0,
+      "usable HBM per chip in GiB for the fit test and rollout.decode_batch_size=auto (0: the "
+      "target's; less leaves headroom for other buffers)",
+      flag_values=fl,
+  )
+  flags.DEFINE_enum("part", "both", PARTS, "train: the train step; sample: the sampler; both: both", flag_values=fl)
+  # the length distribution of the step time's lower bound (`ict_jax.length_model`)
+  d = LengthDistribution()
+  flags.DEFINE_float("prompt_median", d.prompt_median, "prompt tokens: log-normal median", flag_values=fl)
+  flags.DEFINE_float("prompt_sigma", d.prompt_sigma, "prompt tokens: log-normal sigma", flag_values=fl)
+  flags.DEFINE_float("completion_median", d.completion_median, "completion tokens: log-normal median", flag_values=fl)
+  flags.DEFINE_float("completion_sigma", d.completion_sigma, "completion tokens: log-normal sigma", flag_values=fl)
+  flags.DEFINE_float("capped_share", d.capped_share, "share of completions at max_new_tokens", flag_values=fl)
+  flags.DEFINE_integer("length_batches", 20, "simulated steps the bound averages", flag_values=fl)
+  flags.DEFINE_integer("length_seed", 0, "seed of the simulated lengths", flag_values=fl)
+  argv = sys.argv if argv is None else argv
+  try:
+    config_flags.DEFINE_config_file(
+        "config", config_lib.__file__, "An ml_collections config file.", flag_values=fl, lock_config=True
+    )
+    fl(argv)
+    cd = fl.config
+  except (AttributeError, KeyError) as e:
+    _fail(f"unknown config key {str(e.args[0] if e.args else e).strip(chr(39))}")
+  except (flags.Error, TypeError, ValueError) as e:
+    _fail(" ".join(str(e).split()))
+  if type(cd).__name__ == "_ErrorConfig":
+    _fail(
+        f"--config {fl['config'].config_filename}: could not be loaded: "
+        + " ".join(str(object.__getattribute__(cd, "_error")).split())
+    )
+  if fl.target not in TARGETS:
+    _fail(f"--target {fl.target!r}: unknown; expected one of {', '.join(TARGETS)}")
+  if fl.completion_len < 0 or fl.prompt_len < 0:
+    _fail("--completion_len and --prompt_len must be >= 0")
+  if fl.hbm_gib < 0:
+    _fail(f"--hbm_gib must be >= 0, got {fl.hbm_gib}")
+  if fl.length_batches < 1:
+    _fail(f"--length_batches must be >= 1, got {fl.length_batches}")
+  try:
+    lengths = LengthDistribution(
+        prompt_median=fl.prompt_median,
+        prompt_sigma=fl.prompt_sigma,
+        completion_median=fl.completion_median,
+        completion_sigma=fl.completion_sigma,
+        capped_share=fl.capped_share,
+    )
+  except ValueError as e:
+    _fail(f"--{str(e).split('.', 1)[1]}")
+  target = TARGETS[fl.target]
+  if fl.hbm_gib:
+    target = dataclasses.replace(target, usable_hbm=int(fl.hbm_gib * GiB))
+  reports = []
+  try:
+    cfg = config_lib.validate(cd)
+    if fl.part in ("train", "both"):
+      reports.append(compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len))
+    if fl.part in ("sample", "both"):
+      reports.append(
+          compile_sampler(
+              cfg,
+              target,
+              prompt_len=fl.prompt_len,
+              completion_len=fl.completion_len,
+              lengths=lengths,
+              length_batches=fl.length_batches,
+              length_seed=fl.length_seed,
+          )
+      )
+  except (ConfigError, AotError) as e:
+    _fail(" ".join(str(e).split()))
+  fits = all(r.fits for r in reports)
+  if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
+    by_program = {r.program: r.to_json() for r in reports}
+    out = {
+        **by_program.get("train_step", {}),
+        **({"sampler": by_program["sampler"]} if "sampler" in by_program else {}),
+        **{  # the step's lower bound and the decode phases' bytes ratios, from the sampler
+            k: by_program["sampler"][k]
+            for k in ("step_time_lower_bound_s", "hours_lower_bound", "decode_phase_bytes_over_weights_kv")
+            if "sampler" in by_program
+        },
+        "fits": fits,
+        "part": fl.part,
+        "config": fl["config"].config_filename,
+        "chips": target.chips,
+        "peak_tflops_per_chip": target.peak_tflops,
+        "hbm_tb_s_per_chip": target.hbm_tb_s,
+        "jax": jax.__version__,
+    }
+    epath.Path(fl.json).write_text(json.dumps(out, indent=1))
+  print("\n".join(format_report(r, target) for r in reports), flush=True)
+  sys.exit(0 if fits else 1)
+
+
+if __name__ == "__main__":
+  main()

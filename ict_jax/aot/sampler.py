@@ -1,0 +1,259 @@
+"""The rollout's sampler compiled for a target as the trainer runs it (`compile_sampler`), and its
+decode step alone, one compile a decode phase, for the bytes a step reads (`compile_decode_step`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ict_jax import sampling
+from ict_jax import setup as setup_lib
+from ict_jax.aot import plan
+from ict_jax.aot.measure import Report, bytes_per_device, measure
+from ict_jax.aot.step import _cudnn_tracing, _setup
+from ict_jax.aot.targets import AotError, Target
+from ict_jax.config import Config
+from ict_jax.length_model import LengthDistribution
+from ict_jax.models.axes import axis_rules, logical_to_spec
+from ict_jax.models.qwen2 import LayerCache
+from ict_jax.sampling import bucket_length
+
+
+def _decode_step(
+    state, cache, prompt_cache, tok, num_prompt, i, prompt_mask, rng, temperature, top_p, *, graphdef, kw, read_len
+):
+  """One step of the sampler's decode loop (`sampling.decode._decode_rows`'s while-loop body,
+  without writing the outputs): token i - 1 [b] in, its KV written at completion slot i - 1, the
+  shared prompt cache and the first read_len completion slots (the phase's bound) read, token i
+  sampled."""
+  model = nnx.merge(graphdef, state)
+  logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
+  kernels = model.cfg.kernels
+  tok, _ = sampling.rules._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
+  return tok, cache
+
+
+def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache:
+  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout."""
+  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim)
+  names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
+  with axis_rules(sampling.DECODE_RULES):
+    spec = logical_to_spec(names, shape, dict(mesh.shape))
+  struct = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return LayerCache(struct, struct)
+
+
+@contextlib.contextmanager
+def _unrolled_scans():
+  """`jax.lax.scan` unrolled while a program is traced: `cost_analysis()` counts a loop body once,
+  so the decode step's layer scan must be straight-line code for its bytes to count every layer."""
+  scan = jax.lax.scan
+
+  def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+    return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
+  jax.lax.scan = unrolled
+  try:
+    yield
+  finally:
+    jax.lax.scan = scan
+
+
+def compile_decode_step(
+    policy, mesh, cache: LayerCache, prompt_cache: LayerCache, sample_kw: dict, read_len: int | None = None
+):
+  """`_decode_step` compiled for `mesh` (the decode cache donated, as the loop carries it in
+  place; the prompt cache only read), reading read_len completion slots (a decode phase's bound;
+  None: all), its layer scan unrolled (`_unrolled_scans`).
+
+  The layouts of the cache and the weights are the compiler's choice (`Layout.AUTO`), as inside
+  the sampler, where the cache is made in the program and a weight relayout is loop-invariant
+  (done once, before the loop): with the default layouts of arguments, XLA relayouts the whole
+  cache into and out of the layer scan (4 x its bytes: 1.5B on v5e-8, 64 rows a chip, 18 GB) and
+  the tied embedding for its gather, and the step would be charged for what the loop does not do."""
+  batch, prompts, prompt_len = cache.k.shape[1], prompt_cache.k.shape[1], prompt_cache.k.shape[3]
+  cache_formats = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in cache))
+  rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
+  sds = jax.ShapeDtypeStruct
+  args = (
+      policy.state,
+      cache,
+      prompt_cache,
+      sds((batch,), jnp.int32, sharding=rows),  # the last token
+      sds((batch,), jnp.int32, sharding=rows),  # prompt lengths
+      sds((), jnp.int32, sharding=repl),  # i
+      sds((prompts, prompt_len), jnp.int32, sharding=sampling.prompt_sharding(mesh, prompts)),
+      sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+      sds((), jnp.float32, sharding=repl),
+  )
+  in_shardings = list(jax.tree.map(lambda x: x.sharding, args))
+  in_shardings[0] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), policy.state)
+  in_shardings[1] = cache_formats
+  in_shardings[2] = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in prompt_cache))
+  step = jax.jit(
+      functools.partial(_decode_step, graphdef=policy.graphdef, kw=sample_kw, read_len=read_len),
+      in_shardings=tuple(in_shardings),
+      out_shardings=(rows, cache_formats),
+      donate_argnums=(1,),
+  )
+  with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES), _unrolled_scans():
+    return step.lower(*args).compile()
+
+
+def compile_sampler(
+    cfg: Config,
+    target: Target,
+    *,
+    prompt_len: int = 0,
+    completion_len: int = 0,
+    lengths: LengthDistribution = LengthDistribution(),
+    length_batches: int = 20,
+    length_seed: int = 0,
+) -> Report:
+  """Compile the rollout's sampler (`sampling.lower_generate`) for `target` as the trainer runs
+  it: the rollout copy of the policy (`rollout.dtype`, the decoding layout), all
+  prompts_per_step x group_size rows in sub-batches of `rollout.decode_batch_size` ("auto" sized
+  from what the target's HBM leaves free next to the train state and the rollout copy, as
+  `sampling.resolve_decode_batch_size` sizes it from the devices' memory statistics). Fits when
+  its peak plus the train state (which stays on the devices meanwhile) is within the usable HBM.
+  Then the decode step alone is compiled once a decode phase (`sampling.decode_phases`: the
+  completion slots it reads) for its `cost_analysis()` bytes accessed and FLOPs, and the step's
+  time is bounded (`plan.step_bound`) on `length_batches` steps of `lengths`."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note = su.cfg, su.mesh, su.mcfg, su.note
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  new_len = bucket_length(completion_len or cfg.rollout.max_new_tokens)
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  dtype = setup_lib.rollout_dtype(cfg, mesh)
+  policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)
+  resident = bytes_per_device(su.state) + (bytes_per_device(su.params) if cfg.loss.beta > 0 else 0)
+  policy_bytes = bytes_per_device(policy.state)
+  free = target.usable_hbm - resident - policy_bytes
+  dbs = setup_lib.decode_batch_size(cfg)
+  group = cfg.rollout.group_size
+  try:
+    if dbs == "auto":
+      row_bytes = sampling.decode_row_bytes(mcfg, new_len, mesh, dtype)
+      prompt_bytes = sampling.kv_bytes(mcfg, prompt_len, mesh, dtype)
+      try:
+        if free <= 0:
+          raise ValueError("no memory is free")
+        sub = sampling.auto_decode_batch_size(
+            rows, shards, row_bytes, free, group_size=group, prompt_bytes=prompt_bytes
+        )
+      except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
+        sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
+        note = "; ".join(
+            n for n in (note, f"decode_batch_size=auto: not one row a chip fits the free HBM; compiled {sub}") if n
+        )
+    else:
+      sub = sampling.resolve_decode_batch_size(
+          dbs, rows, cfg=mcfg, prompt_len=prompt_len, new_len=new_len, group_size=group, mesh=mesh, dtype=dtype
+      )
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
+  layout = sampling.decode_layout(rows, group, sub, shards)  # as `generate` lays the rows out
+  greedy = cfg.rollout.temperature == 0
+  sample_kw = dict(greedy=greedy, top_k=min(cfg.rollout.top_k, mcfg.vocab_size), use_top_p=cfg.rollout.top_p < 1.0)
+  with _cudnn_tracing(mcfg):  # the prefill
+    lowered = sampling.lower_generate(
+        policy, rows, prompt_len, new_len, mesh=mesh, decode_batch_size=sub, num_samples=group, **sample_kw
+    )
+  advice = (
+      f"lower --config.rollout.decode_batch_size (now {sub} of {rows} rows; it must divide them), or "
+      f"rollout.max_new_tokens (now {new_len}), or spread the model over more chips (config.mesh)"
+  )
+  report = measure(lowered, target, program="sampler", advice=advice, resident=resident)
+  report.decode_batch_size = sub
+  report.prefill_rows = layout.prefill_rows
+  report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
+  phases = sampling.decode_phases(new_len)
+  report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
+  # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
+  # is not per step; this is the body as its own program, its cache donated (updated in place),
+  # once a decode phase (the slots it reads)
+  cache = decode_cache(mcfg, mesh, layout.rows, new_len, dtype)
+  prompt_cache = decode_cache(mcfg, mesh, layout.prompts, prompt_len, dtype)
+  prompt_kv = bytes_per_device(prompt_cache)
+  kv_cache_bytes = bytes_per_device(cache) + prompt_kv
+  phase_bytes, phase_flops, phase_min = [], [], []
+  matmul_flops = layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
+  for bound in phases:
+    costs = None
+    if not phase_bytes or phase_bytes[-1] is not None:  # no cost analysis in one phase: none in any
+      try:
+        costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound).cost_analysis()
+      except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
+        report.error = report.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    phase_bytes.append(float(costs["bytes accessed"]) if costs and costs.get("bytes accessed") else None)
+    phase_flops.append(float(costs["flops"]) if costs and costs.get("flops") else matmul_flops)
+    phase_min.append(policy_bytes + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, layout.rows, bound, dtype)))
+  if phase_bytes[-1] is None and not report.error:  # the CUDA plugin's compile-only executables
+    note = "; ".join(
+        n
+        for n in (note, "decode step bytes: this compiler gives no cost analysis (the step bound uses the minimum)")
+        if n
+    )
+  report.decode_phase_bytes, report.decode_phase_flops, report.decode_phase_min_bytes = (
+      phase_bytes,
+      phase_flops,
+      phase_min,
+  )
+  report.decode_step_bytes = phase_bytes[-1]  # the last phase reads every slot
+  report.decode_step_min_bytes = policy_bytes + kv_cache_bytes
+  costs = plan.DecodeCosts(
+      rows=rows,
+      group_size=group,
+      decode_batch_size=sub,
+      prompt_len=prompt_len,
+      completion_len=new_len,
+      phases=tuple(phases),
+      phase_bytes=tuple(b if b is not None else m for b, m in zip(phase_bytes, phase_min)),
+      phase_flops=tuple(phase_flops),
+      policy_bytes=policy_bytes,
+      prompt_kv_bytes=prompt_kv,
+  )
+  report.step_bound = plan.step_bound(
+      mcfg,
+      costs,
+      chips=target.chips,
+      peak_tflops=target.peak_tflops,
+      hbm_tb_s=target.hbm_tb_s,
+      train_steps=cfg.train.steps,
+      passes=cfg.train.num_iterations,
+      with_ref=cfg.loss.beta > 0,
+      lengths=lengths,
+      batches=length_batches,
+      seed=length_seed,
+  )
+  report.shapes = dict(
+      rows=rows,
+      decode_batch_size=sub,
+      sub_batches=layout.sub_batches,
+      rows_per_device=layout.rows // shards,
+      prompts_per_sub_batch=layout.prompts,
+      samples_per_prompt=layout.samples,
+      decode_phases=list(phases),
+      prompt_len=prompt_len,
+      completion_len=new_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=dtype,
+      param_dtype=dtype,
+      attention=mcfg.attention,  # the prefill's
+      rollout_policy_bytes=policy_bytes,
+      kv_cache_bytes=kv_cache_bytes,
+      prompt_kv_cache_bytes=prompt_kv,
+      note=note,
+  )
+  return report

@@ -1,0 +1,195 @@
+"""The trainer's set-up on a target's mesh (abstract: no weight is allocated) and its jitted train
+step compiled for it (`compile_train_step`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ict_jax import train_step as ts
+from ict_jax.aot.measure import Report, measure
+from ict_jax.aot.targets import AotError, Target, target_devices
+from ict_jax.config import Config, ConfigError
+from ict_jax.sampling import bucket_length
+from ict_jax.setup import abstract_params, make_mesh, model_config
+
+
+def _without_missing_model_path(cfg: Config) -> tuple[Config, str]:
+  """A model.path that is not on this machine -> the preset (same shapes as the published
+  config.json); returns the config and a note for the report ("" when nothing changed)."""
+  path = cfg.model.path
+  if not path or os.path.isfile(os.path.join(path, "config.json")):
+    return cfg, ""
+  note = f"model.path {path} is not on this machine: shapes from model.preset " f"{cfg.model.preset!r}"
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="")), note
+
+
+def _cudnn_loadable() -> bool:
+  try:  # JAX checks the cuDNN version while tracing its cuDNN attention
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    check_cudnn_version()
+    return True
+  except Exception:  # noqa: BLE001 - no cuDNN library on this machine, whatever JAX raises
+    return False
+
+
+# The cuDNN version JAX's probe reports while tracing for a GPU target on a machine without the
+# library (9.12: the oldest jax-cuda13-plugin[with-cuda] accepts). JAX only gates features on it
+# (MLA, compute capability 10.3); nothing of it enters the program.
+CUDNN_VERSION_FOR_TRACING = 91200
+
+
+def _cudnn_note(mcfg) -> str:
+  if mcfg.attention != "cudnn" or _cudnn_loadable():
+    return ""
+  return (
+      f"cuDNN is not installed here: its version probe answered {CUDNN_VERSION_FOR_TRACING} while "
+      "tracing; the cudnn attention compiled, its workspace (sized when a GPU loads it) not counted"
+  )
+
+
+@contextlib.contextmanager
+def _cudnn_tracing(mcfg):
+  """Trace `mcfg`'s cudnn attention on a machine without the cuDNN library (a CPU box compiling
+  for a GPU node). JAX asks the library for its version while tracing and stops there when it is
+  absent; the CUDA plugin compiles the cuDNN custom call without it. So, for the trace only, the
+  probe answers CUDNN_VERSION_FOR_TRACING: what compiles is the program the trainer runs."""
+  if not _cudnn_note(mcfg):
+    yield
+    return
+  from jax._src.cudnn import fused_attention_stablehlo as fused
+
+  probe = fused.check_cudnn_version
+  fused.check_cudnn_version = lambda: CUDNN_VERSION_FOR_TRACING
+  try:
+    yield
+  finally:
+    fused.check_cudnn_version = probe
+
+
+def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dict[str, tuple]:
+  """{name: (shape, dtype)} of one step's batch as `Rollout.batch()` builds it."""
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  shapes = dict(
+      prompt_ids=((rows, prompt_len), jnp.int32),
+      prompt_mask=((rows, prompt_len), jnp.int32),
+      completion_ids=((rows, completion_len), jnp.int32),
+      completion_mask=((rows, completion_len), jnp.int32),
+      advantages=((rows,), jnp.float32),
+      stop_pos=((rows,), jnp.int32),
+      answer_end=((rows,), jnp.int32),
+  )
+  if cfg.train.num_iterations > 1:  # the second pass of a batch also carries old log-probs
+    shapes["old_logp"] = ((rows, completion_len), jnp.float32)
+  return shapes
+
+
+@dataclasses.dataclass
+class _Setup:
+  """What the trainer builds before its first step, abstract, on the target's mesh."""
+
+  cfg: Config
+  mesh: Any
+  mcfg: Any
+  note: str
+  graphdef: Any
+  params: Any  # abstract float32 parameters (pure dict of ShapeDtypeStructs with shardings)
+  optimizer: Any
+  state_sharding: Any
+  state: Any  # abstract TrainState
+
+
+def _task_tokenizer(cfg: Config):
+  """`model.vocab="task"`: the task vocabulary the trainer would build (the data prepared in a
+  temporary folder, unless `data.data_dir` holds it)."""
+  import tempfile
+
+  from ict_jax.data import load_split
+  from ict_jax.setup import make_tokenizer
+
+  with tempfile.TemporaryDirectory(prefix="ict_jax_aot_") as tmp:
+    data_dir = cfg.data.data_dir or tmp
+    load = lambda split: load_split(cfg.data.name, split, data_dir=data_dir, config=cfg.data.config or None)
+    return make_tokenizer(cfg, tmp, "", load)
+
+
+def _setup(cfg: Config, target: Target) -> _Setup:
+  devices = target_devices(target)
+  cfg, note = _without_missing_model_path(cfg)
+  try:
+    mesh = make_mesh(cfg, devices=devices)
+  except ConfigError as e:
+    raise AotError(f"--target {target.name} has {target.chips} chips: {e}") from None
+  mb = cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  try:  # the trainer's own check, named for the target
+    ts.check_micro_batch(mb, mesh)
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: {e}") from None
+  tok = None
+  if cfg.model.vocab == "task" and not cfg.model.path:  # the embedding's rows come from the task's text
+    tok = _task_tokenizer(cfg)
+  mcfg = model_config(cfg, cfg.model.path, mesh, tok)  # "auto" attention: the target's kernel
+  note = "; ".join(n for n in (note, _cudnn_note(mcfg)) if n)
+  graphdef, params, params_sharding = abstract_params(mcfg, mesh)
+  optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
+  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
+  state = ts.abstract_train_state(optimizer, params, state_sharding)
+  return _Setup(cfg, mesh, mcfg, note, graphdef, params, optimizer, state_sharding, state)
+
+
+def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
+  """Compile the trainer's jitted step for `target`; prompt_len 0: bucket of
+  data.max_prompt_len; completion_len 0: rollout.max_new_tokens."""
+  su = _setup(cfg, target)
+  cfg, mesh, mcfg, note, graphdef, params = su.cfg, su.mesh, su.mcfg, su.note, su.graphdef, su.params
+  optimizer, state_sharding, state = su.optimizer, su.state_sharding, su.state
+  prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
+  completion_len = completion_len or cfg.rollout.max_new_tokens
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  mb = cfg.train.micro_batch_size or rows
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+  batch = {
+      k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+      for k, (shape, dtype) in train_batch_shapes(cfg, prompt_len, completion_len).items()
+  }
+  ref = params if cfg.loss.beta > 0 else None
+  step = ts.make_train_step(
+      graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
+  )
+  with jax.set_mesh(mesh), _cudnn_tracing(mcfg):
+    lowered = step.jitted.lower(state, batch, ref)
+  advice = (
+      f"lower --config.train.micro_batch_size (now {mb}; a multiple of group_size "
+      f"{cfg.rollout.group_size} and of data x fsdp = {shards}), or --completion_len "
+      f"(now {completion_len}), or spread the model over more chips (config.mesh)"
+  )
+  report = measure(lowered, target, program="train_step", advice=advice)
+  tokens = rows * (prompt_len + completion_len)
+  report.model_flops_per_step = float(mcfg.flops_per_token(prompt_len + completion_len) * tokens)
+  report.shapes = dict(
+      rows=rows,
+      micro_batch_size=mb,
+      group_size=cfg.rollout.group_size,
+      prompt_len=prompt_len,
+      completion_len=completion_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=mcfg.dtype,
+      param_dtype=mcfg.param_dtype,
+      remat_policy=mcfg.remat_policy,
+      attention=mcfg.attention,
+      kernels=mcfg.kernels,
+      method=cfg.ict.method,
+      rows_per_shard=mb // shards,
+      note=note,
+  )
+  return report
