@@ -1,0 +1,119 @@
+"""Packed decoder tokens for the train step (`config.train.token_budget`): the host's plan.
+
+A padded batch runs the decoder on every row's full width, prompt bucket + completion bucket, so
+one long completion makes every row long. Packed, each micro-batch's sequences (prompt and
+completion, real tokens only) are laid end to end in rows of `token_budget` tokens by
+first-fit-decreasing; the decoder stack runs on those rows (segment ids: a token attends to the
+earlier tokens of its own sequence only; positions: its place in its own sequence), and the
+hidden states the LM head reads are gathered back to the group-aligned [rows, completion, D]
+layout (`packed_index`), where the LM head, the group reference (JS), the selection and the loss
+run exactly as on the padded batch. Micro-batches stay the same whole groups, so the step's loss,
+gradients and selection masks are the padded step's (float rounding aside).
+
+Compiled shapes: the packed rows of a micro-batch are [R, token_budget]; R (the most rows any
+micro-batch of the step needs) is rounded up to a multiple of the mesh's data x fsdp devices `d`
+and then to one of `STEPS_PER_OCTAVE` = 8 values per power of two (R / d in 1 .. 16, then
+18, 20, .. 32, 36, ..), so at most 8 x log2(micro_batch / d) + 8 packed shapes exist per
+(prompt, completion) bucket pair, and in a run only the few near its typical length occur;
+rounding costs at most 1 / 8 of the packed rows.
+
+The plan reads the masks on the host (numpy), outside jit: one process's whole batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PACKED_KEYS = ("packed_ids", "packed_segments", "packed_positions", "packed_index")
+STEPS_PER_OCTAVE = 8
+
+
+def packed_rows_bucket(rows: int, multiple: int = 1) -> int:
+  """`rows` rounded up to a multiple of `multiple`, then to one of STEPS_PER_OCTAVE values per
+  power of two (in units of `multiple`)."""
+  units = max(-(-rows // multiple), 1)
+  step = 1 << max(0, units.bit_length() - STEPS_PER_OCTAVE.bit_length())  # units >= 16: 2, >= 32: 4, ..
+  return -(-units // step) * step * multiple
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """Bins of `capacity` for items of `lengths` (each <= capacity), longest first, each into the
+  first bin it fits. -> (bin [n], offset in its bin [n], bins used)."""
+  n = len(lengths)
+  free = np.full(n, capacity, np.int64)  # at most one bin an item
+  where, offset = np.zeros(n, np.int64), np.zeros(n, np.int64)
+  used = 0
+  for i in np.argsort(-lengths, kind="stable"):
+    b = int(np.argmax(free >= lengths[i]))
+    where[i], offset[i] = b, capacity - free[b]
+    free[b] -= lengths[i]
+    used = max(used, b + 1)
+  return where, offset, used
+
+
+def pack_plan(prompt_mask, completion_mask, *, token_budget: int, micro_batch_size: int = 0, multiple: int = 1):
+  """(bin [N], offset [N], packed rows R per micro-batch) for the sequences of a batch.
+
+  Micro-batch m (rows m*mb .. m*mb + mb - 1) fills its own R rows of `token_budget` tokens. Raises
+  ValueError naming config.train.token_budget when a sequence does not fit one row."""
+  lengths = np.asarray(prompt_mask).astype(bool).sum(1) + np.asarray(completion_mask).astype(bool).sum(1)
+  n = len(lengths)
+  mb = micro_batch_size or n
+  if int(lengths.max(initial=0)) > token_budget:
+    raise ValueError(
+        f"config.train.token_budget: a packed row of {token_budget} tokens cannot hold a sequence of "
+        f"{int(lengths.max())} (prompt + completion); use at least data.max_prompt_len + rollout.max_new_tokens"
+    )
+  where, offset = np.zeros(n, np.int64), np.zeros(n, np.int64)
+  most = 1
+  for m in range(n // mb):
+    rows = slice(m * mb, (m + 1) * mb)
+    where[rows], offset[rows], used = first_fit_decreasing(lengths[rows], token_budget)
+    most = max(most, used)
+  return where, offset, packed_rows_bucket(most, multiple)
+
+
+def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, multiple: int = 1) -> dict:
+  """`batch` (a trimmed padded batch) with the packed decoder input added (PACKED_KEYS):
+  packed_ids / packed_segments / packed_positions [N / mb * R, token_budget] int32 and
+  packed_index [N, C] int32, for completion column j of row i the index into its micro-batch's
+  flattened [R * token_budget] hidden states of the position that predicts token j (padded
+  position P - 1 + j). Columns that predict nothing real (mask 0 at padding) point at their
+  sequence's first token. `multiple`: the mesh's data x fsdp, so the packed rows shard evenly."""
+  pmask = np.asarray(batch["prompt_mask"]).astype(bool)
+  cmask = np.asarray(batch["completion_mask"]).astype(bool)
+  ids = np.concatenate([np.asarray(batch["prompt_ids"]), np.asarray(batch["completion_ids"])], 1)
+  mask = np.concatenate([pmask, cmask], 1)
+  n, p = pmask.shape
+  c = cmask.shape[1]
+  mb = micro_batch_size or n
+  where, offset, rows = pack_plan(pmask, cmask, token_budget=token_budget, micro_batch_size=mb, multiple=multiple)
+  shape = (n // mb * rows, token_budget)
+  packed_ids, segments, positions = (np.zeros(shape, np.int32) for _ in range(3))
+  index = np.zeros((n, c), np.int32)
+  sequences = np.zeros(shape[0], np.int32)  # sequences placed in each packed row so far
+  column = np.arange(c) + p - 1  # the padded position whose hidden state predicts column j
+  for i in range(n):
+    row = i // mb * rows + where[i]
+    tokens = ids[i][mask[i]]
+    start, length = int(offset[i]), len(tokens)
+    sequences[row] += 1
+    packed_ids[row, start : start + length] = tokens
+    segments[row, start : start + length] = sequences[row]
+    positions[row, start : start + length] = np.arange(length)
+    real = mask[i, column]
+    if np.any(cmask[i] & ~real):
+      raise ValueError(
+          f"packing: completion row {i} has a real token after a padding position (prompts must be "
+          f"left-padded, completions right-padded)"
+      )
+    rank = np.cumsum(mask[i]) - 1  # a real position's place in the sequence
+    local = where[i] * token_budget + start
+    index[i] = np.where(real, local + rank[column], local)
+  return {
+      **batch,
+      "packed_ids": packed_ids,
+      "packed_segments": segments,
+      "packed_positions": positions,
+      "packed_index": index,
+  }
