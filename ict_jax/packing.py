@@ -2,15 +2,17 @@
 
 A padded batch runs the decoder on every row's full width, prompt bucket + completion bucket, so
 one long completion makes every row long. Packed, each micro-batch's sequences (prompt and
-completion, real tokens only) are laid end to end in rows of `token_budget` tokens by
-first-fit-decreasing; the decoder stack runs on those rows (segment ids: a token attends to the
+completion, real tokens only) are laid end to end by first-fit-decreasing in rows of
+W = min(token_budget, the padded width P + C) tokens (a row holds any sequence of the batch, and
+never costs more attention than a padded row); the decoder stack runs on those rows (segment ids: a token attends to the
 earlier tokens of its own sequence only; positions: its place in its own sequence), and the
 hidden states the LM head reads are gathered back to the group-aligned [rows, completion, D]
 layout (`packed_index`), where the LM head, the group reference (JS), the selection and the loss
 run exactly as on the padded batch. Micro-batches stay the same whole groups, so the step's loss,
 gradients and selection masks are the padded step's (float rounding aside).
 
-Compiled shapes: the packed rows of a micro-batch are [R, token_budget]; R (the most rows any
+Compiled shapes: the packed rows of a micro-batch are [R, W], W one per (prompt, completion)
+bucket pair as for the padded batch (`train_step.trim_batch`); R (the most rows any
 micro-batch of the step needs) is rounded up to a multiple of the mesh's data x fsdp devices `d`
 and then to one of `STEPS_PER_OCTAVE` = 8 values per power of two (R / d in 1 .. 16, then
 18, 20, .. 32, 36, ..), so at most 8 x log2(micro_batch / d) + 8 packed shapes exist per
@@ -75,9 +77,9 @@ def pack_plan(prompt_mask, completion_mask, *, token_budget: int, micro_batch_si
 
 def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, multiple: int = 1) -> dict:
   """`batch` (a trimmed padded batch) with the packed decoder input added (PACKED_KEYS):
-  packed_ids / packed_segments / packed_positions [N / mb * R, token_budget] int32 and
-  packed_index [N, C] int32, for completion column j of row i the index into its micro-batch's
-  flattened [R * token_budget] hidden states of the position that predicts token j (padded
+  packed_ids / packed_segments / packed_positions [N / mb * R, W] int32 (W = min(token_budget,
+  P + C)) and packed_index [N, C] int32, for completion column j of row i the index into its
+  micro-batch's flattened [R * W] hidden states of the position that predicts token j (padded
   position P - 1 + j). Columns that predict nothing real (mask 0 at padding) point at their
   sequence's first token. `multiple`: the mesh's data x fsdp, so the packed rows shard evenly."""
   pmask = np.asarray(batch["prompt_mask"]).astype(bool)
@@ -87,8 +89,9 @@ def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, mul
   n, p = pmask.shape
   c = cmask.shape[1]
   mb = micro_batch_size or n
-  where, offset, rows = pack_plan(pmask, cmask, token_budget=token_budget, micro_batch_size=mb, multiple=multiple)
-  shape = (n // mb * rows, token_budget)
+  width = min(token_budget, p + c)
+  where, offset, rows = pack_plan(pmask, cmask, token_budget=width, micro_batch_size=mb, multiple=multiple)
+  shape = (n // mb * rows, width)
   packed_ids, segments, positions = (np.zeros(shape, np.int32) for _ in range(3))
   index = np.zeros((n, c), np.int32)
   sequences = np.zeros(shape[0], np.int32)  # sequences placed in each packed row so far
@@ -108,7 +111,7 @@ def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, mul
           f"left-padded, completions right-padded)"
       )
     rank = np.cumsum(mask[i]) - 1  # a real position's place in the sequence
-    local = where[i] * token_budget + start
+    local = where[i] * width + start
     index[i] = np.where(real, local + rank[column], local)
   return {
       **batch,
