@@ -26,13 +26,22 @@ from __future__ import annotations
 
 import numpy as np
 
-PACKED_KEYS = ("packed_ids", "packed_segments", "packed_positions", "packed_index")
+PACKED_KEYS = (
+    "packed_ids",
+    "packed_segments",
+    "packed_positions",
+    "head_index",
+    "head_ids",
+    "head_mask",
+    "unhead_index",
+)
 STEPS_PER_OCTAVE = 8
 
 
 def packed_rows_bucket(rows: int, multiple: int = 1) -> int:
   """`rows` rounded up to a multiple of `multiple`, then to one of STEPS_PER_OCTAVE values per
   power of two (in units of `multiple`)."""
+  rows, multiple = int(rows), int(multiple)
   units = max(-(-rows // multiple), 1)
   step = 1 << max(0, units.bit_length() - STEPS_PER_OCTAVE.bit_length())  # units >= 16: 2, >= 32: 4, ..
   return -(-units // step) * step * multiple
@@ -75,25 +84,44 @@ def pack_plan(prompt_mask, completion_mask, *, token_budget: int, micro_batch_si
   return where, offset, packed_rows_bucket(most, multiple)
 
 
-def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, multiple: int = 1) -> dict:
-  """`batch` (a trimmed padded batch) with the packed decoder input added (PACKED_KEYS):
-  packed_ids / packed_segments / packed_positions [N / mb * R, W] int32 (W = min(token_budget,
-  P + C)) and packed_index [N, C] int32, for completion column j of row i the index into its
-  micro-batch's flattened [R * W] hidden states of the position that predicts token j (padded
-  position P - 1 + j). Columns that predict nothing real (mask 0 at padding) point at their
-  sequence's first token. `multiple`: the mesh's data x fsdp, so the packed rows shard evenly."""
+def pack_batch(
+    batch: dict,
+    *,
+    token_budget: int,
+    group_size: int,
+    block: int = 128,
+    micro_batch_size: int = 0,
+    multiple: int = 1,
+) -> dict:
+  """`batch` (a trimmed padded batch [N, P] / [N, C]) with the packed step's input added
+  (PACKED_KEYS); micro-batch m (rows m*mb .. m*mb + mb - 1, whole groups) owns the m-th equal
+  share of every packed array's rows, so the step scans them as it scans the padded rows.
+
+  The decoder's input: packed_ids / packed_segments / packed_positions [N / mb * R, W] int32,
+  W = min(token_budget, P + C). The LM head's: the live (group, column block) pairs, a block being
+  the group's G rows x k = min(block, C) completion columns of which at least one is real,
+  [N / mb * B * G, k] each: head_index (into the micro-batch's flattened [R * W] decoder states:
+  the position that predicts the column's token, padded position P - 1 + j; a column that
+  predicts nothing real points at its sequence's first token), head_ids and head_mask (the
+  completion's ids and mask there). Back to [N, C]: unhead_index (into the micro-batch's
+  flattened [B * G * k] head outputs; B * G * k, out of range, where no block holds the column:
+  the whole group is padding there). B is bucketed like R, so that B * G is a multiple of
+  `multiple` (the mesh's data x fsdp) as R is."""
   pmask = np.asarray(batch["prompt_mask"]).astype(bool)
   cmask = np.asarray(batch["completion_mask"]).astype(bool)
-  ids = np.concatenate([np.asarray(batch["prompt_ids"]), np.asarray(batch["completion_ids"])], 1)
+  cids = np.asarray(batch["completion_ids"])
+  ids = np.concatenate([np.asarray(batch["prompt_ids"]), cids], 1)
   mask = np.concatenate([pmask, cmask], 1)
   n, p = pmask.shape
   c = cmask.shape[1]
-  mb = micro_batch_size or n
+  mb, g = micro_batch_size or n, group_size
+  if n % mb or mb % g:
+    raise ValueError(f"packing: micro-batch {mb} must divide the batch ({n} rows) and hold whole groups of {g}")
   width = min(token_budget, p + c)
   where, offset, rows = pack_plan(pmask, cmask, token_budget=width, micro_batch_size=mb, multiple=multiple)
   shape = (n // mb * rows, width)
   packed_ids, segments, positions = (np.zeros(shape, np.int32) for _ in range(3))
-  index = np.zeros((n, c), np.int32)
+  index = np.zeros((n, c), np.int32)  # the decoder state that predicts completion column j
   sequences = np.zeros(shape[0], np.int32)  # sequences placed in each packed row so far
   column = np.arange(c) + p - 1  # the padded position whose hidden state predicts column j
   for i in range(n):
@@ -113,10 +141,35 @@ def pack_batch(batch: dict, *, token_budget: int, micro_batch_size: int = 0, mul
     rank = np.cumsum(mask[i]) - 1  # a real position's place in the sequence
     local = where[i] * width + start
     index[i] = np.where(real, local + rank[column], local)
+
+  # the LM head's blocks: per micro-batch, every (group, column block) holding a real token
+  k = min(block, c)
+  n_col = -(-c // k)
+  padded_mask = np.pad(cmask, [(0, 0), (0, n_col * k - c)])
+  live = padded_mask.reshape(n // g, g, n_col, k).any(axis=(1, 3))  # [groups, column blocks]
+  per_micro = live.reshape(n // mb, mb // g * n_col).sum(1)
+  blocks = packed_rows_bucket(int(per_micro.max(initial=1)), multiple // np.gcd(multiple, g))
+  head_shape = (n // mb * blocks * g, k)
+  head_index, head_ids, head_mask = (np.zeros(head_shape, np.int32) for _ in range(3))
+  unhead = np.full((n, c), blocks * g * k, np.int32)
+  for m in range(n // mb):
+    groups = range(m * mb // g, (m + 1) * mb // g)
+    for slot, (grp, col) in enumerate((grp, col) for grp in groups for col in np.flatnonzero(live[grp])):
+      src = slice(grp * g, grp * g + g)  # the group's rows
+      cols = slice(col * k, min(col * k + k, c))
+      width_here = cols.stop - cols.start
+      dst = slice((m * blocks + slot) * g, (m * blocks + slot) * g + g)
+      head_index[dst, :width_here] = index[src, cols]
+      head_ids[dst, :width_here] = cids[src, cols]
+      head_mask[dst, :width_here] = cmask[src, cols]
+      unhead[src, cols] = (slot * g + np.arange(g)[:, None]) * k + np.arange(width_here)[None]
   return {
       **batch,
       "packed_ids": packed_ids,
       "packed_segments": segments,
       "packed_positions": positions,
-      "packed_index": index,
+      "head_index": head_index,
+      "head_ids": head_ids,
+      "head_mask": head_mask,
+      "unhead_index": unhead,
   }

@@ -23,6 +23,7 @@ taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax
@@ -148,25 +149,13 @@ def completion_logp_and_stats(
   divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over C
   (`lm_head.logp_and_stats`: one [N, chunk, V] float32 block live at a time; its backward pass
   recomputes only the rows with a non-zero gradient when there are at most `grad_rows`). A batch
-  with `packing.PACKED_KEYS` runs the decoder on its packed rows and gathers the states back."""
-  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-  ids, cmask = batch["completion_ids"], batch["completion_mask"]
-  p = prompt_ids.shape[1]
-  c = ids.shape[1]
-  if "packed_ids" in batch:  # the decoder on packed rows, its states gathered back to [N, C, D]
-    h = model.hidden_states(
-        batch["packed_ids"], positions=batch["packed_positions"], segment_ids=batch["packed_segments"]
-    )
-    h = jnp.take(h.reshape(-1, h.shape[-1]), batch["packed_index"], axis=0)
-  else:
-    h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
-    h = h[:, p - 1 : p + c - 1]  # [N, C, D]
+  with `packing.PACKED_KEYS` runs the decoder on its packed rows and the LM head on the groups'
+  live column blocks (a group's G rows side by side, as the group reference reads them), and
+  brings the results back to [N, C]."""
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
-  return lm_head.logp_and_stats(
-      h,
-      w,
-      ids,
-      cmask,
+  head = functools.partial(
+      lm_head.logp_and_stats,
+      w=w,
       temperature=temperature,
       group_size=group_size,
       chunk_size=chunk_size,
@@ -176,6 +165,21 @@ def completion_logp_and_stats(
       kl=kl,
       kernels=model.cfg.kernels,
   )
+  if "packed_ids" in batch:  # the decoder on packed rows; the head on the groups' live blocks
+    h = model.hidden_states(
+        batch["packed_ids"], positions=batch["packed_positions"], segment_ids=batch["packed_segments"]
+    )
+    h = jnp.take(h.reshape(-1, h.shape[-1]), batch["head_index"], axis=0)  # [B * G, k, D]
+    logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"])
+    back = lambda x: jnp.take(x.reshape(-1), batch["unhead_index"], axis=0, mode="fill", fill_value=0)
+    return back(logp), jax.tree.map(back, stats)  # [N, C]; 0 where a whole group is padding
+  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+  ids, cmask = batch["completion_ids"], batch["completion_mask"]
+  p = prompt_ids.shape[1]
+  c = ids.shape[1]
+  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
+  h = h[:, p - 1 : p + c - 1]  # [N, C, D]
+  return head(h, ids=ids, mask=cmask)
 
 
 # ---- the batch at its real length -----------------------------------------------------------

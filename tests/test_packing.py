@@ -25,7 +25,7 @@ from ict_jax.models.qwen2 import init_model
 
 G, N, PROMPT, C, V = 4, 16, 6, 24, 128
 BUDGET = 64  # the most tokens a packed row holds: rows of min(64, PROMPT + C) = 30 tokens
-LENGTHS = np.array([23, 15, 9, 1, 20, 11, 5, 17, 12, 24, 3, 8, 19, 14, 2, 21])
+LENGTHS = np.array([23, 15, 9, 1, 5, 7, 3, 8, 12, 24, 3, 8, 19, 14, 2, 21])  # group 2: one head block
 CFG = Qwen2Config(
     vocab_size=V,
     hidden_size=32,
@@ -96,7 +96,7 @@ def compiled_step(method, mb):
 
 def packed(batch, mb):
   rows = MESH_SHAPE[0] * MESH_SHAPE[1]
-  return packing.pack_batch(batch, token_budget=BUDGET, micro_batch_size=mb, multiple=rows)
+  return packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=mb, multiple=rows)
 
 
 # each method once, micro-batching on and off twice each (every compile costs seconds on CI);
@@ -110,7 +110,8 @@ def test_packed_step_equals_padded_step(method, mb):
   step = compiled_step(method, mb)
   want_state, want_m, want_logp = step(state, batch)
   pk = packed(batch, mb)
-  assert pk["packed_ids"].shape[1] == PROMPT + C and pk["packed_ids"].size < N * (PROMPT + C)
+  assert pk["packed_ids"].shape[1] == PROMPT + C and pk["packed_ids"].size <= N * (PROMPT + C)
+  assert pk["head_ids"].size <= N * C
   got_state, got_m, got_logp = step(state, pk)  # the same step function, a packed batch
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
@@ -131,7 +132,8 @@ def test_packed_selection_masks_equal_padded():
   graphdef = nnx.split(init_model(dataclasses.replace(CFG, attention="dot_product")))[0]
   net = nnx.merge(graphdef, model()[1])
   batch = make_batch(1)
-  pk = {k: jnp.asarray(v) for k, v in packing.pack_batch(batch, token_budget=BUDGET).items()}
+  pk = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
+  pk = {k: jnp.asarray(v) for k, v in pk.items()}
   stats = jax.jit(lambda b: ts.completion_logp_and_stats(net, b, temperature=1.0, group_size=G, chunk_size=8))
   lp_pad, st_pad = stats({k: jnp.asarray(v) for k, v in batch.items()})
   lp_pk, st_pk = stats(pk)
@@ -163,7 +165,7 @@ def test_packed_selection_masks_equal_padded():
 
 def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
   batch = make_batch()
-  out = packing.pack_batch(batch, token_budget=BUDGET, micro_batch_size=2 * G, multiple=4)
+  out = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=2 * G, multiple=4)
   rows = out["packed_ids"].shape[0] // 2
   assert rows % 4 == 0
   lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
@@ -173,14 +175,28 @@ def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
     assert (seg[block] > 0).sum() == lengths[m * 2 * G : (m + 1) * 2 * G].sum()
     real = pos[block][seg[block] > 0]
     assert sorted(np.bincount(real)[:1]) == [2 * G]  # one position 0 a sequence
-  assert out["packed_index"].max() < rows * (PROMPT + C)
+  assert out["head_index"].max() < rows * (PROMPT + C)
+  blocks = out["head_ids"].shape[0] // 2 // G  # the LM head's blocks a micro-batch, 8 columns each
+  assert blocks % 1 == 0 and (out["head_ids"].shape[0] // 2) % 4 == 0
+  # each real completion token sits once in the head's blocks, and comes back to its column
+  whole = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
+  assert whole["packed_ids"].shape[0] < N  # fewer decoder rows
+  assert whole["head_ids"].shape == (10 * G, 8)  # 3 + 1 + 3 + 3 blocks: group 2's padding is skipped
+  for m in range(2):
+    rows_m = slice(m * 2 * G, (m + 1) * 2 * G)
+    head_m = slice(m * blocks * G, (m + 1) * blocks * G)
+    flat_ids = out["head_ids"][head_m].reshape(-1)
+    assert out["head_mask"][head_m].sum() == batch["completion_mask"][rows_m].sum()
+    live = out["unhead_index"][rows_m] < flat_ids.size
+    np.testing.assert_array_equal(flat_ids[out["unhead_index"][rows_m][live]], batch["completion_ids"][rows_m][live])
+    assert live[batch["completion_mask"][rows_m] > 0].all()
   # the bucket ladder: 8 values a power of two, never below the rows needed
   ladder = {packing.packed_rows_bucket(r, 4) for r in range(1, 257)}
   assert all(packing.packed_rows_bucket(r, 4) >= r for r in range(1, 257))
   assert len(ladder) <= 8 * np.log2(256 / 4) + 8
   assert all(packing.packed_rows_bucket(r) <= r * 9 / 8 for r in range(16, 1000))
   with pytest.raises(ValueError, match="config.train.token_budget"):
-    packing.pack_batch(batch, token_budget=20)
+    packing.pack_batch(batch, token_budget=20, group_size=G)
 
 
 def test_packed_attention_equals_each_sequence_alone():
