@@ -17,8 +17,9 @@ min(token budget, padded width) tokens):
       G 8, prompts <= 512, completions <= 2048, Qwen2.5-1.5B, micro-batch `--paper_micro_batch`,
       packed rows a multiple of `--paper_devices`): the FLOPs of the shapes the step compiles
       (the decoder on [rows, width] at `flops_per_token(width)`, attention's causal term
-      included; the LM head on the [rows, completion width] it reads) over the real tokens'
-      (the decoder on each sequence at its own length, the head on its completion tokens);
+      included; the LM head on the positions it reads: padded [rows, completion width], packed
+      the groups' live 128-column blocks) over the real tokens' (the decoder on each sequence at
+      its own length, the head on its completion tokens);
       `decoder_executed_over_real_flops` is the decoder's share of that count alone.
   cpu_step_s  the mean over `--dist_timed` batches of the median step time of the model above on
       `--dist_rows` rows of the same distribution with every length divided by `--dist_scale`.
@@ -52,6 +53,7 @@ from ict_jax.setup import resolve_kernels  # noqa: E402
 G = 8
 DISTRIBUTIONS = {"capped15": 0.15, "uncapped": 0.0}  # name -> share of completions at the cap
 PAPER = dict(prompts=128, max_prompt=512, max_new=2048)
+BLOCK = 128  # the LM head's column block (config.ict.chunk_size)
 
 
 def parse_args(argv=None):
@@ -107,13 +109,15 @@ def update_flops(cfg: Qwen2Config, batch: dict) -> tuple[float, float, float, fl
   n, c = batch["completion_mask"].shape
   if "packed_ids" in batch:
     rows, width = batch["packed_ids"].shape
+    head_positions = batch["head_ids"].size
   else:
     rows, width = n, batch["prompt_mask"].shape[1] + c
+    head_positions = n * c
   executed_decoder = rows * width * decoder(width)
   c_len = batch["completion_mask"].sum(1)
   lengths = batch["prompt_mask"].sum(1) + c_len
   real_decoder = float(sum(int(s) * decoder(s) for s in lengths))
-  return executed_decoder + n * c * head, real_decoder + float(c_len.sum()) * head, executed_decoder, real_decoder
+  return executed_decoder + head_positions * head, real_decoder + float(c_len.sum()) * head, executed_decoder, real_decoder
 
 
 def flop_ratios(args, capped: float, seed: int) -> dict:
@@ -127,7 +131,12 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
     full = length_batch(rng, p_len, c_len, PAPER["max_prompt"], PAPER["max_new"], 2)
     padded = ts.trim_batch(full)
     packed = packing.pack_batch(
-        padded, token_budget=budget, micro_batch_size=args.paper_micro_batch, multiple=args.paper_devices
+        padded,
+        token_budget=budget,
+        group_size=G,
+        block=BLOCK,
+        micro_batch_size=args.paper_micro_batch,
+        multiple=args.paper_devices,
     )
     sums["padded"] += update_flops(cfg, padded)
     sums["packed"] += update_flops(cfg, packed)
@@ -205,7 +214,10 @@ def main(argv=None) -> dict:
       p_len, c_len = sample_lengths(rng, capped, args.dist_rows // G, args.dist_scale)
       padded = ts.trim_batch(length_batch(rng, p_len, c_len, max_prompt, max_new, args.vocab))
       times["padded"].append(measure(padded)["step_s"])
-      times["packed"].append(measure(packing.pack_batch(padded, token_budget=max_prompt + max_new))["step_s"])
+      packed = packing.pack_batch(
+          padded, token_budget=max_prompt + max_new, group_size=G, block=max(BLOCK // args.dist_scale, 8)
+      )
+      times["packed"].append(measure(packed)["step_s"])
     distributions[name] = dict(
         **flop_ratios(args, capped, seed),
         cpu_step_s={k: round(float(np.mean(v)), 4) for k, v in times.items()},

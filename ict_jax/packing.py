@@ -98,15 +98,16 @@ def pack_batch(
   share of every packed array's rows, so the step scans them as it scans the padded rows.
 
   The decoder's input: packed_ids / packed_segments / packed_positions [N / mb * R, W] int32,
-  W = min(token_budget, P + C). The LM head's: the live (group, column block) pairs, a block being
-  the group's G rows x k = min(block, C) completion columns of which at least one is real,
-  [N / mb * B * G, k] each: head_index (into the micro-batch's flattened [R * W] decoder states:
-  the position that predicts the column's token, padded position P - 1 + j; a column that
-  predicts nothing real points at its sequence's first token), head_ids and head_mask (the
-  completion's ids and mask there). Back to [N, C]: unhead_index (into the micro-batch's
-  flattened [B * G * k] head outputs; B * G * k, out of range, where no block holds the column:
-  the whole group is padding there). B is bucketed like R, so that B * G is a multiple of
-  `multiple` (the mesh's data x fsdp) as R is."""
+  W = min(token_budget, P + C). The LM head's, [N, C2] each: a block is a group's G rows x
+  k = min(block, C) completion columns; the micro-batch's live blocks (a real token in them) are
+  dealt round-robin to its mb / G stripes of G rows and laid side by side, so the head's group
+  reference (G consecutive rows, one column) still reads one group's rows at one completion
+  position, and C2 = k x (the most blocks a stripe holds, bucketed like R) is about the groups'
+  mean padded length, not the batch's longest. head_index: into the micro-batch's flattened
+  [R * W] decoder states, the position that predicts the token (padded position P - 1 + j; a
+  column that predicts nothing real points at its sequence's first token); head_ids, head_mask:
+  the completion's ids and mask there. Back to [N, C]: unhead_index, into the micro-batch's
+  flattened [mb * C2] head outputs (mb * C2, out of range, where the whole group is padding)."""
   pmask = np.asarray(batch["prompt_mask"]).astype(bool)
   cmask = np.asarray(batch["completion_mask"]).astype(bool)
   cids = np.asarray(batch["completion_ids"])
@@ -142,27 +143,29 @@ def pack_batch(
     local = where[i] * width + start
     index[i] = np.where(real, local + rank[column], local)
 
-  # the LM head's blocks: per micro-batch, every (group, column block) holding a real token
+  # the LM head's input: per micro-batch, the (group, column block) pairs holding a real token,
+  # dealt round-robin to the micro-batch's mb / G stripes of G rows, side by side in each stripe
   k = min(block, c)
   n_col = -(-c // k)
   padded_mask = np.pad(cmask, [(0, 0), (0, n_col * k - c)])
   live = padded_mask.reshape(n // g, g, n_col, k).any(axis=(1, 3))  # [groups, column blocks]
-  per_micro = live.reshape(n // mb, mb // g * n_col).sum(1)
-  blocks = packed_rows_bucket(int(per_micro.max(initial=1)), multiple // np.gcd(multiple, g))
-  head_shape = (n // mb * blocks * g, k)
-  head_index, head_ids, head_mask = (np.zeros(head_shape, np.int32) for _ in range(3))
-  unhead = np.full((n, c), blocks * g * k, np.int32)
+  stripes = mb // g
+  per_stripe = -(-live.reshape(n // mb, stripes * n_col).sum(1) // stripes)  # blocks a stripe, per micro-batch
+  width_head = packed_rows_bucket(int(per_stripe.max(initial=1))) * k
+  head_index, head_ids, head_mask = (np.zeros((n, width_head), np.int32) for _ in range(3))
+  unhead = np.full((n, c), mb * width_head, np.int32)
   for m in range(n // mb):
-    groups = range(m * mb // g, (m + 1) * mb // g)
-    for slot, (grp, col) in enumerate((grp, col) for grp in groups for col in np.flatnonzero(live[grp])):
+    groups = range(m * stripes, (m + 1) * stripes)
+    for t, (grp, col) in enumerate((grp, col) for grp in groups for col in np.flatnonzero(live[grp])):
+      stripe, at = t % stripes, t // stripes * k
       src = slice(grp * g, grp * g + g)  # the group's rows
       cols = slice(col * k, min(col * k + k, c))
-      width_here = cols.stop - cols.start
-      dst = slice((m * blocks + slot) * g, (m * blocks + slot) * g + g)
-      head_index[dst, :width_here] = index[src, cols]
-      head_ids[dst, :width_here] = cids[src, cols]
-      head_mask[dst, :width_here] = cmask[src, cols]
-      unhead[src, cols] = (slot * g + np.arange(g)[:, None]) * k + np.arange(width_here)[None]
+      span = cols.stop - cols.start
+      dst = slice(m * mb + stripe * g, m * mb + stripe * g + g)
+      head_index[dst, at : at + span] = index[src, cols]
+      head_ids[dst, at : at + span] = cids[src, cols]
+      head_mask[dst, at : at + span] = cmask[src, cols]
+      unhead[src, cols] = (stripe * g + np.arange(g)[:, None]) * width_head + at + np.arange(span)[None]
   return {
       **batch,
       "packed_ids": packed_ids,

@@ -176,17 +176,19 @@ def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
     real = pos[block][seg[block] > 0]
     assert sorted(np.bincount(real)[:1]) == [2 * G]  # one position 0 a sequence
   assert out["head_index"].max() < rows * (PROMPT + C)
-  blocks = out["head_ids"].shape[0] // 2 // G  # the LM head's blocks a micro-batch, 8 columns each
-  assert blocks % 1 == 0 and (out["head_ids"].shape[0] // 2) % 4 == 0
-  # each real completion token sits once in the head's blocks, and comes back to its column
   whole = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
   assert whole["packed_ids"].shape[0] < N  # fewer decoder rows
-  assert whole["head_ids"].shape == (10 * G, 8)  # 3 + 1 + 3 + 3 blocks: group 2's padding is skipped
+  # the head's columns: each stripe of G rows holds the most blocks of 8 any stripe is dealt;
+  # here micro-batch 1's groups need 3 + 3 blocks, the whole batch's 3 + 1 + 3 + 3 in 4 stripes 3
+  assert out["head_ids"].shape == whole["head_ids"].shape == (N, 24)
+  short = dict(batch, completion_mask=batch["completion_mask"] * (np.arange(C) < 8))  # 8 columns...
+  short["completion_mask"][0] = batch["completion_mask"][0]  # ...but one row of 23: 3 + 1 + 1 + 1 blocks
+  assert packing.pack_batch(short, token_budget=BUDGET, group_size=G, block=8)["head_ids"].shape == (N, 16)
+  # each real completion token sits once in the head's input, and comes back to its column
   for m in range(2):
     rows_m = slice(m * 2 * G, (m + 1) * 2 * G)
-    head_m = slice(m * blocks * G, (m + 1) * blocks * G)
-    flat_ids = out["head_ids"][head_m].reshape(-1)
-    assert out["head_mask"][head_m].sum() == batch["completion_mask"][rows_m].sum()
+    flat_ids = out["head_ids"][rows_m].reshape(-1)
+    assert out["head_mask"][rows_m].sum() == batch["completion_mask"][rows_m].sum()
     live = out["unhead_index"][rows_m] < flat_ids.size
     np.testing.assert_array_equal(flat_ids[out["unhead_index"][rows_m][live]], batch["completion_ids"][rows_m][live])
     assert live[batch["completion_mask"][rows_m] > 0].all()
