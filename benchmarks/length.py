@@ -53,7 +53,7 @@ from ict_jax.setup import resolve_kernels  # noqa: E402
 G = 8
 DISTRIBUTIONS = {"capped15": 0.15, "uncapped": 0.0}  # name -> share of completions at the cap
 PAPER = dict(prompts=128, max_prompt=512, max_new=2048)
-BLOCK = 128  # the LM head's column block (config.ict.chunk_size)
+BLOCK = packing.HEAD_BLOCK
 
 
 def parse_args(argv=None):
@@ -126,6 +126,7 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
   cfg, rng = PRESETS["qwen2_5_1_5b"], np.random.default_rng(seed)
   budget = PAPER["max_prompt"] + PAPER["max_new"]
   sums = {k: np.zeros(4) for k in ("padded", "packed")}
+  shapes = {"padded": set(), "packed": set()}
   for _ in range(args.flop_batches):
     p_len, c_len = sample_lengths(rng, capped, PAPER["prompts"])
     full = length_batch(rng, p_len, c_len, PAPER["max_prompt"], PAPER["max_new"], 2)
@@ -140,9 +141,12 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
     )
     sums["padded"] += update_flops(cfg, padded)
     sums["packed"] += update_flops(cfg, packed)
+    shapes["padded"].add(padded["completion_ids"].shape + padded["prompt_ids"].shape)
+    shapes["packed"].add(packed["packed_ids"].shape + packed["head_ids"].shape)
   return dict(
       executed_over_real_flops={k: round(v[0] / v[1], 3) for k, v in sums.items()},
       decoder_executed_over_real_flops={k: round(v[2] / v[3], 3) for k, v in sums.items()},
+      compiled_shapes={k: len(v) for k, v in shapes.items()},
   )
 
 

@@ -4,22 +4,25 @@ A padded batch runs the decoder on every row's full width, prompt bucket + compl
 one long completion makes every row long. Packed, each micro-batch's sequences (prompt and
 completion, real tokens only) are laid end to end by first-fit-decreasing in rows of
 W = min(token_budget, the padded width P + C) tokens (a row holds any sequence of the batch, and
-never costs more attention than a padded row); the decoder stack runs on those rows (segment ids: a token attends to the
-earlier tokens of its own sequence only; positions: its place in its own sequence), and the
-hidden states the LM head reads are gathered back to the group-aligned [rows, completion, D]
-layout (`packed_index`), where the LM head, the group reference (JS), the selection and the loss
-run exactly as on the padded batch. Micro-batches stay the same whole groups, so the step's loss,
-gradients and selection masks are the padded step's (float rounding aside).
+never attends over more than a padded row). The decoder stack runs on those rows (segment ids: a
+token attends to the earlier tokens of its own sequence only; positions: its place in its own
+sequence). The LM head, with the group reference of ICT's JS score, runs on the groups' live
+column blocks (below), and its outputs come back to the padded [N, C] layout where the selection
+and the loss run as on the padded batch. Micro-batches stay the same whole groups, so the step's
+loss, gradients and selection masks are the padded step's (float rounding aside).
 
 Compiled shapes: the packed rows of a micro-batch are [R, W], W one per (prompt, completion)
-bucket pair as for the padded batch (`train_step.trim_batch`); R (the most rows any
-micro-batch of the step needs) is rounded up to a multiple of the mesh's data x fsdp devices `d`
-and then to one of `STEPS_PER_OCTAVE` = 8 values per power of two (R / d in 1 .. 16, then
-18, 20, .. 32, 36, ..), so at most 8 x log2(micro_batch / d) + 8 packed shapes exist per
-(prompt, completion) bucket pair, and in a run only the few near its typical length occur;
-rounding costs at most 1 / 8 of the packed rows.
+bucket pair as for the padded batch (`train_step.trim_batch`); R (the most rows any micro-batch
+of the step needs) is rounded up to a multiple of the mesh's data x fsdp devices `d`, and R / d to
+one of `STEPS_PER_OCTAVE` = 16 values per power of two (every value up to 32, then 34, 36, .. 64,
+68, ..): at most 16 x log2(micro_batch / d) + 16 values of R, of which a run meets the few near
+its typical length, and rounding adds at most 1/16 of the rows (~3% on average). The LM head's
+width C2 (below) is HEAD_BLOCK = 64 columns times a count bucketed alike. So a step compiles at
+most (padded step's shapes) x (R values) x (C2 values) shapes; on the reasoning-like lengths of
+`benchmarks/length.py` a run meets about 2-3 values of each.
 
-The plan reads the masks on the host (numpy), outside jit: one process's whole batch.
+The plan reads the masks on the host (numpy), outside jit: one process's whole batch (a
+single-process run).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ PACKED_KEYS = (
     "head_mask",
     "unhead_index",
 )
-STEPS_PER_OCTAVE = 8
+STEPS_PER_OCTAVE = 16
+HEAD_BLOCK = 64  # completion columns of a group a block of the LM head's input holds
 
 
 def packed_rows_bucket(rows: int, multiple: int = 1) -> int:
@@ -89,7 +93,7 @@ def pack_batch(
     *,
     token_budget: int,
     group_size: int,
-    block: int = 128,
+    block: int = HEAD_BLOCK,
     micro_batch_size: int = 0,
     multiple: int = 1,
 ) -> dict:

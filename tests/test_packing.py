@@ -192,11 +192,11 @@ def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
     live = out["unhead_index"][rows_m] < flat_ids.size
     np.testing.assert_array_equal(flat_ids[out["unhead_index"][rows_m][live]], batch["completion_ids"][rows_m][live])
     assert live[batch["completion_mask"][rows_m] > 0].all()
-  # the bucket ladder: 8 values a power of two, never below the rows needed
-  ladder = {packing.packed_rows_bucket(r, 4) for r in range(1, 257)}
-  assert all(packing.packed_rows_bucket(r, 4) >= r for r in range(1, 257))
-  assert len(ladder) <= 8 * np.log2(256 / 4) + 8
-  assert all(packing.packed_rows_bucket(r) <= r * 9 / 8 for r in range(16, 1000))
+  # the bucket ladder: multiples of 4, 16 values a power of two, never below the rows needed
+  ladder = {packing.packed_rows_bucket(r, 4) for r in range(1, 1025)}
+  assert all(packing.packed_rows_bucket(r, 4) >= r for r in range(1, 1025)) and not any(x % 4 for x in ladder)
+  assert len(ladder) <= 16 * np.log2(1024 / 4) + 16
+  assert all(packing.packed_rows_bucket(r) <= r * 17 / 16 for r in range(1, 4000))
   with pytest.raises(ValueError, match="config.train.token_budget"):
     packing.pack_batch(batch, token_budget=20, group_size=G)
 
