@@ -117,7 +117,12 @@ def update_flops(cfg: Qwen2Config, batch: dict) -> tuple[float, float, float, fl
   c_len = batch["completion_mask"].sum(1)
   lengths = batch["prompt_mask"].sum(1) + c_len
   real_decoder = float(sum(int(s) * decoder(s) for s in lengths))
-  return executed_decoder + head_positions * head, real_decoder + float(c_len.sum()) * head, executed_decoder, real_decoder
+  return (
+      executed_decoder + head_positions * head,
+      real_decoder + float(c_len.sum()) * head,
+      executed_decoder,
+      real_decoder,
+  )
 
 
 def flop_ratios(args, capped: float, seed: int) -> dict:
