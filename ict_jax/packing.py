@@ -125,27 +125,28 @@ def pack_batch(
   width = min(token_budget, p + c)
   where, offset, rows = pack_plan(pmask, cmask, token_budget=width, micro_batch_size=mb, multiple=multiple)
   shape = (n // mb * rows, width)
-  packed_ids, segments, positions = (np.zeros(shape, np.int32) for _ in range(3))
-  index = np.zeros((n, c), np.int32)  # the decoder state that predicts completion column j
-  sequences = np.zeros(shape[0], np.int32)  # sequences placed in each packed row so far
+  row = np.arange(n) // mb * rows + where  # each sequence's packed row, and its start there
+  rank = np.cumsum(mask, 1) - 1  # a real position's place in its sequence
+  dest = ((row * width + offset)[:, None] + rank)[mask]  # each real token's flat packed position
+  order = np.lexsort((offset, row))  # sequences by packed row, then start
+  first = np.r_[True, row[order][1:] != row[order][:-1]]
+  seq_number = np.empty(n, np.int64)  # 1, 2, .. within its packed row
+  seq_number[order] = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0)) + 1
+  packed_ids, segments, positions = (np.zeros(shape[0] * width, np.int32) for _ in range(3))
+  packed_ids[dest] = ids[mask]
+  segments[dest] = np.broadcast_to(seq_number[:, None], mask.shape)[mask]
+  positions[dest] = rank[mask]
+  packed_ids, segments, positions = (x.reshape(shape) for x in (packed_ids, segments, positions))
   column = np.arange(c) + p - 1  # the padded position whose hidden state predicts column j
-  for i in range(n):
-    row = i // mb * rows + where[i]
-    tokens = ids[i][mask[i]]
-    start, length = int(offset[i]), len(tokens)
-    sequences[row] += 1
-    packed_ids[row, start : start + length] = tokens
-    segments[row, start : start + length] = sequences[row]
-    positions[row, start : start + length] = np.arange(length)
-    real = mask[i, column]
-    if np.any(cmask[i] & ~real):
-      raise ValueError(
-          f"packing: completion row {i} has a real token after a padding position (prompts must be "
-          f"left-padded, completions right-padded)"
-      )
-    rank = np.cumsum(mask[i]) - 1  # a real position's place in the sequence
-    local = where[i] * width + start
-    index[i] = np.where(real, local + rank[column], local)
+  real = mask[:, column]
+  holes = np.flatnonzero((cmask & ~real).any(1))
+  if holes.size:
+    raise ValueError(
+        f"packing: completion row {holes[0]} has a real token after a padding position (prompts must "
+        f"be left-padded, completions right-padded)"
+    )
+  local = (where * width + offset)[:, None]  # the sequence's first token in its micro-batch's rows
+  index = np.where(real, local + rank[:, column], local).astype(np.int32)  # what predicts column j
 
   # the LM head's input: per micro-batch, the (group, column block) pairs holding a real token,
   # dealt round-robin to the micro-batch's mb / G stripes of G rows, side by side in each stripe
