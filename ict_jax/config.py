@@ -134,6 +134,8 @@ class TrainConfig:
   steps: int = 100
   num_iterations: int = 1  # passes over each rollout batch (old log-probs kept)
   micro_batch_size: int = 0  # sequences per micro-batch (0: the whole batch)
+  token_budget: int = 0  # > 0: the decoder runs on packed rows of this many tokens (ict_jax/packing.py;
+  # at least data.max_prompt_len + rollout.max_new_tokens); 0: on the padded rows
   seed: int = 0
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
@@ -206,6 +208,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "ict.warmup_steps",
     "train.micro_batch_size",
+    "train.token_budget",
     "train.eval_every",
     "warm_start.sft_steps",
     "optim.warmup_steps",
@@ -380,6 +383,14 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
     )
   if cfg.train.profile_steps:
     profile_range(cfg.train.profile_steps)
+  budget, longest = cfg.train.token_budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  if budget and budget < longest:
+    raise ConfigError(
+        f"config.train.token_budget: {budget} tokens a packed row is shorter than one sequence "
+        f"(data.max_prompt_len + rollout.max_new_tokens = {longest}); use >= {longest}, or 0 for padded rows"
+    )
+  if budget:
+    check_packing_attention(cfg.model.attention)
   if cfg.model.param_dtype != "float32":
     # Adam moments, gradient sums and the weights the updates land on follow the parameters'
     # dtype. In bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at
@@ -417,6 +428,17 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
         f"config.data.name is {cfg.data.name!r} (use 'answer' or 'math')"
     )
   return cfg
+
+
+def check_packing_attention(attention: str) -> None:
+  """Packed rows (train.token_budget) need an attention implementation that takes segment ids."""
+  from ict_jax.models.attention import PACKING
+
+  if attention not in PACKING + ("auto",):
+    raise ConfigError(
+        f"config.train.token_budget: packing needs an attention implementation that takes segment "
+        f"ids ({', '.join(PACKING)}); model.attention is {attention!r} (cuDNN's takes sequence lengths only)"
+    )
 
 
 def profile_range(text: str) -> tuple[int, int]:

@@ -42,10 +42,11 @@ from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.preemption import Preemption
 from ict_jax.rewards.pool import RewardPool
-from ict_jax.rollout import collect
+from ict_jax.rollout import collect, host_array
 from ict_jax.throughput import Throughput
 from ict_jax.task_vocab import TaskTokenizer
 from ict_jax.tokenizer import Tokenizer
+from ict_jax import packing
 from ict_jax import train_step as ts
 from ict_jax.warm_start import build_sft_examples, sft_targets, supervised_warm_start
 
@@ -249,6 +250,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
   train_src = fitting_prompts(cfg, tok, train_src)
   mcfg = model_config(cfg, hf_dir, mesh, tok)
+  if cfg.train.token_budget:
+    config_lib.check_packing_attention(mcfg.attention)  # "auto" resolved for these devices
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
@@ -403,6 +406,14 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         # the real length, bucketed (few compiled shapes); the longest completion comes from the
         # gathered lengths, so no host reads the other hosts' rows of the mask
         batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
+        if cfg.train.token_budget:  # the decoder on packed rows: every host plans the whole batch
+          batch = packing.pack_batch(
+              {k: host_array(v) for k, v in batch.items()},
+              token_budget=cfg.train.token_budget,
+              group_size=cfg.rollout.group_size,
+              micro_batch_size=cfg.train.micro_batch_size,
+              multiple=mesh.shape["data"] * mesh.shape["fsdp"],
+          )
         tokens = None  # per-token statistics of the logged samples, at checkpoint steps
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
           tokens = tv.records(

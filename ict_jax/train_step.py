@@ -23,6 +23,7 @@ taken per micro-batch, as verl does; ICT's top-k is per response, hence micro-ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax
@@ -147,19 +148,14 @@ def completion_logp_and_stats(
   The logits of completion token j come from position P-1+j of prompt+completion; they are
   divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over C
   (`lm_head.logp_and_stats`: one [N, chunk, V] float32 block live at a time; its backward pass
-  recomputes only the rows with a non-zero gradient when there are at most `grad_rows`)."""
-  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-  ids, cmask = batch["completion_ids"], batch["completion_mask"]
-  p = prompt_ids.shape[1]
-  c = ids.shape[1]
-  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
-  h = h[:, p - 1 : p + c - 1]  # [N, C, D]
+  recomputes only the rows with a non-zero gradient when there are at most `grad_rows`). A batch
+  with `packing.PACKED_KEYS` runs the decoder on its packed rows and the LM head on the groups'
+  live column blocks, laid side by side in stripes of G rows (as the group reference reads them),
+  and brings the results back to [N, C]."""
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
-  return lm_head.logp_and_stats(
-      h,
-      w,
-      ids,
-      cmask,
+  head = functools.partial(
+      lm_head.logp_and_stats,
+      w=w,
       temperature=temperature,
       group_size=group_size,
       chunk_size=chunk_size,
@@ -169,6 +165,21 @@ def completion_logp_and_stats(
       kl=kl,
       kernels=model.cfg.kernels,
   )
+  if "packed_ids" in batch:  # the decoder on packed rows; the head on the groups' live blocks
+    h = model.hidden_states(
+        batch["packed_ids"], positions=batch["packed_positions"], segment_ids=batch["packed_segments"]
+    )
+    h = jnp.take(h.reshape(-1, h.shape[-1]), batch["head_index"], axis=0)  # [N, C2, D]
+    logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"])
+    back = lambda x: jnp.take(x.reshape(-1), batch["unhead_index"], axis=0, mode="fill", fill_value=0)
+    return back(logp), jax.tree.map(back, stats)  # [N, C]; 0 where a whole group is padding
+  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+  ids, cmask = batch["completion_ids"], batch["completion_mask"]
+  p = prompt_ids.shape[1]
+  c = ids.shape[1]
+  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
+  h = h[:, p - 1 : p + c - 1]  # [N, C, D]
+  return head(h, ids=ids, mask=cmask)
 
 
 # ---- the batch at its real length -----------------------------------------------------------
@@ -307,7 +318,9 @@ def make_train_step(
   """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`.
 
   batch: prompt_ids/prompt_mask [N, P] (left-padded), completion_ids/completion_mask [N, C],
-  advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy)."""
+  advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy), and
+  optionally the packed decoder input of `packing.pack_batch` (made with this micro-batch size):
+  then the decoder runs on the packed rows, with the same results."""
 
   def step_fn(state: TrainState, batch: Batch, ref_params=None):
     low = [
@@ -335,8 +348,9 @@ def make_train_step(
     # [N] -> [N / mb, mb]: micro-batch i is rows i*mb .. i*mb + mb - 1 (whole groups), and each
     # one is spread over every device (not micro-batch i on device i): a device's share of a
     # micro-batch is mb / (data x fsdp) consecutive rows, whole groups when it has >= G of them.
+    # Packed rows (`packing.pack_batch`) are [N / mb * R, W]: micro-batch i's R rows likewise.
     micro = jax.tree.map(
-        lambda x: constrain(x.reshape(n // mb, mb, *x.shape[1:]), (None, "act_batch") + (None,) * (x.ndim - 1)), batch
+        lambda x: constrain(x.reshape(n // mb, -1, *x.shape[1:]), (None, "act_batch") + (None,) * (x.ndim - 1)), batch
     )
 
     def accumulate(carry, mbatch):

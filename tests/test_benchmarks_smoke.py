@@ -248,13 +248,20 @@ def test_length_trims_to_the_bucket():
 
   proc = _run_script(
       "length.py", "--max_new", "32", "--lengths", "8,32", "--batch", "8", "--prompt", "8", "--vocab", "256",
-      "--hidden", "32", "--layers", "1", "--repeats", "1",
+      "--hidden", "32", "--layers", "1", "--repeats", "1", "--flop_batches", "2", "--dist_rows", "16",
+      "--dist_timed", "1",
   )  # fmt: skip
   (out,) = _json_lines(proc)
   assert [r["width"] for r in out["trimmed"]] == [min(32, bucket_length(8)), 32]
   assert out["untrimmed"]["width"] == 32 and out["untrimmed"]["longest"] == 8
   assert out["trimmed"][0]["temp_bytes"] < out["untrimmed"]["temp_bytes"]  # fewer columns, fewer bytes
   assert all(r["step_s"] > 0 for r in out["trimmed"]) and out["backend"] == "cpu"
+  assert set(out["distributions"]) == {"capped15", "uncapped"}
+  for dist in out["distributions"].values():  # packing executes fewer FLOPs than padding, never below real
+    ratio = dist["executed_over_real_flops"]
+    assert 1.0 <= ratio["packed"] < ratio["padded"]
+    assert 1.0 <= dist["decoder_executed_over_real_flops"]["packed"] <= ratio["packed"]
+    assert dist["cpu_step_s"]["padded"] > 0 and dist["cpu_step_s"]["packed"] > 0
 
 
 def test_selection_tiny():

@@ -52,6 +52,7 @@ def test_every_config_key_is_read_by_a_training_run(tmp_path, monkeypatch):
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 2  # 8 rows: one per simulated device
   c.train.steps = c.train.checkpoint_every = 1
   c.train.async_checkpointing = False
+  c.train.token_budget = 20  # data.max_prompt_len 16 + max_new_tokens 4: the loop's packed path runs too
   train(c, str(tmp_path / "run"), progress=False)
   unread = sorted(_all_keys() - read)
   assert not unread, f"config keys that nothing reads (wire them or remove them): {unread}"

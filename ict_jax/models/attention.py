@@ -22,13 +22,17 @@ query rows (never read by a loss) differ: "splash" lets padding attend to paddin
 so no row is empty), "cudnn" gives them zeros, the others a uniform or arbitrary finite mix.
 "cudnn" needs the real tokens of a row to be one run (left-padded prompt, right-padded
 completion: what the train step, scoring, the warm start and the sampler's prefill pass).
-Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
+Packed rows (`PackedSegments`: several sequences a row, ids 1, 2, .. per sequence, 0 padding;
+the train step's `train.token_budget`) attend within their own sequence: "einsum" and
+"dot_product" by a block mask, "splash" by its segment ids; "cudnn" (sequence lengths only)
+cannot take them. Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
 devices); nothing here looks at the backend.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,26 +42,50 @@ from ict_jax.models.axes import constrain, logical_to_spec
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
 
+PACKING = ("einsum", "dot_product", "splash")  # the implementations that take packed segments
+
+
+class PackedSegments(NamedTuple):
+  """Segment ids [B, T] of packed rows: token t of row b belongs to sequence ids[b, t] (1, 2, ..
+  within the row, 0 padding) and attends causally to the earlier tokens of that sequence only."""
+
+  ids: Array
+
+
 SPLASH_BLOCKS = (512, 256, 128)  # splash tile along T (queries and keys): the largest dividing T
 SPLASH_LANES = 128  # T is padded up to a multiple of this (the TPU lane width)
 
 
-def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+def _allowed(segment_ids, packed: bool) -> Array:
+  """[B, T, S] bool: causal, keys real, and (packed rows) of the query's own sequence."""
+  pos = jnp.arange(segment_ids.shape[1])
+  allowed = (pos[None, :] <= pos[:, None])[None] & (segment_ids[:, None, :] > 0)
+  if packed:
+    allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  return allowed
+
+
+def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, packed: bool = False) -> Array:
   """The reference: scores [B, K, G, T, S] in float32, additive mask, softmax, weighted sum."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * h**-0.5
-  pos = jnp.arange(t)
-  allowed = (pos[None, :] <= pos[:, None])[None] & (segment_ids[:, None, :] > 0)  # [B, T, S]
+  allowed = _allowed(segment_ids, packed)  # [B, T, S]
   bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]  # [B, 1, 1, T, S]
   probs = jax.nn.softmax(scores + bias, axis=-1).astype(q.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
   return out.reshape(b, t, n, h)
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, implementation: str = "xla") -> Array:
-  """`jax.nn.dot_product_attention`, causal, keys masked by `segment_ids` [B, 1, 1, S]."""
+def dot_product_attention(
+    q: Array, k: Array, v: Array, segment_ids: Array, *, implementation: str = "xla", packed: bool = False
+) -> Array:
+  """`jax.nn.dot_product_attention`, causal, keys masked by `segment_ids` [B, 1, 1, S] (packed
+  rows: the block mask [B, 1, T, S] of same-sequence pairs)."""
+  if packed:
+    mask = _allowed(segment_ids, True)[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
   mask = (segment_ids > 0)[:, None, None, :]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
@@ -191,12 +219,18 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, interp
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str) -> Array:
-  """Dispatch on `implementation` (one of IMPLEMENTATIONS)."""
+def attend(q: Array, k: Array, v: Array, segment_ids, implementation: str) -> Array:
+  """Dispatch on `implementation` (one of IMPLEMENTATIONS); `segment_ids` is the [B, T] mask of a
+  padded batch or the `PackedSegments` of packed rows."""
+  packed = isinstance(segment_ids, PackedSegments)
+  if packed:
+    if implementation not in PACKING:
+      raise ValueError(f"attention implementation {implementation!r} cannot take packed rows; use one of {PACKING}")
+    segment_ids = segment_ids.ids
   if implementation == "einsum":
-    return einsum_attention(q, k, v, segment_ids)
+    return einsum_attention(q, k, v, segment_ids, packed=packed)
   if implementation == "dot_product":
-    return dot_product_attention(q, k, v, segment_ids, implementation="xla")
+    return dot_product_attention(q, k, v, segment_ids, implementation="xla", packed=packed)
   if implementation == "cudnn":
     return cudnn_attention(q, k, v, segment_ids)
   if implementation == "splash":

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ict_jax.models.attention import attend
+from ict_jax.models.attention import PackedSegments, attend
 from ict_jax.models.axes import constrain
 from ict_jax.models.config import Qwen2Config
 
@@ -328,6 +328,7 @@ class Qwen2(nnx.Module):
       prefix: LayerCache | None = None,
       prefix_mask: Array | None = None,
       cache_read_len: int | None = None,
+      segment_ids: Array | None = None,
   ):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
@@ -340,15 +341,22 @@ class Qwen2(nnx.Module):
     read-only `LayerCache` [L, U, K, P, H] before the cache, e.g. a prompt prefilled once for its
     B/U samples: rows [u*B/U, (u+1)*B/U) attend to its row u where `prefix_mask` [U, P] is 1.
     `cache_read_len` (static, decoding only): read only the first that many cache slots, which must
-    hold every slot written before cache_index (the decode loop's length-bounded phases)."""
+    hold every slot written before cache_index (the decode loop's length-bounded phases).
+    `segment_ids` [B, T] (no cache): packed rows, several sequences a row (ids 1, 2, .. a row, 0
+    padding) that attend within their sequence only; `positions` then give each token's position
+    in its own sequence."""
     cfg = self.cfg
     b, t = input_ids.shape
-    if attention_mask is None:
+    if segment_ids is not None:
+      if cache is not None or positions is None:
+        raise ValueError("hidden_states: packed segment_ids take per-sequence positions and no cache")
+      attention_mask = PackedSegments(segment_ids)
+    elif attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
-      mask = attention_mask
+      mask = attention_mask  # [B, T], or the PackedSegments of packed rows
     else:  # biases of the S old cache slots and of the T new tokens (see `Attention`)
       s = cache.k.shape[3] if cache_read_len is None else cache_read_len
       bias = lambda allowed: jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]

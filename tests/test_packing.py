@@ -1,0 +1,237 @@
+"""Packed decoder tokens (`packing.py`, `config.train.token_budget`): the packed step's loss,
+gradients, log-probs and selection masks are the padded step's on the same batch, on the 8-device
+CPU mesh, for the four methods with micro-batching on and off; the plan's shapes are bounded and
+bad settings are one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ict_jax import config as config_lib
+from ict_jax import packing, selection, sharding
+from ict_jax import train_step as ts
+from ict_jax.config import OptimConfig
+from ict_jax.models import attention
+from ict_jax.models.config import Qwen2Config
+from ict_jax.models.qwen2 import init_model
+
+G, N, PROMPT, C, V = 4, 16, 6, 24, 128
+BUDGET = 64  # the most tokens a packed row holds: rows of min(64, PROMPT + C) = 30 tokens
+LENGTHS = np.array([23, 15, 9, 1, 5, 7, 3, 8, 12, 24, 3, 8, 19, 14, 2, 21])  # group 2: one head block
+CFG = Qwen2Config(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)
+COMPILE_OPTIONS = {  # cheap XLA:CPU code generation (same HLO), as in test_train_step.py
+    "xla_backend_optimization_level": 0,
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_llvm_disable_expensive_passes": True,
+}
+MESH_SHAPE = (2, 2, 2)  # data x fsdp = 4 rows of devices
+METHODS = ("grpo", "ict", "entropy", "stapo")
+
+
+def make_batch(seed=0):
+  rng = np.random.default_rng(seed)
+  prompt_len = np.repeat([6, 3, 4, 2], G)
+  pmask = (np.arange(PROMPT)[None] >= PROMPT - prompt_len[:, None]).astype(np.int32)
+  pids = np.repeat((rng.integers(1, V, (N, PROMPT)) * pmask)[::G], G, 0).astype(np.int32)
+  cmask = (np.arange(C)[None] < LENGTHS[:, None]).astype(np.int32)
+  cids = (rng.integers(1, V, (N, C)) * cmask).astype(np.int32)
+  adv = np.round(rng.normal(0, 1, N), 2).astype(np.float32)
+  adv[::2], adv[1::2] = np.abs(adv[::2]) + 0.1, -np.abs(adv[1::2]) - 0.1
+  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
+
+
+@functools.cache
+def model():
+  graphdef, state = nnx.split(init_model(CFG, seed=0))
+  scale = lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 8.0  # peaked distributions
+  return graphdef, jax.tree_util.tree_map_with_path(scale, state.to_pure_dict())
+
+
+def step_config(method, mb):
+  return ts.StepConfig(
+      group_size=G, method=method, warmup_steps=0, chunk_size=8, micro_batch_size=mb, entropy_top_fraction=0.3
+  )
+
+
+@functools.cache
+def mesh_and_state():
+  graphdef, params = model()
+  opt = ts.make_optimizer(OptimConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=0.0), 10)  # mu == gradient
+  mesh = sharding.make_mesh(MESH_SHAPE)
+  abstract = nnx.state(nnx.merge(graphdef, params), nnx.Param)
+  params_sharding = sharding.pure_shardings(abstract, mesh)
+  state_sharding = ts.train_state_shardings(opt, jax.eval_shape(lambda: params), params_sharding, mesh)
+  state = ts.init_train_state(params, opt, mesh=mesh, params_sharding=params_sharding)
+  return mesh, state_sharding, state, opt
+
+
+def compiled_step(method, mb):
+  mesh, state_sharding, _, opt = mesh_and_state()
+  jit = jax.jit
+  jax.jit = functools.partial(jit, compiler_options=COMPILE_OPTIONS)
+  try:
+    return ts.make_train_step(
+        model()[0], step_config(method, mb), opt, mesh=mesh, state_sharding=state_sharding, donate=False
+    )
+  finally:
+    jax.jit = jit
+
+
+def packed(batch, mb):
+  rows = MESH_SHAPE[0] * MESH_SHAPE[1]
+  return packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=mb, multiple=rows)
+
+
+# each method once, micro-batching on and off twice each (every compile costs seconds on CI);
+# the masks of all four methods, per micro-batch and whole, are checked below without a step
+@pytest.mark.parametrize(
+    "method,mb", [("grpo", 0), ("ict", 2 * G), ("entropy", 2 * G), ("stapo", 0)], ids=lambda x: str(x)
+)
+def test_packed_step_equals_padded_step(method, mb):
+  _, _, state, _ = mesh_and_state()
+  batch = make_batch()
+  step = compiled_step(method, mb)
+  want_state, want_m, want_logp = step(state, batch)
+  pk = packed(batch, mb)
+  assert pk["packed_ids"].shape[1] == PROMPT + C and pk["packed_ids"].size <= N * (PROMPT + C)
+  assert pk["head_ids"].size <= N * C
+  got_state, got_m, got_logp = step(state, pk)  # the same step function, a packed batch
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  assert 0 < float(want_m["selected_frac"]) <= 1 and float(want_m["loss"]) != 0
+  mask = batch["completion_mask"] > 0
+  np.testing.assert_allclose(np.asarray(got_logp)[mask], np.asarray(want_logp)[mask], rtol=1e-5, atol=1e-5)
+  mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mu(got_state)), jax.tree.leaves(mu(want_state))):
+    b = np.asarray(b)
+    np.testing.assert_allclose(
+        np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max(), err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def test_packed_selection_masks_equal_padded():
+  """Each method's token mask, whole batch and per micro-batch, from the packed and the padded
+  decoder's statistics (the dot_product block mask, einsum's is in the steps above)."""
+  graphdef = nnx.split(init_model(dataclasses.replace(CFG, attention="dot_product")))[0]
+  net = nnx.merge(graphdef, model()[1])
+  batch = make_batch(1)
+  pk = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
+  pk = {k: jnp.asarray(v) for k, v in pk.items()}
+  stats = jax.jit(lambda b: ts.completion_logp_and_stats(net, b, temperature=1.0, group_size=G, chunk_size=8))
+  lp_pad, st_pad = stats({k: jnp.asarray(v) for k, v in batch.items()})
+  lp_pk, st_pk = stats(pk)
+  mask = jnp.asarray(batch["completion_mask"])
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def select(method, lp, st, rows):  # the selection the step makes on the micro-batch `rows`
+    rows = slice(*rows)
+    return selection.select_tokens(
+        method,
+        mask=mask[rows],
+        u=st["js"][rows],
+        entropy=st["entropy"][rows],
+        token_prob=jnp.exp(lp[rows]),
+        advantages=jnp.asarray(batch["advantages"])[rows],
+        ict_top_fraction=0.2,
+        entropy_top_fraction=0.2,
+        stapo_tau_p=0.3,
+        stapo_tau_h_quantile=0.5,
+        dense_loss_type="grpo",
+    )[0]
+
+  for method in METHODS:
+    for rows in ((0, N), (0, 2 * G), (2 * G, N)):  # the whole batch, then two micro-batches
+      want, got = select(method, lp_pad, st_pad, rows), select(method, lp_pk, st_pk, rows)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{method} rows {rows}")
+      assert 0 < int(want.sum()) < int(mask[slice(*rows)].sum()) or method == "grpo"
+
+
+def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
+  batch = make_batch()
+  out = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=2 * G, multiple=4)
+  rows = out["packed_ids"].shape[0] // 2
+  assert rows % 4 == 0
+  lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
+  seg, pos = out["packed_segments"], out["packed_positions"]
+  for m in range(2):  # each micro-batch's rows hold its own sequences' tokens, each once
+    block = slice(m * rows, (m + 1) * rows)
+    assert (seg[block] > 0).sum() == lengths[m * 2 * G : (m + 1) * 2 * G].sum()
+    real = pos[block][seg[block] > 0]
+    assert sorted(np.bincount(real)[:1]) == [2 * G]  # one position 0 a sequence
+  assert out["head_index"].max() < rows * (PROMPT + C)
+  whole = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
+  assert whole["packed_ids"].shape[0] < N  # fewer decoder rows
+  # the head's columns: each stripe of G rows holds the most blocks of 8 any stripe is dealt;
+  # here micro-batch 1's groups need 3 + 3 blocks, the whole batch's 3 + 1 + 3 + 3 in 4 stripes 3
+  assert out["head_ids"].shape == whole["head_ids"].shape == (N, 24)
+  short = dict(batch, completion_mask=batch["completion_mask"] * (np.arange(C) < 8))  # 8 columns...
+  short["completion_mask"][0] = batch["completion_mask"][0]  # ...but one row of 23: 3 + 1 + 1 + 1 blocks
+  assert packing.pack_batch(short, token_budget=BUDGET, group_size=G, block=8)["head_ids"].shape == (N, 16)
+  # each real completion token sits once in the head's input, and comes back to its column
+  for m in range(2):
+    rows_m = slice(m * 2 * G, (m + 1) * 2 * G)
+    flat_ids = out["head_ids"][rows_m].reshape(-1)
+    assert out["head_mask"][rows_m].sum() == batch["completion_mask"][rows_m].sum()
+    live = out["unhead_index"][rows_m] < flat_ids.size
+    np.testing.assert_array_equal(flat_ids[out["unhead_index"][rows_m][live]], batch["completion_ids"][rows_m][live])
+    assert live[batch["completion_mask"][rows_m] > 0].all()
+  # the bucket ladder: multiples of 4, 16 values a power of two, never below the rows needed
+  ladder = {packing.packed_rows_bucket(r, 4) for r in range(1, 1025)}
+  assert all(packing.packed_rows_bucket(r, 4) >= r for r in range(1, 1025)) and not any(x % 4 for x in ladder)
+  assert len(ladder) <= 16 * np.log2(1024 / 4) + 16
+  assert all(packing.packed_rows_bucket(r) <= r * 17 / 16 for r in range(1, 4000))
+  with pytest.raises(ValueError, match="config.train.token_budget"):
+    packing.pack_batch(batch, token_budget=20, group_size=G)
+
+
+def test_packed_attention_equals_each_sequence_alone():
+  rng = np.random.default_rng(0)
+  t, lens = 16, (5, 7, 3)
+  q = jnp.asarray(rng.normal(size=(1, t, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, t, 2, 8)), jnp.float32) for _ in range(2))
+  seg = np.zeros((1, t), np.int32)
+  seg[0, :15] = np.repeat([1, 2, 3], lens)
+  for impl in ("einsum", "dot_product"):  # splash takes the ids as its own segment ids
+    got = attention.attend(q, k, v, attention.PackedSegments(jnp.asarray(seg)), impl)
+    start = 0
+    for n in lens:
+      s = slice(start, start + n)
+      alone = attention.einsum_attention(q[:, s], k[:, s], v[:, s], jnp.ones((1, n), jnp.int32))
+      np.testing.assert_allclose(np.asarray(got[:, s]), np.asarray(alone), rtol=1e-5, atol=1e-5, err_msg=impl)
+      start += n
+  with pytest.raises(ValueError, match="cannot take packed rows"):
+    attention.attend(q, k, v, attention.PackedSegments(jnp.asarray(seg)), "cudnn")
+
+
+@pytest.mark.parametrize(
+    "budget,attention,match",
+    [
+        (519, "auto", "config.train.token_budget: 519 tokens .* shorter than one sequence .* = 520"),
+        (4096, "cudnn", "config.train.token_budget: packing needs .* model.attention is 'cudnn'"),
+    ],
+)
+def test_bad_packing_settings_are_one_config_error(budget, attention, match):
+  c = config_lib.default_config()  # data.max_prompt_len 512 + rollout.max_new_tokens 8
+  c.train.token_budget, c.model.attention, c.model.dtype = budget, attention, "bfloat16"
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c)
+  c.train.token_budget = 520
+  c.model.attention = "splash"
+  assert config_lib.validate(c).train.token_budget == 520
