@@ -15,7 +15,8 @@ cap), today's padded step (`trim_batch`) against the packed one (`packing.pack_b
 min(token budget, padded width) tokens):
   executed_over_real_flops  over `--flop_batches` batches of the paper's shapes (128 prompts x
       G 8, prompts <= 512, completions <= 2048, Qwen2.5-1.5B, micro-batch `--paper_micro_batch`,
-      packed rows a multiple of `--paper_devices`): the FLOPs of the shapes the step compiles
+      packed rows a multiple of `--paper_devices`, micro-batches token-balanced as train.py
+      makes them, `packing.balance_groups`): the FLOPs of the shapes the step compiles
       (the decoder on [rows, width] at `flops_per_token(width)`, attention's causal term
       included; the LM head on the positions it reads: padded [rows, completion width], packed
       the groups' live 128-column blocks) over the real tokens' (the decoder on each sequence at
@@ -143,6 +144,7 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
         block=BLOCK,
         micro_batch_size=args.paper_micro_batch,
         multiple=args.paper_devices,
+        balance=True,  # as train.py packs: whole groups reordered into token-balanced micro-batches
     )
     sums["padded"] += update_flops(cfg, padded)
     sums["packed"] += update_flops(cfg, packed)

@@ -9,7 +9,17 @@ token attends to the earlier tokens of its own sequence only; positions: its pla
 sequence). The LM head, with the group reference of ICT's JS score, runs on the groups' live
 column blocks (below), and its outputs come back to the padded [N, C] layout where the selection
 and the loss run as on the padded batch. Micro-batches stay the same whole groups, so the step's
-loss, gradients and selection masks are the padded step's (float rounding aside).
+loss, gradients and selection masks are the padded step's on the same batch (float rounding aside).
+
+Token-balanced micro-batches (`pack_batch(balance=True)`, what train.py asks for when it
+micro-batches): every micro-batch compiles to the packed-row count R of the fullest one (one shape
+for the scan), so fixed consecutive groups waste the rows the lighter ones leave empty. Whole
+groups are first reordered across micro-batches (`balance_groups`) so each holds a similar number
+of real tokens; the packed step then equals the padded step on that PERMUTED batch. GRPO and ICT
+(per-response top-k, the group reference inside a group) are micro-batch invariant: their loss,
+gradients and masks do not change with the reordering. 20-Entropy and STAPO take their thresholds
+per micro-batch (as verl does), so balancing changes which rows share a threshold, hence their
+selection; that is a different (equally arbitrary) micro-batch composition, not an error.
 
 Compiled shapes: the packed rows of a micro-batch are [R, W], W one per (prompt, completion)
 bucket pair as for the padded batch (`train_step.trim_batch`); R (the most rows any micro-batch
@@ -66,6 +76,29 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
   return where, offset, used
 
 
+def balance_groups(prompt_mask, completion_mask, *, group_size: int, micro_batch_size: int) -> np.ndarray:
+  """A permutation of the batch's rows [N] that moves whole groups of `group_size` rows so each
+  micro-batch (`micro_batch_size` rows) holds about as many real tokens (prompt + completion) as
+  the others, as verl's dynamic batch size balances its micro-batches: groups largest first, each
+  to the micro-batch with the fewest tokens so far that still has room (mb / G groups each). The
+  micro-batches' token counts then differ by at most the largest group's. Groups keep their order
+  within a micro-batch; deterministic (ties go to the lower index)."""
+  lengths = np.asarray(prompt_mask).astype(bool).sum(1) + np.asarray(completion_mask).astype(bool).sum(1)
+  n, g = len(lengths), group_size
+  mb = micro_batch_size or n
+  if n % mb or mb % g:
+    raise ValueError(f"packing: micro-batch {mb} must divide the batch ({n} rows) and hold whole groups of {g}")
+  tokens = lengths.reshape(n // g, g).sum(1)
+  load, held = np.zeros(n // mb, np.int64), np.zeros(n // mb, np.int64)
+  home = np.zeros(n // g, np.int64)  # each group's micro-batch
+  for grp in np.argsort(-tokens, kind="stable"):
+    room = np.flatnonzero(held < mb // g)
+    m = room[np.argmin(load[room])]
+    home[grp], load[m], held[m] = m, load[m] + tokens[grp], held[m] + 1
+  groups = np.argsort(home, kind="stable")  # micro-batch by micro-batch
+  return (groups[:, None] * g + np.arange(g)).reshape(-1)
+
+
 def pack_plan(prompt_mask, completion_mask, *, token_budget: int, micro_batch_size: int = 0, multiple: int = 1):
   """(bin [N], offset [N], packed rows R per micro-batch) for the sequences of a batch.
 
@@ -96,6 +129,7 @@ def pack_batch(
     block: int = HEAD_BLOCK,
     micro_batch_size: int = 0,
     multiple: int = 1,
+    balance: bool = False,
 ) -> dict:
   """`batch` (a trimmed padded batch [N, P] / [N, C]) with the packed step's input added
   (PACKED_KEYS); micro-batch m (rows m*mb .. m*mb + mb - 1, whole groups) owns the m-th equal
@@ -111,7 +145,16 @@ def pack_batch(
   [R * W] decoder states, the position that predicts the token (padded position P - 1 + j; a
   column that predicts nothing real points at its sequence's first token); head_ids, head_mask:
   the completion's ids and mask there. Back to [N, C]: unhead_index, into the micro-batch's
-  flattened [mb * C2] head outputs (mb * C2, out of range, where the whole group is padding)."""
+  flattened [mb * C2] head outputs (mb * C2, out of range, where the whole group is padding).
+
+  balance: first reorder whole groups by `balance_groups` (every per-row array of `batch`), so
+  micro-batches hold similar token counts and R, the fullest one's rows, comes down. The result
+  is then the permuted batch, packed: row i is the input's row perm[i]."""
+  if balance and micro_batch_size and micro_batch_size < len(batch["completion_mask"]):
+    perm = balance_groups(
+        batch["prompt_mask"], batch["completion_mask"], group_size=group_size, micro_batch_size=micro_batch_size
+    )
+    batch = {k: np.asarray(v)[perm] for k, v in batch.items()}
   pmask = np.asarray(batch["prompt_mask"]).astype(bool)
   cmask = np.asarray(batch["completion_mask"]).astype(bool)
   cids = np.asarray(batch["completion_ids"])

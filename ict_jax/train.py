@@ -114,6 +114,16 @@ def _profiler(action, *args) -> bool:
     return False
 
 
+def executed_positions(batch: dict) -> int:
+  """Decoder positions the update runs a pass: the packed rows x their width when the batch is
+  packed (`packing.pack_batch`), else every padded row x (prompt + completion width)."""
+  if "packed_ids" in batch:
+    return int(np.prod(np.shape(batch["packed_ids"])))
+  return int(
+      np.shape(batch["completion_ids"])[0] * (np.shape(batch["prompt_ids"])[1] + np.shape(batch["completion_ids"])[1])
+  )
+
+
 def fetch_metrics(metrics: dict) -> dict[str, float]:
   """A step's metrics (replicated device scalars, or host numbers) as floats, in one
   device-to-host transfer: one `jax.device_get` of them all, not a blocking read each."""
@@ -406,15 +416,8 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
         # the real length, bucketed (few compiled shapes); the longest completion comes from the
         # gathered lengths, so no host reads the other hosts' rows of the mask
         batch = ts.trim_batch(roll.batch(), completion_len=roll.stats["max_response_len"])
-        if cfg.train.token_budget:  # the decoder on packed rows: every host plans the whole batch
-          batch = packing.pack_batch(
-              {k: host_array(v) for k, v in batch.items()},
-              token_budget=cfg.train.token_budget,
-              group_size=cfg.rollout.group_size,
-              micro_batch_size=cfg.train.micro_batch_size,
-              multiple=mesh.shape["data"] * mesh.shape["fsdp"],
-          )
-        tokens = None  # per-token statistics of the logged samples, at checkpoint steps
+        tokens = None  # per-token statistics of the logged samples, at checkpoint steps: taken
+        # before packing, whose group balancing reorders the rows (roll.rows, the golds, rewards)
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
           tokens = tv.records(
               step + 1,
@@ -424,6 +427,15 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
               roll.rewards,
               batch["advantages"],
               dense_warmup=cfg.ict.method == "ict" and step < cfg.ict.warmup_steps,
+          )
+        if cfg.train.token_budget:  # the decoder on packed rows: every host plans the whole batch
+          batch = packing.pack_batch(
+              {k: host_array(v) for k, v in batch.items()},
+              token_budget=cfg.train.token_budget,
+              group_size=cfg.rollout.group_size,
+              micro_batch_size=cfg.train.micro_batch_size,
+              multiple=mesh.shape["data"] * mesh.shape["fsdp"],
+              balance=True,  # whole groups reordered: batch row i is no longer roll row i
           )
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only
@@ -451,8 +463,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
             "learning_rate": lr,
             **throughput.step_metrics(
                 lengths=roll.prompt_mask.sum(axis=1) + roll.completion_lengths,  # real tokens a row
-                executed=batch["completion_ids"].shape[0]
-                * (batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]),
+                executed=executed_positions(batch),
                 passes=cfg.train.num_iterations,
                 step_s=step_s,
                 tokens=roll.stats["completion_tokens"],

@@ -82,6 +82,7 @@ def mesh_and_state():
   return mesh, state_sharding, state, opt
 
 
+@functools.cache  # one compile a (method, micro-batch) for the tests that share it
 def compiled_step(method, mb):
   mesh, state_sharding, _, opt = mesh_and_state()
   jit = jax.jit
@@ -124,6 +125,55 @@ def test_packed_step_equals_padded_step(method, mb):
     np.testing.assert_allclose(
         np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max(), err_msg=jax.tree_util.keystr(path)
     )
+
+
+def test_balanced_step_equals_padded_step_on_the_permuted_batch():
+  """Token-balanced micro-batches (`balance=True`) on a batch whose consecutive micro-batches hold
+  135 and 99 tokens: whole groups reordered to 107 and 127 tokens (here back to `make_batch()`'s
+  order), and the packed step equals the padded step on that reordered batch; 20-Entropy, whose
+  thresholds are per micro-batch, so the composition matters."""
+  _, _, state, _ = mesh_and_state()
+  want_batch = make_batch()
+  order = np.concatenate([np.arange(G) + g * G for g in (0, 2, 1, 3)])
+  tokens = lambda b: (b["prompt_mask"].sum(1) + b["completion_mask"].sum(1)).reshape(2, -1).sum(1).tolist()
+  shuffled = {k: v[order] for k, v in want_batch.items()}
+  assert tokens(shuffled) == [135, 99] and tokens(want_batch) == [107, 127]
+  rows = MESH_SHAPE[0] * MESH_SHAPE[1]
+  pk = packing.pack_batch(
+      shuffled, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=2 * G, multiple=rows, balance=True
+  )
+  for k, v in want_batch.items():
+    np.testing.assert_array_equal(pk[k], v, err_msg=k)
+  step = compiled_step("entropy", 2 * G)
+  want_state, want_m, _ = step(state, want_batch)
+  got_state, got_m, _ = step(state, pk)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  mu = lambda s: jax.tree.leaves(optax.tree_utils.tree_get(s.opt_state, "mu"))
+  for a, b in zip(mu(got_state), mu(want_state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_balance_groups_moves_whole_groups_and_evens_tokens():
+  """`balance_groups`: a permutation of whole groups, mb / G groups a micro-batch, whose
+  micro-batches' real tokens differ by at most the largest group's; a hand-solved case."""
+  g, mb = 8, 64
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    n = mb * int(rng.integers(1, 5))
+    pmask = np.arange(40)[None] >= 40 - rng.integers(1, 41, n)[:, None]
+    cmask = np.arange(300)[None] < np.minimum(rng.lognormal(4, 1.2, n).astype(int) + 1, 300)[:, None]
+    perm = packing.balance_groups(pmask, cmask, group_size=g, micro_batch_size=mb)
+    assert sorted(perm.tolist()) == list(range(n))
+    groups = perm.reshape(-1, g)
+    np.testing.assert_array_equal(groups, groups[:, :1] + np.arange(g))  # whole groups, rows in order
+    per_group = (pmask.sum(1) + cmask.sum(1)).reshape(-1, g).sum(1)
+    load = per_group[groups[:, 0] // g].reshape(n // mb, -1).sum(1)
+    assert load.max() - load.min() <= per_group.max(), (trial, load)
+  # groups of 10, 10, 1, 1 tokens in micro-batches of two groups: {10, 1} and {10, 1}
+  cmask = np.repeat(np.array([10, 10, 1, 1]), 2)[:, None] > np.arange(10)[None]
+  perm = packing.balance_groups(np.zeros((8, 1)), cmask, group_size=2, micro_batch_size=4)
+  np.testing.assert_array_equal(perm, [0, 1, 4, 5, 2, 3, 6, 7])
 
 
 def test_packed_selection_masks_equal_padded():
