@@ -268,9 +268,12 @@ class Qwen2(nnx.Module):
       self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False, prefix=None
   ):
     """x [B, T, D] through the L layers by `jax.lax.scan` over the stacked parameters -> (x [B, T, D],
-    new cache or None). Decoding reads before it writes: the stacked cache [L, B, K, S, H] is the
-    scan's xs (each layer reads its own old [B, K, S, H] slice, as it reads its weights, and XLA
-    reads it inside the consuming dot), the T new keys/values come out as the scan's ys
+    new cache or None). Decoding reads before it writes: each layer reads its own old slots of the
+    stacked cache [L, B, K, S, H] by one `dynamic_slice` [layer, :, :, :s] (s: the slots the mask
+    reads, `hidden_states`' cache_read_len), which XLA reads inside the consuming dot; the cache as
+    the scan's xs, sliced [:s] inside the layer, made XLA materialise every layer's whole S slots
+    before the slice (a copy of the cache a step in every bounded decode phase); sliced [:, :, :, :s]
+    before the scan, a copy of the s slots. The T new keys/values come out as the scan's ys
     [L, B, K, T, H] and are written after the scan by ONE `dynamic_update_slice` at cache_index
     (in place on the decode loop's carry). A layer that wrote into the stacked cache and then read
     its slice back made XLA copy every layer's [B, K, S, H] every step. Prefill (an empty cache)
@@ -302,11 +305,16 @@ class Qwen2(nnx.Module):
       index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
       return jax.lax.scan(prefill_layer, (x, cache), (state, index))[0]
 
+    s = mask[-2].shape[-1]  # the old slots' biases: the slots read
+
     def cached_layer(x, xs):  # a shared prefix [L, U, K, P, H] is read like the cache, never written
-      layer_state, old, pre = xs
+      layer_state, index, pre = xs
+      read = lambda c: jax.lax.dynamic_slice(c, (index, zero, zero, zero, zero), (1, *c.shape[1:3], s, c.shape[4]))
+      old = LayerCache(read(cache.k)[0], read(cache.v)[0])  # this layer's [B, K, s, H]
       return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old, False, pre)
 
-    x, new = jax.lax.scan(cached_layer, x, (state, cache, prefix))
+    index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+    x, new = jax.lax.scan(cached_layer, x, (state, index, prefix))
     # the write must follow every read of the old cache; the last layer's new keys/values do not
     # depend on its attention (the reads), x does: without this order XLA copies the whole cache
     x, new = jax.lax.optimization_barrier((x, new))
