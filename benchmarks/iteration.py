@@ -111,6 +111,13 @@ class _WordTokenizerAdapter:
   def decode_batch(self, rows, skip_special_tokens: bool = False) -> list[str]:
     return self._tok.decode_batch([[int(i) for i in r] for r in rows], skip_special_tokens=skip_special_tokens)
 
+  def decode_pieces(self, ids) -> list[str]:
+    """Each token's text (the rollout's answer positions): the word-level decoder joins words with
+    one space, so every piece but the last carries its trailing space and the pieces join to
+    `decode(ids)`."""
+    words = [self._tok.id_to_token(int(i)) or "" for i in ids]
+    return [w + " " for w in words[:-1]] + words[-1:]
+
 
 def _summary(times: list[float], warmup: int, tokens: int) -> dict:
   steady = times[warmup:]
