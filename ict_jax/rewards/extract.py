@@ -53,15 +53,22 @@ def boxed_spans(text: str) -> list[tuple[int, int, int]]:
   return spans
 
 
-def answer_end(text: str) -> int | None:
-  """Index just past the final box, the one ``extract_boxed`` reads (its closing brace, or the
-  end of a ``\\boxed 5`` token); ``None`` when there is no closed box."""
+def _last_box(text) -> tuple[int, int] | None:
+  """(content_start, content_end) of the box that starts last, the one the answer is read from;
+  None when ``text`` is not a string or holds no closed box."""
   if not isinstance(text, str) or "\\" not in text:
     return None
   spans = boxed_spans(text)
-  if not spans:
+  return spans[-1][1:] if spans else None
+
+
+def answer_end(text: str) -> int | None:
+  """Index just past the final box, the one ``extract_boxed`` reads (its closing brace, or the
+  end of a ``\\boxed 5`` token); ``None`` when there is no closed box."""
+  last = _last_box(text)
+  if last is None:
     return None
-  _, lo, hi = spans[-1]
+  lo, hi = last
   return hi + 1 if text[lo - 1] == "{" else hi
 
 
@@ -71,10 +78,5 @@ def extract_boxed(text: str) -> str | None:
   ``\\boxed{a} then \\boxed{b}`` gives ``"b"``; nested boxes give the innermost one; a box whose
   brace never closes is skipped in favour of the previous closed one; ``\\boxed{}`` gives ``""``.
   """
-  if not isinstance(text, str) or "\\" not in text:
-    return None
-  spans = boxed_spans(text)
-  if not spans:
-    return None
-  _, lo, hi = spans[-1]
-  return text[lo:hi].strip()
+  last = _last_box(text)
+  return None if last is None else text[last[0] : last[1]].strip()
