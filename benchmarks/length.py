@@ -22,8 +22,12 @@ min(token budget, padded width) tokens):
       the groups' live 128-column blocks) over the real tokens' (the decoder on each sequence at
       its own length, the head on its completion tokens);
       `decoder_executed_over_real_flops` is the decoder's share of that count alone.
+      "packed_tokens": micro-batches formed by tokens (`train.micro_batch_tokens` =
+      `--paper_micro_tokens`, default 32 rows of 2560 tokens: 4 a device on 8), as many whole
+      groups a micro-batch as fit (`packing.token_micro_batches`), instead of a fixed row count.
   cpu_step_s  the mean over `--dist_timed` batches of the median step time of the model above on
-      `--dist_rows` rows of the same distribution with every length divided by `--dist_scale`.
+      `--dist_rows` rows of the same distribution with every length divided by `--dist_scale`
+      ("packed_tokens": micro-batches of `--dist_micro_rows` packed rows).
 Prints one JSON object.
 
     python benchmarks/length.py [--max_new 512] [--lengths 16,64,256,512] [--repeats 3]
@@ -70,6 +74,13 @@ def parse_args(argv=None):
   ap.add_argument("--flop_batches", type=int, default=20, help="paper-shape batches counted a distribution")
   ap.add_argument("--paper_micro_batch", type=int, default=0, help="rows a micro-batch (0: all 1024)")
   ap.add_argument("--paper_devices", type=int, default=8, help="data x fsdp: packed rows a multiple of it")
+  ap.add_argument(
+      "--paper_micro_tokens",
+      type=int,
+      default=32 * 2560,
+      help="tokens a micro-batch of `packed_tokens` (0: not counted)",
+  )
+  ap.add_argument("--dist_micro_rows", type=int, default=4, help="packed rows a timed token-budget micro-batch")
   ap.add_argument("--dist_rows", type=int, default=64, help="rows of a timed batch (a multiple of 8)")
   ap.add_argument("--dist_scale", type=int, default=16, help="timed lengths are the paper's / this")
   ap.add_argument("--dist_timed", type=int, default=2, help="timed batches a distribution")
@@ -131,8 +142,9 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
   of the paper's shapes (Qwen2.5-1.5B)."""
   cfg, rng = PRESETS["qwen2_5_1_5b"], np.random.default_rng(seed)
   budget = PAPER["max_prompt"] + PAPER["max_new"]
-  sums = {k: np.zeros(4) for k in ("padded", "packed")}
-  shapes = {"padded": set(), "packed": set()}
+  variants = ("padded", "packed") + (("packed_tokens",) if args.paper_micro_tokens else ())
+  sums = {k: np.zeros(4) for k in variants}
+  shapes = {k: set() for k in variants}
   for _ in range(args.flop_batches):
     p_len, c_len = sample_lengths(rng, capped, PAPER["prompts"])
     full = length_batch(rng, p_len, c_len, PAPER["max_prompt"], PAPER["max_new"], 2)
@@ -150,6 +162,19 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
     sums["packed"] += update_flops(cfg, packed)
     shapes["padded"].add(padded["completion_ids"].shape + padded["prompt_ids"].shape)
     shapes["packed"].add(packed["packed_ids"].shape + packed["head_ids"].shape)
+    if args.paper_micro_tokens:  # micro-batches formed by tokens (train.micro_batch_tokens)
+      by_tokens = packing.pack_batch(
+          padded,
+          token_budget=budget,
+          group_size=G,
+          block=BLOCK,
+          multiple=args.paper_devices,
+          micro_batch_tokens=args.paper_micro_tokens,
+      )
+      sums["packed_tokens"] += update_flops(cfg, by_tokens)
+      shapes["packed_tokens"].add(
+          by_tokens["packed_ids"].shape + by_tokens["head_ids"].shape + (by_tokens[packing.MICRO_BATCH_ROWS],)
+      )
   return dict(
       executed_over_real_flops={k: round(v[0] / v[1], 3) for k, v in sums.items()},
       decoder_executed_over_real_flops={k: round(v[2] / v[3], 3) for k, v in sums.items()},
@@ -230,7 +255,7 @@ def main(argv=None) -> dict:
   max_prompt, max_new = PAPER["max_prompt"] // args.dist_scale, PAPER["max_new"] // args.dist_scale
   for seed, (name, capped) in enumerate(DISTRIBUTIONS.items()):
     rng = np.random.default_rng(100 + seed)
-    times = {"padded": [], "packed": []}
+    times = {"padded": [], "packed": [], "packed_tokens": []}
     for _ in range(args.dist_timed):
       p_len, c_len = sample_lengths(rng, capped, args.dist_rows // G, args.dist_scale)
       padded = ts.trim_batch(length_batch(rng, p_len, c_len, max_prompt, max_new, args.vocab))
@@ -239,6 +264,14 @@ def main(argv=None) -> dict:
           padded, token_budget=max_prompt + max_new, group_size=G, block=max(BLOCK // args.dist_scale, 8)
       )
       times["packed"].append(step_s(packed))
+      by_tokens = packing.pack_batch(
+          padded,
+          token_budget=max_prompt + max_new,
+          group_size=G,
+          block=max(BLOCK // args.dist_scale, 8),
+          micro_batch_tokens=args.dist_micro_rows * (max_prompt + max_new),
+      )
+      times["packed_tokens"].append(step_s(by_tokens))
     distributions[name] = dict(
         **flop_ratios(args, capped, seed),
         cpu_step_s={k: round(float(np.mean(v)), 4) for k, v in times.items()},

@@ -136,6 +136,8 @@ class TrainConfig:
   micro_batch_size: int = 0  # sequences per micro-batch (0: the whole batch)
   token_budget: int = 0  # > 0: the decoder runs on packed rows of this many tokens (ict_jax/packing.py;
   # at least data.max_prompt_len + rollout.max_new_tokens); 0: on the padded rows
+  micro_batch_tokens: int = 0  # > 0 (with token_budget): micro-batches formed by decoder tokens, not
+  # rows (verl's dynamic batch size): each this many tokens of packed rows, as many whole groups as fit
   seed: int = 0
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
@@ -209,6 +211,7 @@ _NON_NEGATIVE = (
     "ict.warmup_steps",
     "train.micro_batch_size",
     "train.token_budget",
+    "train.micro_batch_tokens",
     "train.eval_every",
     "warm_start.sft_steps",
     "optim.warmup_steps",
@@ -391,6 +394,21 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
     )
   if budget:
     check_packing_attention(cfg.model.attention)
+  per_micro = cfg.train.micro_batch_tokens
+  if per_micro and not budget:
+    raise ConfigError(
+        "config.train.micro_batch_tokens: token-budget micro-batches need packed rows; set train.token_budget"
+    )
+  if per_micro and per_micro < budget:
+    raise ConfigError(
+        f"config.train.micro_batch_tokens: {per_micro} tokens is less than one packed row "
+        f"(train.token_budget = {budget}); use >= {budget}, or 0 for micro-batches of train.micro_batch_size rows"
+    )
+  if per_micro and cfg.train.micro_batch_size:
+    raise ConfigError(
+        f"config.train.micro_batch_tokens: micro-batches are formed by tokens, so train.micro_batch_size "
+        f"({cfg.train.micro_batch_size}) must be 0"
+    )
   if cfg.model.param_dtype != "float32":
     # Adam moments, gradient sums and the weights the updates land on follow the parameters'
     # dtype. In bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at

@@ -181,6 +181,7 @@ def policy_loss_terms(
     loss_type: str = "dapo",
     token_mask: jax.Array | None = None,
     max_completion_length: int | None = None,
+    num_rows: jax.Array | None = None,
 ) -> LossTerms:
   """Clipped-surrogate loss as additive (numerator, denominator, metrics).
 
@@ -197,6 +198,8 @@ def policy_loss_terms(
     loss_type: one of LOSS_TYPES (static).
     token_mask: [B, T] optional selection (bool or 0/1); M = mask * token_mask.
     max_completion_length: T used by "dr_grpo" (static); default mask.shape[1].
+    num_rows: the completions among the B rows (default B): a token-budget micro-batch's empty
+      row slots (`packing.SOURCE_ROW` -1, all-zero masks) count in no per-sequence denominator.
 
   Per token: ratio = exp(logp - old_logp);
     L = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A) + beta*k3,
@@ -239,6 +242,8 @@ def policy_loss_terms(
     k3 = jnp.zeros_like(per_token)
 
   numerator, denominator = kind.reduce(per_token * m, m, length)
+  if num_rows is not None and kind.reduce is not _token_mean:  # B counted by the per-row types
+    denominator = denominator / logp.shape[0] * jnp.asarray(num_rows, denominator.dtype)  # exact
 
   sg_ratio = jax.lax.stop_gradient(ratio)
   low = ((sg_ratio < 1.0 - epsilon_low) & (adv < 0)).astype(dtype)

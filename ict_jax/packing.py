@@ -31,6 +31,17 @@ width C2 (below) is HEAD_BLOCK = 64 columns times a count bucketed alike. So a s
 most (padded step's shapes) x (R values) x (C2 values) shapes; on the reasoning-like lengths of
 `benchmarks/length.py` 20 batches of 1024 rows met 3-6 (R, C2) pairs where the padded step met 1.
 
+Token-budget micro-batches (`pack_batch(micro_batch_tokens=T)`, `config.train.micro_batch_tokens`):
+with few rows a device, a fixed row count wastes whole packed rows (a 64-row micro-batch of the
+paper's lengths needs ~17 rows of 2560 tokens, 24 on 8 devices, 32 on 16). Instead each
+micro-batch gets R = T / W packed rows (a multiple of the devices, at least a group's) and as many
+whole groups as fit (`token_micro_batches`: first fit decreasing, then dealt evenly over that many
+micro-batches), verl's dynamic batch size. Its groups' rows take mb row slots (mb = G x the most
+groups a micro-batch holds, bucketed like R), the empty slots after them zero (SOURCE_ROW -1; they
+count in no loss denominator); the step takes mb from the batch (MICRO_BATCH_ROWS, a static
+argument). The micro-batch count M varies with the lengths: compiled shapes per (W, M, mb, C2);
+on `benchmarks/length.py`'s distributions 20 batches of 1024 rows met 2-6 of them.
+
 The plan reads the masks on the host (numpy), outside jit: one process's whole batch (a
 single-process run).
 """
@@ -48,6 +59,8 @@ PACKED_KEYS = (
     "head_mask",
     "unhead_index",
 )
+MICRO_BATCH_ROWS = "micro_batch_rows"  # a Python int: the step's rows a micro-batch (static)
+SOURCE_ROW = "source_row"  # [N] int32, token-budget micro-batches: each slot's input row, -1 empty
 STEPS_PER_OCTAVE = 16
 HEAD_BLOCK = 64  # completion columns of a group a block of the LM head's input holds
 
@@ -121,6 +134,79 @@ def pack_plan(prompt_mask, completion_mask, *, token_budget: int, micro_batch_si
   return where, offset, packed_rows_bucket(most, multiple)
 
 
+def _first_fit(room: np.ndarray, members: np.ndarray, lengths: np.ndarray, width: int):
+  """Each of `members` (longest first) into the first row of `room` (free tokens a row) it fits;
+  -> [(member, row, offset)], `room` updated in place, or None (room untouched) when one does not."""
+  trial, placed = room.copy(), []
+  for i in members:
+    fits = np.flatnonzero(trial >= lengths[i])
+    if not fits.size:
+      return None
+    placed.append((i, fits[0], width - trial[fits[0]]))
+    trial[fits[0]] -= lengths[i]
+  room[:] = trial
+  return placed
+
+
+def _assign_groups(lengths: np.ndarray, g: int, width: int, rows: int, opened: int):
+  """Groups (most tokens first) into micro-batches of `rows` rows of `width`: with `opened` = 0,
+  each into the first that takes it (first fit); with `opened` = M micro-batches open from the
+  start, each into the least loaded one that takes it (even micro-batches), a new one only when
+  none does. -> (micro [N], where [N], offset [N], micro-batches used)."""
+  tokens = lengths.reshape(-1, g).sum(1)
+  free = [np.full(rows, width, np.int64) for _ in range(opened)]  # per micro-batch: each row's free tokens
+  load = [0] * opened
+  micro, where, offset = (np.zeros(len(lengths), np.int64) for _ in range(3))
+  for grp in np.argsort(-tokens, kind="stable"):
+    members = grp * g + np.argsort(-lengths[grp * g : grp * g + g], kind="stable")
+    order = np.argsort(load, kind="stable") if opened else range(len(free))
+    placed = None
+    for m in order:
+      placed = _first_fit(free[m], members, lengths, width)
+      if placed is not None:
+        break
+    if placed is None:  # a new micro-batch
+      m = len(free)
+      free.append(np.full(rows, width, np.int64))
+      load.append(0)
+      placed = _first_fit(free[m], members, lengths, width)
+    if placed is None:
+      raise ValueError(
+          f"packing: a group of {g} sequences ({int(tokens[grp])} tokens, the longest "
+          f"{int(lengths[members[0]])}) does not fit a micro-batch of {rows} rows of {width} tokens"
+      )
+    load[m] += int(tokens[grp])
+    for i, b, off in placed:
+      micro[i], where[i], offset[i] = m, b, off
+  used = np.unique(micro)
+  return np.searchsorted(used, micro), where, offset, len(used)
+
+
+def token_micro_batches(
+    lengths, *, group_size: int, width: int, rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Whole groups into micro-batches of `rows` packed rows of `width` tokens each, as many groups
+  a micro-batch as fit (verl's dynamic batch size: a token budget, not a row count). First fit
+  decreasing (groups with the most tokens first, each group's sequences longest first into the
+  first row with room) gives the count M; the groups are then dealt again, each to the least
+  loaded of M micro-batches that takes it, so micro-batches hold similar tokens and groups (the
+  LM head's and the [rows, C] arrays' width follow the fullest one); kept unless it needs more
+  than M. -> (micro-batch [N] in 0 .. M - 1, packed row in it [N], offset in that row [N]).
+  Raises ValueError when one group does not fit an empty micro-batch."""
+  lengths = np.asarray(lengths, np.int64)
+  *first, m = _assign_groups(lengths, group_size, width, rows, 0)
+  *even, m_even = _assign_groups(lengths, group_size, width, rows, m)
+  return tuple(even) if m_even == m else tuple(first)
+
+
+def micro_batch_tokens_rows(micro_batch_tokens: int, width: int, group_size: int, multiple: int = 1) -> int:
+  """Packed rows R of a token-budget micro-batch: the most rows of `width` tokens within
+  `micro_batch_tokens`, a multiple of `multiple` (the mesh's data x fsdp), and at least enough
+  rows for a group of full-width sequences."""
+  least = -(-group_size // multiple) * multiple
+  return max(micro_batch_tokens // width // multiple * multiple, least)
+
+
 def pack_batch(
     batch: dict,
     *,
@@ -130,6 +216,7 @@ def pack_batch(
     micro_batch_size: int = 0,
     multiple: int = 1,
     balance: bool = False,
+    micro_batch_tokens: int = 0,
 ) -> dict:
   """`batch` (a trimmed padded batch [N, P] / [N, C]) with the packed step's input added
   (PACKED_KEYS); micro-batch m (rows m*mb .. m*mb + mb - 1, whole groups) owns the m-th equal
@@ -150,11 +237,60 @@ def pack_batch(
   balance: first reorder whole groups by `balance_groups` (every per-row array of `batch`), so
   micro-batches hold similar token counts and R, the fullest one's rows, comes down. The result
   is then the permuted batch, packed: row i is the input's row perm[i]."""
+  if micro_batch_tokens:
+    return _pack(*_token_layout(batch, token_budget, group_size, micro_batch_tokens, multiple), group_size, block)
   if balance and micro_batch_size and micro_batch_size < len(batch["completion_mask"]):
     perm = balance_groups(
         batch["prompt_mask"], batch["completion_mask"], group_size=group_size, micro_batch_size=micro_batch_size
     )
     batch = {k: np.asarray(v)[perm] for k, v in batch.items()}
+  n, (p, c) = len(batch["completion_mask"]), (np.shape(batch["prompt_mask"])[1], np.shape(batch["completion_mask"])[1])
+  mb, g = micro_batch_size or n, group_size
+  if n % mb or mb % g:
+    raise ValueError(f"packing: micro-batch {mb} must divide the batch ({n} rows) and hold whole groups of {g}")
+  width = min(token_budget, p + c)
+  plan = pack_plan(
+      batch["prompt_mask"], batch["completion_mask"], token_budget=width, micro_batch_size=mb, multiple=multiple
+  )
+  return _pack(batch, width, mb, *plan, group_size, block)
+
+
+def _token_layout(batch: dict, token_budget: int, group_size: int, micro_batch_tokens: int, multiple: int):
+  """`pack_batch(micro_batch_tokens=T)`'s layout: M micro-batches of R = `micro_batch_tokens_rows`
+  packed rows (`token_micro_batches`), each micro-batch's groups in mb row slots (its groups'
+  rows, then empty rows: zero masks, ids and advantages; SOURCE_ROW: the input row, -1 empty), mb = G x the most groups
+  a micro-batch holds, a multiple of lcm(G, multiple), bucketed like R. -> (batch laid out
+  [M * mb], W, mb, where [M * mb], offset [M * mb], R)."""
+  pmask, cmask = np.asarray(batch["prompt_mask"]) != 0, np.asarray(batch["completion_mask"]) != 0
+  n, g = len(cmask), group_size
+  width = min(token_budget, pmask.shape[1] + cmask.shape[1])
+  rows = micro_batch_tokens_rows(micro_batch_tokens, width, g, multiple)
+  micro, where, offset = token_micro_batches(pmask.sum(1) + cmask.sum(1), group_size=g, width=width, rows=rows)
+  per_micro = np.bincount(micro[::g], minlength=int(micro.max(initial=0)) + 1)  # groups a micro-batch
+  unit = np.lcm(g, multiple)
+  mb = packed_rows_bucket(int(per_micro.max()) * g, unit)
+  src = np.full(len(per_micro) * mb, -1, np.int64)  # each slot's batch row, -1: empty
+  for m in range(len(per_micro)):
+    groups = np.flatnonzero(micro[::g] == m)
+    members = (groups[:, None] * g + np.arange(g)).reshape(-1)
+    src[m * mb : m * mb + len(members)] = members
+  real = src >= 0
+  take = lambda x: np.where(real.reshape(-1, *[1] * (np.ndim(x) - 1)), np.asarray(x)[np.maximum(src, 0)], 0)
+  laid = {k: take(v).astype(np.asarray(v).dtype) for k, v in batch.items()}
+  laid[SOURCE_ROW] = src.astype(np.int32)
+  return (
+      laid,
+      width,
+      mb,
+      np.where(real, where[np.maximum(src, 0)], 0),
+      np.where(real, offset[np.maximum(src, 0)], 0),
+      rows,
+  )
+
+
+def _pack(batch: dict, width: int, mb: int, where, offset, rows: int, group_size: int, block: int) -> dict:
+  """The packed arrays of `batch` (PACKED_KEYS) for micro-batches of `mb` rows, sequence i at
+  packed row `where[i]` of its micro-batch's `rows`, from token `offset[i]` (see `pack_batch`)."""
   pmask = np.asarray(batch["prompt_mask"]).astype(bool)
   cmask = np.asarray(batch["completion_mask"]).astype(bool)
   cids = np.asarray(batch["completion_ids"])
@@ -162,11 +298,7 @@ def pack_batch(
   mask = np.concatenate([pmask, cmask], 1)
   n, p = pmask.shape
   c = cmask.shape[1]
-  mb, g = micro_batch_size or n, group_size
-  if n % mb or mb % g:
-    raise ValueError(f"packing: micro-batch {mb} must divide the batch ({n} rows) and hold whole groups of {g}")
-  width = min(token_budget, p + c)
-  where, offset, rows = pack_plan(pmask, cmask, token_budget=width, micro_batch_size=mb, multiple=multiple)
+  g = group_size
   shape = (n // mb * rows, width)
   row = np.arange(n) // mb * rows + where  # each sequence's packed row, and its start there
   rank = np.cumsum(mask, 1) - 1  # a real position's place in its sequence
@@ -216,6 +348,7 @@ def pack_batch(
       unhead[src, cols] = (stripe * g + np.arange(g)[:, None]) * width_head + at + np.arange(span)[None]
   return {
       **batch,
+      MICRO_BATCH_ROWS: mb,
       "packed_ids": packed_ids,
       "packed_segments": segments,
       "packed_positions": positions,

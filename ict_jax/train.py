@@ -436,6 +436,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
               micro_batch_size=cfg.train.micro_batch_size,
               multiple=mesh.shape["data"] * mesh.shape["fsdp"],
               balance=True,  # whole groups reordered: batch row i is no longer roll row i
+              micro_batch_tokens=cfg.train.micro_batch_tokens,  # > 0: micro-batches by tokens
           )
         t1 = time.perf_counter()
         if preempt.drop_step(None if last_step_s is None else 1.5 * last_step_s):  # one process only

@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax import answer_positions, grpo, lm_head, selection
+from ict_jax import answer_positions, grpo, lm_head, packing, selection
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
 from ict_jax.sampling import bucket_length
@@ -280,6 +280,7 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       loss_type=loss_type,
       token_mask=token_mask,
       max_completion_length=cfg.max_completion_length or None,
+      num_rows=(batch[packing.SOURCE_ROW] >= 0).sum() if packing.SOURCE_ROW in batch else None,
   )
   metrics = dict(terms.metrics)
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"], stats["renyi2"]))
@@ -322,7 +323,7 @@ def make_train_step(
   optionally the packed decoder input of `packing.pack_batch` (made with this micro-batch size):
   then the decoder runs on the packed rows, with the same results."""
 
-  def step_fn(state: TrainState, batch: Batch, ref_params=None):
+  def step_fn(state: TrainState, batch: Batch, ref_params=None, micro_batch_rows=None):
     low = [
         (jax.tree_util.keystr(path), x.dtype)
         for path, x in jax.tree_util.tree_leaves_with_path(state.params)
@@ -334,7 +335,7 @@ def make_train_step(
           f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)"
       )
     n = batch["completion_ids"].shape[0]
-    mb = cfg.micro_batch_size or n
+    mb = micro_batch_rows or cfg.micro_batch_size or n  # a token-budget batch names its own
     if n % mb or mb % cfg.group_size:
       raise ValueError(
           f"micro_batch_size {mb} must divide the batch ({n} rows) and be a " f"multiple of group_size {cfg.group_size}"
@@ -391,18 +392,20 @@ def make_train_step(
     repl = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P(("data", "fsdp")))
     kwargs = dict(in_shardings=(state_sharding, rows, None), out_shardings=(state_sharding, repl, rows))
-  jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else (), **kwargs)
-  if mesh is None:
-    return jitted
-
-  rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+  jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else (), static_argnums=(3,), **kwargs)
+  rows_sharding = None if mesh is None else NamedSharding(mesh, P(("data", "fsdp")))
 
   def run(state, batch, ref_params=None):
+    batch = dict(batch)
+    micro_batch_rows = batch.pop(packing.MICRO_BATCH_ROWS, None)  # a packed batch's (a Python int)
+    if mesh is None:
+      return jitted(state, batch, ref_params, micro_batch_rows)
     batch = {k: put_global(v, rows_sharding) for k, v in batch.items()}  # multi-host: global arrays
     with jax.set_mesh(mesh):
-      return jitted(state, batch, ref_params)
+      return jitted(state, batch, ref_params, micro_batch_rows)
 
-  run.jitted = jitted
+  # the jitted step itself: AOT lowering, cost analysis, its cache of compiled shapes
+  run.jitted, run.lower, run._cache_size = jitted, jitted.lower, jitted._cache_size
   return run
 
 

@@ -270,18 +270,93 @@ def test_packed_attention_equals_each_sequence_alone():
     attention.attend(q, k, v, attention.PackedSegments(jnp.asarray(seg)), "cudnn")
 
 
+TOKENS = 4 * (PROMPT + C)  # token-budget micro-batches of 4 packed rows of 30 tokens
+
+
+def test_token_micro_batches_hold_whole_groups_in_their_rows():
+  """`token_micro_batches`: every group in one micro-batch, every packed row within its width,
+  sequences never overlapping, and no more micro-batches than first fit decreasing opens; a group
+  that cannot fit one micro-batch is one error."""
+  lengths = make_batch()["prompt_mask"].sum(1) + LENGTHS
+  width, rows = PROMPT + C, packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, G, 4)
+  assert rows == 4 and packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, 8, 4) == 8  # a group fits
+  micro, where, offset = packing.token_micro_batches(lengths, group_size=G, width=width, rows=rows)
+  assert (micro.reshape(-1, G) == micro[::G, None]).all()  # whole groups
+  m = int(micro.max()) + 1
+  # groups of 72, 35, 63 and 64 tokens, micro-batches of 120: no two of the three largest share one
+  assert lengths.reshape(-1, G).sum(1).tolist() == [72, 35, 63, 64] and m == 3
+  used = np.zeros((m, rows, width), int)
+  for i in range(len(lengths)):
+    used[micro[i], where[i], offset[i] : offset[i] + lengths[i]] += 1
+    assert offset[i] + lengths[i] <= width
+  assert used.max() == 1 and used.sum() == lengths.sum()
+  with pytest.raises(ValueError, match="a group of 4 sequences .* does not fit a micro-batch of 1 rows of 30"):
+    packing.token_micro_batches(np.full(8, 20), group_size=G, width=width, rows=1)
+
+
+@functools.cache
+def token_packed():
+  return packing.pack_batch(
+      make_batch(), token_budget=BUDGET, group_size=G, block=8, multiple=4, micro_batch_tokens=TOKENS
+  )
+
+
+def test_token_micro_batch_step_equals_padded_step():
+  """Micro-batches formed by tokens (each 4 packed rows, as many whole groups as fit, empty row
+  slots after them): ICT's step (micro-batch invariant) equals the padded whole-batch step on the
+  input batch, each slot's log-probs its source row's; the empty slots count in no denominator
+  (loss_type grpo: a mean over sequences)."""
+  _, _, state, _ = mesh_and_state()
+  batch = make_batch()
+  pk = token_packed()
+  src, mb = pk[packing.SOURCE_ROW], pk[packing.MICRO_BATCH_ROWS]
+  assert len(src) > N and (src < 0).any() and sorted(src[src >= 0]) == list(range(N))
+  assert pk["packed_ids"].shape == (len(src) // mb * 4, PROMPT + C)
+  step = compiled_step("ict", 2 * G)  # its micro_batch_size is the packed batch's here
+  want_state, want_m, want_logp = step(state, batch)
+  got_state, got_m, got_logp = step(state, pk)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  mask = batch["completion_mask"][src[src >= 0]] > 0
+  got = np.asarray(got_logp)[src >= 0][mask]
+  np.testing.assert_allclose(got, np.asarray(want_logp)[src[src >= 0]][mask], rtol=1e-5, atol=1e-5)
+  mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
+  for a, b in zip(jax.tree.leaves(mu(got_state)), jax.tree.leaves(mu(want_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_token_micro_batch_entropy_step_equals_its_padded_layout():
+  """20-Entropy's threshold is per micro-batch: the token-budget step equals the padded step on
+  the same slots (the packed keys dropped, micro-batches of the packed batch's rows)."""
+  _, _, state, _ = mesh_and_state()
+  pk = token_packed()
+  laid = {k: v for k, v in pk.items() if k not in packing.PACKED_KEYS}  # keeps MICRO_BATCH_ROWS
+  step = compiled_step("entropy", 2 * G)
+  _, want_m, want_logp = step(state, laid)
+  _, got_m, got_logp = step(state, pk)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  mask = pk["completion_mask"] > 0
+  np.testing.assert_allclose(np.asarray(got_logp)[mask], np.asarray(want_logp)[mask], rtol=1e-5, atol=1e-5)
+  assert 0 < float(want_m["selected_frac"]) < 1
+
+
 @pytest.mark.parametrize(
-    "budget,attention,match",
+    "budget,attention,match,tokens,mb",
     [
-        (519, "auto", "config.train.token_budget: 519 tokens .* shorter than one sequence .* = 520"),
-        (4096, "cudnn", "config.train.token_budget: packing needs .* model.attention is 'cudnn'"),
+        (519, "auto", "config.train.token_budget: 519 tokens .* shorter than one sequence .* = 520", 0, 0),
+        (4096, "cudnn", "config.train.token_budget: packing needs .* model.attention is 'cudnn'", 0, 0),
+        (0, "auto", "config.train.micro_batch_tokens: token-budget micro-batches need packed rows", 1024, 0),
+        (520, "auto", "config.train.micro_batch_tokens: 519 tokens is less than one packed row", 519, 0),
+        (520, "auto", r"config.train.micro_batch_tokens: .* train.micro_batch_size \(8\) must be 0", 1040, 8),
     ],
 )
-def test_bad_packing_settings_are_one_config_error(budget, attention, match):
+def test_bad_packing_settings_are_one_config_error(budget, attention, match, tokens, mb):
   c = config_lib.default_config()  # data.max_prompt_len 512 + rollout.max_new_tokens 8
   c.train.token_budget, c.model.attention, c.model.dtype = budget, attention, "bfloat16"
+  c.train.micro_batch_tokens, c.train.micro_batch_size = tokens, mb
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
-  c.train.token_budget = 520
+  c.train.token_budget, c.train.micro_batch_tokens, c.train.micro_batch_size = 520, 1040, 0
   c.model.attention = "splash"
-  assert config_lib.validate(c).train.token_budget == 520
+  assert config_lib.validate(c).train.micro_batch_tokens == 1040
