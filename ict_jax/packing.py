@@ -183,20 +183,29 @@ def _assign_groups(lengths: np.ndarray, g: int, width: int, rows: int, opened: i
 
 
 def token_micro_batches(
-    lengths, *, group_size: int, width: int, rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Whole groups into micro-batches of `rows` packed rows of `width` tokens each, as many groups
-  a micro-batch as fit (verl's dynamic batch size: a token budget, not a row count). First fit
-  decreasing (groups with the most tokens first, each group's sequences longest first into the
-  first row with room) gives the count M; the groups are then dealt again, each to the least
+    lengths, *, group_size: int, width: int, rows: int, multiple: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+  """Whole groups into micro-batches of at most `rows` packed rows of `width` tokens each, as many
+  groups a micro-batch as fit (verl's dynamic batch size: a token budget, not a row count). First
+  fit decreasing (groups with the most tokens first, each group's sequences longest first into
+  the first row with room) gives the count M; the groups are then dealt again, each to the least
   loaded of M micro-batches that takes it, so micro-batches hold similar tokens and groups (the
-  LM head's and the [rows, C] arrays' width follow the fullest one); kept unless it needs more
-  than M. -> (micro-batch [N] in 0 .. M - 1, packed row in it [N], offset in that row [N]).
-  Raises ValueError when one group does not fit an empty micro-batch."""
+  LM head's and the [rows, C] arrays' width follow the fullest one), and the rows a micro-batch
+  shrink by `multiple` while M of them still hold every group (the last micro-batch is not left
+  near empty). -> (micro-batch [N] in 0 .. M - 1, packed row in it [N], offset in that row [N],
+  packed rows R a micro-batch). Raises ValueError when a group does not fit an empty micro-batch."""
   lengths = np.asarray(lengths, np.int64)
-  *first, m = _assign_groups(lengths, group_size, width, rows, 0)
-  *even, m_even = _assign_groups(lengths, group_size, width, rows, m)
-  return tuple(even) if m_even == m else tuple(first)
+  *best, m = _assign_groups(lengths, group_size, width, rows, 0)
+  best, used = tuple(best), rows
+  for r in range(rows, 0, -multiple):
+    try:
+      *even, m_even = _assign_groups(lengths, group_size, width, r, m)
+    except ValueError:  # a group no longer fits one micro-batch
+      break
+    if m_even != m:
+      break
+    best, used = tuple(even), r
+  return (*best, used)
 
 
 def micro_batch_tokens_rows(micro_batch_tokens: int, width: int, group_size: int, multiple: int = 1) -> int:
@@ -265,7 +274,9 @@ def _token_layout(batch: dict, token_budget: int, group_size: int, micro_batch_t
   n, g = len(cmask), group_size
   width = min(token_budget, pmask.shape[1] + cmask.shape[1])
   rows = micro_batch_tokens_rows(micro_batch_tokens, width, g, multiple)
-  micro, where, offset = token_micro_batches(pmask.sum(1) + cmask.sum(1), group_size=g, width=width, rows=rows)
+  micro, where, offset, rows = token_micro_batches(
+      pmask.sum(1) + cmask.sum(1), group_size=g, width=width, rows=rows, multiple=multiple
+  )
   per_micro = np.bincount(micro[::g], minlength=int(micro.max(initial=0)) + 1)  # groups a micro-batch
   unit = np.lcm(g, multiple)
   mb = packed_rows_bucket(int(per_micro.max()) * g, unit)

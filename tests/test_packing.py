@@ -280,7 +280,8 @@ def test_token_micro_batches_hold_whole_groups_in_their_rows():
   lengths = make_batch()["prompt_mask"].sum(1) + LENGTHS
   width, rows = PROMPT + C, packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, G, 4)
   assert rows == 4 and packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, 8, 4) == 8  # a group fits
-  micro, where, offset = packing.token_micro_batches(lengths, group_size=G, width=width, rows=rows)
+  micro, where, offset, rows = packing.token_micro_batches(lengths, group_size=G, width=width, rows=rows, multiple=4)
+  assert rows == 4  # 3 micro-batches of 4 rows each are needed (below)
   assert (micro.reshape(-1, G) == micro[::G, None]).all()  # whole groups
   m = int(micro.max()) + 1
   # groups of 72, 35, 63 and 64 tokens, micro-batches of 120: no two of the three largest share one
@@ -292,6 +293,9 @@ def test_token_micro_batches_hold_whole_groups_in_their_rows():
   assert used.max() == 1 and used.sum() == lengths.sum()
   with pytest.raises(ValueError, match="a group of 4 sequences .* does not fit a micro-batch of 1 rows of 30"):
     packing.token_micro_batches(np.full(8, 20), group_size=G, width=width, rows=1)
+  # 32 sequences of 5 tokens, rows of 30 (6 sequences each), micro-batches of <= 16 rows: one
+  # micro-batch, its rows shrunk by 4 while they hold all 32: 8 (4 hold 24)
+  assert packing.token_micro_batches(np.full(32, 5), group_size=G, width=width, rows=16, multiple=4)[3] == 8
 
 
 @functools.cache
