@@ -394,6 +394,12 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
     )
   if budget:
     check_packing_attention(cfg.model.attention)
+  if budget and cfg.ict.reference == "sequence_mean":
+    raise ConfigError(
+        "config.ict.reference: 'sequence_mean' averages each response over its own positions, and "
+        "the packed LM head (train.token_budget) lays several responses' column blocks side by side "
+        "in one row; use train.token_budget=0 with it, or reference active_mean / others_mean"
+    )
   per_micro = cfg.train.micro_batch_tokens
   if per_micro and not budget:
     raise ConfigError(

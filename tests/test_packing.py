@@ -353,14 +353,17 @@ def test_token_micro_batch_entropy_step_equals_its_padded_layout():
         (0, "auto", "config.train.micro_batch_tokens: token-budget micro-batches need packed rows", 1024, 0),
         (520, "auto", "config.train.micro_batch_tokens: 519 tokens is less than one packed row", 519, 0),
         (520, "auto", r"config.train.micro_batch_tokens: .* train.micro_batch_size \(8\) must be 0", 1040, 8),
+        (520, "sequence_mean", "config.ict.reference: 'sequence_mean' .* packed LM head", 0, 0),
     ],
 )
 def test_bad_packing_settings_are_one_config_error(budget, attention, match, tokens, mb):
   c = config_lib.default_config()  # data.max_prompt_len 512 + rollout.max_new_tokens 8
   c.train.token_budget, c.model.attention, c.model.dtype = budget, attention, "bfloat16"
+  if attention == "sequence_mean":  # not an attention: the ICT reference packing cannot take
+    c.model.attention, c.ict.reference = "auto", attention
   c.train.micro_batch_tokens, c.train.micro_batch_size = tokens, mb
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
   c.train.token_budget, c.train.micro_batch_tokens, c.train.micro_batch_size = 520, 1040, 0
-  c.model.attention = "splash"
+  c.model.attention, c.ict.reference = "splash", "active_mean"
   assert config_lib.validate(c).train.micro_batch_tokens == 1040
