@@ -111,16 +111,19 @@ def _forward(
     reference="active_mean",
     kl=False,
     kernels="portable",
+    segments=None,
 ):
   n, c = ids.shape
   n_chunks, k = _split(c, chunk_size)
   xs = (_chunked(h, n_chunks, k), _chunked(ids, n_chunks, k), _chunked(mask, n_chunks, k))
+  if segments is not None:  # the packed head's pieces (`packing`): the group reference per piece
+    xs += (_chunked(segments, n_chunks, k),)
   seq_ref = None
   if reference == selection.SEQUENCE_REFERENCE and group_size is not None:
     # each response's mean distribution over its real positions: a first pass over the chunks
     # (the logits recomputed, one [N, k, V] block live at a time), summed into [N, V]
     def add(total, xs_c):
-      h_c, _, m_c = xs_c
+      h_c, _, m_c = xs_c[:3]
       logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)
       p = jnp.exp(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
       return total + jnp.einsum("nkv,nk->nv", p, constrain(m_c, ROW_NAMES)), None
@@ -131,13 +134,14 @@ def _forward(
     seq_ref = constrain(total / jnp.maximum(mask.sum(axis=1), 1.0)[:, None], _REF_NAMES)
 
   def chunk(xs):
-    h_c, ids_c, m_c = xs  # [N, k, D], [N, k], [N, k]
+    h_c, ids_c, m_c = xs[:3]  # [N, k, D], [N, k], [N, k]
+    seg_c = None if segments is None else constrain(xs[3], ROW_NAMES)  # [N, k]
     ids_c, m_c = constrain(ids_c, ROW_NAMES), constrain(m_c, ROW_NAMES)
     logits = _logits(h_c, w, temperature, LOGIT_NAMES, vocab_major)  # [N, k, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [N, k]
     logp = jnp.take_along_axis(logits, ids_c[..., None], axis=-1)[..., 0] - lse
     stats = selection.chunk_stats(
-        logits, m_c, group_size, lse, reference=reference, kl=kl, kernels=kernels, seq_ref=seq_ref
+        logits, m_c, group_size, lse, reference=reference, kl=kl, kernels=kernels, seq_ref=seq_ref, segments=seg_c
     )
     return logp, lse, stats
 
@@ -179,14 +183,17 @@ def _rows_backward(h, w, ids, lse, g, temperature, names, vocab_major):
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
 def _logp_and_stats(
-    h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels
+    h, w, ids, mask, segments, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels
 ):
-  return _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels)[0]
+  args = (temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels)
+  return _fwd(h, w, ids, mask, segments, *args)[0]
 
 
-def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels):
+def _fwd(
+    h, w, ids, mask, segments, temperature, group_size, chunk_size, grad_rows, vocab_major, reference, kl, kernels
+):
   logp, lse, stats = _forward(
       h,
       _head_weight(w, h.dtype, vocab_major),
@@ -199,6 +206,7 @@ def _fwd(h, w, ids, mask, temperature, group_size, chunk_size, grad_rows, vocab_
       reference,
       kl,
       kernels,
+      segments,
   )
   return (logp, stats), (h, w, ids, lse)
 
@@ -247,7 +255,7 @@ def _bwd(temperature, group_size, chunk_size, grad_rows, vocab_major, reference,
       return dh.astype(h.dtype).reshape(n, c, d), dw
 
     dh, dw = jax.lax.cond(nnz <= cap, sparse, dense, None)
-  return dh, dw.astype(w_stored.dtype), None, None
+  return dh, dw.astype(w_stored.dtype), None, None, None
 
 
 _logp_and_stats.defvjp(_fwd, _bwd)
@@ -267,6 +275,7 @@ def logp_and_stats(
     reference: str = "active_mean",
     kl: bool = False,
     kernels: str = "portable",
+    segments=None,
 ):
   """log pi(y) [N, C] (differentiable in h and w) and no-grad stats [N, C] of `chunk_stats`.
 
@@ -276,12 +285,15 @@ def logp_and_stats(
   accumulated in float32 and returned in w's dtype, so a float32 head never sees a bf16 gradient;
   mask [N, C] the completion mask. `grad_rows`: capacity of the sparse backward (see module doc).
   `reference`, `kl`: as for `selection.chunk_stats` (ICT's ablations); `kernels`: its statistics'
-  formulation ("portable" or "cpu", see `ict_jax.cpu_paths`)."""
+  formulation ("portable" or "cpu", see `ict_jax.cpu_paths`). `segments` [N, C] int32: the
+  packed head's pieces (`packing.pack_batch`): the group reference reads, in each stripe of G
+  rows, only the rows of the same piece (`chunk_stats`)."""
   return _logp_and_stats(
       h,
       w,
       ids,
       mask.astype(jnp.float32),
+      segments,
       float(temperature),
       group_size,
       int(chunk_size),

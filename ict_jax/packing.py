@@ -57,6 +57,7 @@ PACKED_KEYS = (
     "head_index",
     "head_ids",
     "head_mask",
+    "head_segments",
     "unhead_index",
 )
 MICRO_BATCH_ROWS = "micro_batch_rows"  # a Python int: the step's rows a micro-batch (static)
@@ -334,29 +335,31 @@ def _pack(batch: dict, width: int, mb: int, where, offset, rows: int, group_size
   local = (where * width + offset)[:, None]  # the sequence's first token in its micro-batch's rows
   index = np.where(real, local + rank[:, column], local).astype(np.int32)  # what predicts column j
 
-  # the LM head's input: per micro-batch, the (group, column block) pairs holding a real token,
-  # dealt round-robin to the micro-batch's mb / G stripes of G rows, side by side in each stripe
+  # the LM head's input: per micro-batch, each (group, column block) pair's rows holding a real
+  # token there (a piece of 1 .. G rows), stacked best-fit into slots of G rows x k columns; slot
+  # s is column slot s // S of stripe s % S (S = mb / G stripes); head_segments tells the pieces
+  # of a slot apart for the group reference
   k = min(block, c)
   n_col = -(-c // k)
-  padded_mask = np.pad(cmask, [(0, 0), (0, n_col * k - c)])
-  live = padded_mask.reshape(n // g, g, n_col, k).any(axis=(1, 3))  # [groups, column blocks]
+  row_live = np.pad(cmask, [(0, 0), (0, n_col * k - c)]).reshape(n, n_col, k).any(2)  # [N, column blocks]
   stripes = mb // g
-  per_stripe = -(-live.reshape(n // mb, stripes * n_col).sum(1) // stripes)  # blocks a stripe, per micro-batch
-  width_head = packed_rows_bucket(int(per_stripe.max(initial=1))) * k
-  head_index, head_ids, head_mask = (np.zeros((n, width_head), np.int32) for _ in range(3))
+  plans = [_stack_pieces(row_live[m * mb : (m + 1) * mb], g) for m in range(n // mb)]
+  per_stripe = max([-(-len(slots) // stripes) for _, slots in plans] + [1])
+  width_head = packed_rows_bucket(per_stripe) * k
+  head_index, head_ids, head_mask, head_segments = (np.zeros((n, width_head), np.int32) for _ in range(4))
   unhead = np.full((n, c), mb * width_head, np.int32)
-  for m in range(n // mb):
-    groups = range(m * stripes, (m + 1) * stripes)
-    for t, (grp, col) in enumerate((grp, col) for grp in groups for col in np.flatnonzero(live[grp])):
-      stripe, at = t % stripes, t // stripes * k
-      src = slice(grp * g, grp * g + g)  # the group's rows
+  for m, (pieces, slots) in enumerate(plans):
+    for number, (rows, col, slot, start) in enumerate(pieces, 1):
+      stripe, at = slot % stripes, slot // stripes * k
+      src = m * mb + rows  # the piece's batch rows
       cols = slice(col * k, min(col * k + k, c))
       span = cols.stop - cols.start
-      dst = slice(m * mb + stripe * g, m * mb + stripe * g + g)
+      dst = m * mb + stripe * g + start + np.arange(len(rows))  # its rows in the stripe
       head_index[dst, at : at + span] = index[src, cols]
       head_ids[dst, at : at + span] = cids[src, cols]
       head_mask[dst, at : at + span] = cmask[src, cols]
-      unhead[src, cols] = (stripe * g + np.arange(g)[:, None]) * width_head + at + np.arange(span)[None]
+      head_segments[dst, at : at + span] = number
+      unhead[src, cols] = (dst - m * mb)[:, None] * width_head + at + np.arange(span)[None]
   return {
       **batch,
       MICRO_BATCH_ROWS: mb,
@@ -366,5 +369,36 @@ def _pack(batch: dict, width: int, mb: int, where, offset, rows: int, group_size
       "head_index": head_index,
       "head_ids": head_ids,
       "head_mask": head_mask,
+      "head_segments": head_segments,
       "unhead_index": unhead,
   }
+
+
+def _stack_pieces(row_live: np.ndarray, g: int):
+  """One micro-batch's pieces, best fit into slots of `g` rows: row_live [mb, column blocks] (a
+  row has a real token in the block). A piece is a (group, block) pair's live rows; pieces with
+  the most rows first, each into the open slot with the fewest free rows that takes it (else a
+  new slot). -> ([(rows in the micro-batch [h], block, slot, first row in the slot)], free rows
+  a slot)."""
+  pieces = []
+  for grp in range(len(row_live) // g):
+    live = row_live[grp * g : grp * g + g]
+    for col in np.flatnonzero(live.any(0)):
+      pieces.append((grp * g + np.flatnonzero(live[:, col]), int(col)))
+  pieces.sort(key=lambda piece: -len(piece[0]))  # stable: ties keep (group, block) order
+  free: list[int] = []  # free rows a slot
+  open_with: list[list[int]] = [[] for _ in range(g)]  # free rows (1 .. G - 1) -> those slots, oldest first
+  out = []
+  for rows, col in pieces:
+    h = len(rows)
+    f = next((f for f in range(h, g) if open_with[f]), None)
+    if f is None:  # a new slot
+      free.append(g)
+      slot, f = len(free) - 1, g
+    else:
+      slot = open_with[f].pop(0)
+    out.append((rows, col, slot, g - f))
+    free[slot] = f - h
+    if f - h:
+      open_with[f - h].append(slot)
+  return out, free

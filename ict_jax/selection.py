@@ -135,6 +135,21 @@ def _group_reference(pg: jax.Array, w: jax.Array, group_size: int, reference: st
   return total / jnp.maximum(count, 1.0), (count > 0).astype(pg.dtype)
 
 
+def _segment_reference(pg: jax.Array, w: jax.Array, seg: jax.Array, reference: str) -> tuple[jax.Array, jax.Array]:
+  """`_group_reference` when a stripe of G rows holds several groups' pieces (the packed LM head):
+  pg [P, G, C, V], w [P, G, C, 1], seg [P, G, C] -> (P [P, G, C, V], has-reference [P, G, C, 1]),
+  row g's reference the mean of p over the active rows h of its stripe with seg[h] == seg[g]
+  ("others_mean": h != g), one weighted sum (no subtraction) per row."""
+  same = (seg[:, :, None, :] == seg[:, None, :, :]).astype(pg.dtype)  # [P, G(g), G(h), C]
+  weights = same * w[:, None, :, :, 0]  # row h's weight in row g's reference
+  if reference != "active_mean":  # others_mean
+    weights = weights * (1.0 - jnp.eye(pg.shape[1], dtype=pg.dtype))[None, :, :, None]
+  # a sum of probabilities, not a matmul to round: full float32 on the MXU as well
+  total = jnp.einsum("pghc,phcv->pgcv", weights, pg, precision=jax.lax.Precision.HIGHEST)
+  count = weights.sum(axis=2)[..., None]  # [P, G, C, 1]
+  return total / jnp.maximum(count, 1.0), (count > 0).astype(pg.dtype)
+
+
 def _sum_of_others(members, i):
   """Sum of the tuples members[j], j != i, added directly: (total - member i) would cancel
   catastrophically where member i holds most of the mass."""
@@ -164,10 +179,13 @@ def _js_to_group_mean(
     reference: str = "active_mean",
     kl: bool = False,
     seq_ref: jax.Array | None = None,
+    segments: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
   """p, logp [N, C, V], mask [N, C] -> {"js": JS(p_i || P) [N, C]} (+ "kl": KL(p_i || P)).
 
-  seq_ref [N, V]: the "sequence_mean" reference (default: the mean over this chunk's positions)."""
+  seq_ref [N, V]: the "sequence_mean" reference (default: the mean over this chunk's positions).
+  segments [N, C]: the reference of row i at a position is over the rows of its G with the same
+  segment there (`_segment_reference`); default: all G rows."""
   n, c, v = p.shape  # chunk_stats has checked that G divides N
   if reference == SEQUENCE_REFERENCE:
     if seq_ref is None:
@@ -175,7 +193,10 @@ def _js_to_group_mean(
     return _js_to(p, logp, seq_ref[:, None, :].astype(p.dtype), mask.astype(p.dtype), kl)
   pg = p.reshape(n // group_size, group_size, c, v)  # [P, G, C, V]
   w = mask.astype(p.dtype).reshape(n // group_size, group_size, c, 1)  # [P, G, C, 1]
-  big_p, has_ref = _group_reference(pg, w, group_size, reference)
+  if segments is None:
+    big_p, has_ref = _group_reference(pg, w, group_size, reference)
+  else:
+    big_p, has_ref = _segment_reference(pg, w, segments.reshape(pg.shape[:3]), reference)
   out = _js_to(pg, logp.reshape(pg.shape), big_p, (w * has_ref)[..., 0], kl)
   return {k: x.reshape(n, c) for k, x in out.items()}
 
@@ -217,6 +238,7 @@ def chunk_stats(
     kl: bool = False,
     kernels: str = "portable",
     seq_ref: jax.Array | None = None,
+    segments: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
   """One pass over a logits chunk -> per-token statistics, all [N, C] float32, no gradient.
 
@@ -232,6 +254,9 @@ def chunk_stats(
     seq_ref: [N, V] the "sequence_mean" reference of each row (``sequence_reference`` of the
       whole response); default: the mean over this chunk's real positions, the same when the
       chunk holds the whole response.
+    segments: [N, C] int: several groups' pieces stacked in one stripe of G rows (the packed
+      LM head, `packing.pack_batch`): a row's reference is over the rows of its stripe with the
+      same segment at that position. Always the portable formulation.
 
   Returns dict with
     entropy: H = -sum_v p log p;  renyi2: H2 = -log sum_v p^2;
@@ -247,7 +272,7 @@ def chunk_stats(
     raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
   if kernels not in cpu_paths.KERNELS:
     raise ValueError(f"selection: unknown kernels={kernels!r}; expected one of {cpu_paths.KERNELS}")
-  if kernels == "cpu":
+  if kernels == "cpu" and segments is None:
     logits = jax.lax.stop_gradient(logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
     lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
     if reference == SEQUENCE_REFERENCE and seq_ref is None and group_size is not None:
@@ -265,7 +290,7 @@ def chunk_stats(
   valid = mask_chunk.astype(entropy.dtype)
   out = {"entropy": entropy * valid, "renyi2": renyi2 * valid}
   if group_size is not None:
-    out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl, seq_ref))
+    out.update(_js_to_group_mean(p, logp, mask_chunk, group_size, reference, kl, seq_ref, segments))
   return out
 
 

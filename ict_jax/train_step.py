@@ -150,8 +150,8 @@ def completion_logp_and_stats(
   (`lm_head.logp_and_stats`: one [N, chunk, V] float32 block live at a time; its backward pass
   recomputes only the rows with a non-zero gradient when there are at most `grad_rows`). A batch
   with `packing.PACKED_KEYS` runs the decoder on its packed rows and the LM head on the groups'
-  live column blocks, laid side by side in stripes of G rows (as the group reference reads them),
-  and brings the results back to [N, C]."""
+  live rows of each column block, stacked in stripes of G rows (the group reference reads each
+  piece's rows, `head_segments`), and brings the results back to [N, C]."""
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
   head = functools.partial(
       lm_head.logp_and_stats,
@@ -170,7 +170,7 @@ def completion_logp_and_stats(
         batch["packed_ids"], positions=batch["packed_positions"], segment_ids=batch["packed_segments"]
     )
     h = jnp.take(h.reshape(-1, h.shape[-1]), batch["head_index"], axis=0)  # [N, C2, D]
-    logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"])
+    logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"], segments=batch["head_segments"])
     back = lambda x: jnp.take(x.reshape(-1), batch["unhead_index"], axis=0, mode="fill", fill_value=0)
     return back(logp), jax.tree.map(back, stats)  # [N, C]; 0 where a whole group is padding
   prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]

@@ -183,7 +183,7 @@ def test_packed_selection_masks_equal_padded():
   net = nnx.merge(graphdef, model()[1])
   batch = make_batch(1)
   pk = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
-  pk = {k: jnp.asarray(v) for k, v in pk.items()}
+  pk = {k: jnp.asarray(v) for k, v in pk.items() if k != packing.MICRO_BATCH_ROWS}
   stats = jax.jit(lambda b: ts.completion_logp_and_stats(net, b, temperature=1.0, group_size=G, chunk_size=8))
   lp_pad, st_pad = stats({k: jnp.asarray(v) for k, v in batch.items()})
   lp_pk, st_pk = stats(pk)
@@ -206,6 +206,15 @@ def test_packed_selection_masks_equal_padded():
         dense_loss_type="grpo",
     )[0]
 
+  # the ablation's others_mean reference, over each piece's other rows (stacked slots hold two)
+  others = jax.jit(
+      lambda b: ts.completion_logp_and_stats(
+          net, b, temperature=1.0, group_size=G, chunk_size=8, reference="others_mean"
+      )[1]["js"]
+  )
+  want_js, got_js = np.asarray(others({k: jnp.asarray(v) for k, v in batch.items()})), np.asarray(others(pk))
+  np.testing.assert_allclose(got_js[mask > 0], want_js[mask > 0], rtol=1e-4, atol=1e-6)
+  assert (want_js[mask > 0] > 0).mean() > 0.5 and not np.allclose(want_js, np.asarray(st_pad["js"]))
   for method in METHODS:
     for rows in ((0, N), (0, 2 * G), (2 * G, N)):  # the whole batch, then two micro-batches
       want, got = select(method, lp_pad, st_pad, rows), select(method, lp_pk, st_pk, rows)
@@ -228,9 +237,14 @@ def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
   assert out["head_index"].max() < rows * (PROMPT + C)
   whole = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
   assert whole["packed_ids"].shape[0] < N  # fewer decoder rows
-  # the head's columns: each stripe of G rows holds the most blocks of 8 any stripe is dealt;
-  # here micro-batch 1's groups need 3 + 3 blocks, the whole batch's 3 + 1 + 3 + 3 in 4 stripes 3
-  assert out["head_ids"].shape == whole["head_ids"].shape == (N, 24)
+  # the head's columns: a (group, block of 8) pair's live rows are a piece, stacked best fit in
+  # slots of G = 4 rows; micro-batch 0's pieces have 4, 4, 3 and 1 rows: 3 slots ([4], [4], [3 + 1])
+  # over its 2 stripes, 2 blocks of 8 columns each; micro-batch 1's 4, 4, 3, 2, 2, 1: 4 slots, 2
+  # blocks; the whole batch's 7 slots in 4 stripes: 2 (side by side, whole groups: 2, 3 and 3 blocks)
+  assert out["head_ids"].shape == whole["head_ids"].shape == (N, 16)
+  seg = out["head_segments"].reshape(N // G, G, 2, 8)[..., 0]  # [stripe, row, slot]: one column each
+  pieces_a_slot = [len(set(seg[i, :, j]) - {0}) for i in range(N // G) for j in range(2)]
+  assert sorted(pieces_a_slot) == [0, 1, 1, 1, 1, 2, 2, 2]  # [4] x 4, [3 + 1] x 2, [2 + 2], one empty
   short = dict(batch, completion_mask=batch["completion_mask"] * (np.arange(C) < 8))  # 8 columns...
   short["completion_mask"][0] = batch["completion_mask"][0]  # ...but one row of 23: 3 + 1 + 1 + 1 blocks
   assert packing.pack_batch(short, token_budget=BUDGET, group_size=G, block=8)["head_ids"].shape == (N, 16)
