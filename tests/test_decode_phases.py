@@ -102,7 +102,7 @@ def test_a_step_reads_only_its_phase_bound():
   assert cost[None] - cost[256] >= unread, (cost, unread)
 
 
-_TPU_PHASE_BYTES = textwrap.dedent("""
+_TPU_STEP_BYTES = textwrap.dedent("""
   import os, sys
   sys.path.insert(0, sys.argv[1])
   import libtpu
@@ -117,40 +117,55 @@ _TPU_PHASE_BYTES = textwrap.dedent("""
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
                                       chips_per_host_bounds=(2, 2, 1), num_slices=1)
   mesh = sharding.make_mesh((1, 4, 1), devices=list(topo.devices))
+  def step_bytes(cfg, rows, slots, bound, **kw):
+    policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16", mesh=mesh)
+    cache, prompts = decode_cache(cfg, mesh, rows, slots, "bfloat16"), decode_cache(cfg, mesh, rows // 8, 16, "bfloat16")
+    c = compile_decode_step(policy, mesh, cache, prompts, dict(greedy=False, top_k=0, use_top_p=False) | kw, bound)
+    c = c.cost_analysis()
+    return (c[0] if isinstance(c, (list, tuple)) else c)["bytes accessed"]
   cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     dtype="bfloat16")
-  policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16", mesh=mesh)
-  cache, prompts = decode_cache(cfg, mesh, 64, 1024, "bfloat16"), decode_cache(cfg, mesh, 8, 16, "bfloat16")
-  costs = {}
-  for bound in (128, 1024):
-    c = compile_decode_step(policy, mesh, cache, prompts, dict(greedy=True, top_k=1, use_top_p=False), bound)
-    c = c.cost_analysis()
-    costs[bound] = (c[0] if isinstance(c, (list, tuple)) else c)["bytes accessed"]
+  costs = {f"phase_{b}": step_bytes(cfg, 64, 1024, b, greedy=True, top_k=1) for b in (128, 1024)}
+  cfg = cfg.replace(vocab_size=151936, tie_word_embeddings=True)  # Qwen2.5's vocabulary, 128 rows a chip
+  costs.update({m: step_bytes(cfg, 512, 128, 128, greedy=m == "greedy") for m in ("greedy", "plain")})
   print(json.dumps(costs))
 """)
 
 
-@pytest.mark.skipif(
-    not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")),
-    reason=f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)",
-)
-def test_a_bounded_phase_step_skips_the_unread_slots_on_tpu(tmp_path):
-  """The decode step as `ict_jax.aot` compiles it for a TPU (v5e, 4 chips; 64 rows x 1024
-  completion slots): the phase of bound 128 reads 7/8 of the cache less than the step reading all
-  1024 slots. Each layer slicing its own [B, K, S, H] made XLA materialise every layer's whole
-  cache before the slice: the bounded step then read ~2.8x the full step's bytes."""
+@pytest.fixture(scope="module")
+def tpu_step_bytes(tmp_path_factory):
+  """`cost_analysis()` bytes accessed a chip of decode steps as `ict_jax.aot` compiles them for a
+  TPU (v5e, 4 chips), one subprocess (libtpu on the CPU, compile only)."""
+  if not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")):
+    pytest.skip(f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)")
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(
-      [sys.executable, "-c", _TPU_PHASE_BYTES, LIBS_DIR],
+      [sys.executable, "-c", _TPU_STEP_BYTES, LIBS_DIR],
       env=env,
-      cwd=str(tmp_path),
+      cwd=str(tmp_path_factory.mktemp("tpu")),
       capture_output=True,
       text=True,
       timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  costs = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_bounded_phase_step_skips_the_unread_slots_on_tpu(tpu_step_bytes):
+  """64 rows x 1024 completion slots: the phase of bound 128 reads 7/8 of the cache less than
+  the step reading all 1024 slots. Each layer slicing its own [B, K, S, H] made XLA materialise
+  every layer's whole cache before the slice: the bounded step then read ~2.8x the full step's
+  bytes."""
   kv_bytes_per_chip = 2 * 2 * (64 // 4) * 2 * 1024 * 16 * 2  # keys + values [L, B/4, K, S, H] bf16
-  assert costs["1024"] - costs["128"] >= (1 - 128 / 1024) * kv_bytes_per_chip
+  assert tpu_step_bytes["phase_1024"] - tpu_step_bytes["phase_128"] >= (1 - 128 / 1024) * kv_bytes_per_chip
+
+
+def test_plain_sampling_reads_the_logits_a_few_times_on_tpu(tpu_step_bytes):
+  """Qwen2.5's 151,936-id vocabulary, 128 rows a chip: a decode step sampling at temperature 1
+  (the paper configs') accesses at most 6 [rows, V] float32 logits' worth of bytes more than the
+  greedy step (whose argmax and log-softmax read the logits where the head writes them). Built
+  as a [B, V] weight array, the inverse-CDF draw was written, re-laid out and padded: 11.8 more."""
+  logits_bytes_per_chip = (512 // 4) * 151936 * 4
+  assert tpu_step_bytes["plain"] - tpu_step_bytes["greedy"] <= 6 * logits_bytes_per_chip

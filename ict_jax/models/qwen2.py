@@ -252,8 +252,14 @@ class Qwen2(nnx.Module):
 
   def next_token_logits(self, h: Array) -> Array:
     """h [B, D] (after the final norm, one position per row) -> float32 logits [B, V]: the decode
-    step's head (`cpu_paths.head_logits` is XLA:CPU's formulation, laid out [V, B])."""
-    return self.logits_from_hidden(h[:, None])[:, 0]
+    step's head (`cpu_paths.head_logits` is XLA:CPU's formulation). Computed vocabulary-major,
+    [V, B], and returned transposed (a layout, not a copy): the sampler reads them
+    vocabulary-major (`sampling.rules._inverse_cdf`), and XLA keeps the layout the dot produces."""
+    w, vocab_major = self.head_weight()
+    logits = jnp.einsum(
+        "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32
+    )
+    return constrain(logits, ("act_vocab", "act_batch")).T
 
   def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
     """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype)."""
