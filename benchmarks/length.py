@@ -142,39 +142,26 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
   of the paper's shapes (Qwen2.5-1.5B)."""
   cfg, rng = PRESETS["qwen2_5_1_5b"], np.random.default_rng(seed)
   budget = PAPER["max_prompt"] + PAPER["max_new"]
-  variants = ("padded", "packed") + (("packed_tokens",) if args.paper_micro_tokens else ())
-  sums = {k: np.zeros(4) for k in variants}
-  shapes = {k: set() for k in variants}
+  packs = {  # variant -> pack_batch's micro-batching
+      # as train.py packs: whole groups reordered into token-balanced micro-batches of a row count
+      "packed": dict(micro_batch_size=args.paper_micro_batch, balance=True),
+      # micro-batches formed by tokens (train.micro_batch_tokens)
+      **({"packed_tokens": dict(micro_batch_tokens=args.paper_micro_tokens)} if args.paper_micro_tokens else {}),
+  }
+  sums = {k: np.zeros(4) for k in ("padded", *packs)}
+  shapes = {k: set() for k in sums}
   for _ in range(args.flop_batches):
     p_len, c_len = sample_lengths(rng, capped, PAPER["prompts"])
     full = length_batch(rng, p_len, c_len, PAPER["max_prompt"], PAPER["max_new"], 2)
     padded = ts.trim_batch(full)
-    packed = packing.pack_batch(
-        padded,
-        token_budget=budget,
-        group_size=G,
-        block=BLOCK,
-        micro_batch_size=args.paper_micro_batch,
-        multiple=args.paper_devices,
-        balance=True,  # as train.py packs: whole groups reordered into token-balanced micro-batches
-    )
     sums["padded"] += update_flops(cfg, padded)
-    sums["packed"] += update_flops(cfg, packed)
     shapes["padded"].add(padded["completion_ids"].shape + padded["prompt_ids"].shape)
-    shapes["packed"].add(packed["packed_ids"].shape + packed["head_ids"].shape)
-    if args.paper_micro_tokens:  # micro-batches formed by tokens (train.micro_batch_tokens)
-      by_tokens = packing.pack_batch(
-          padded,
-          token_budget=budget,
-          group_size=G,
-          block=BLOCK,
-          multiple=args.paper_devices,
-          micro_batch_tokens=args.paper_micro_tokens,
+    for name, kwargs in packs.items():
+      packed = packing.pack_batch(
+          padded, token_budget=budget, group_size=G, block=BLOCK, multiple=args.paper_devices, **kwargs
       )
-      sums["packed_tokens"] += update_flops(cfg, by_tokens)
-      shapes["packed_tokens"].add(
-          by_tokens["packed_ids"].shape + by_tokens["head_ids"].shape + (by_tokens[packing.MICRO_BATCH_ROWS],)
-      )
+      sums[name] += update_flops(cfg, packed)
+      shapes[name].add(packed["packed_ids"].shape + packed["head_ids"].shape + (packed[packing.MICRO_BATCH_ROWS],))
   return dict(
       executed_over_real_flops={k: round(v[0] / v[1], 3) for k, v in sums.items()},
       decoder_executed_over_real_flops={k: round(v[2] / v[3], 3) for k, v in sums.items()},
