@@ -405,7 +405,7 @@ def make_train_step(
       return jitted(state, batch, ref_params, micro_batch_rows)
 
   # the jitted step itself: AOT lowering, cost analysis, its cache of compiled shapes
-  run.jitted, run.lower, run._cache_size = jitted, jitted.lower, jitted._cache_size
+  run.jitted, run.lower, run.trace, run._cache_size = jitted, jitted.lower, jitted.trace, jitted._cache_size
   return run
 
 
