@@ -315,8 +315,10 @@ def make_train_step(
     mesh: Mesh | None = None,
     state_sharding=None,
     donate: bool = True,
+    compiler_options: dict | None = None,
 ):
-  """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`.
+  """Jitted `(state, batch, ref_params) -> (state, metrics, logp [N, C])`; `compiler_options`
+  go to `jax.jit` (XLA options, e.g. cheaper CPU code generation in tests).
 
   batch: prompt_ids/prompt_mask [N, P] (left-padded), completion_ids/completion_mask [N, C],
   advantages [N], optionally old_logp [N, C] (for num_iterations > 1; default: on-policy), and
@@ -392,7 +394,13 @@ def make_train_step(
     repl = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P(("data", "fsdp")))
     kwargs = dict(in_shardings=(state_sharding, rows, None), out_shardings=(state_sharding, repl, rows))
-  jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else (), static_argnums=(3,), **kwargs)
+  jitted = jax.jit(
+      step_fn,
+      donate_argnums=(0,) if donate else (),
+      static_argnums=(3,),
+      compiler_options=compiler_options,
+      **kwargs,
+  )
   rows_sharding = None if mesh is None else NamedSharding(mesh, P(("data", "fsdp")))
 
   def run(state, batch, ref_params=None):

@@ -85,14 +85,15 @@ def mesh_and_state():
 @functools.cache  # one compile a (method, micro-batch) for the tests that share it
 def compiled_step(method, mb):
   mesh, state_sharding, _, opt = mesh_and_state()
-  jit = jax.jit
-  jax.jit = functools.partial(jit, compiler_options=COMPILE_OPTIONS)
-  try:
-    return ts.make_train_step(
-        model()[0], step_config(method, mb), opt, mesh=mesh, state_sharding=state_sharding, donate=False
-    )
-  finally:
-    jax.jit = jit
+  return ts.make_train_step(
+      model()[0],
+      step_config(method, mb),
+      opt,
+      mesh=mesh,
+      state_sharding=state_sharding,
+      donate=False,
+      compiler_options=COMPILE_OPTIONS,
+  )
 
 
 def packed(batch, mb):

@@ -11,7 +11,6 @@ fixtures.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from fractions import Fraction
@@ -238,23 +237,17 @@ def model_inputs(batch):
 
 
 # ----------------------------------------------------------------------------- compiled steps
-@contextlib.contextmanager
-def _jit_with_compile_options():
-  """jax.jit with COMPILE_OPTIONS while make_train_step builds its jitted function."""
-  jit = jax.jit
-  jax.jit = functools.partial(jit, compiler_options=COMPILE_OPTIONS)
-  try:
-    yield
-  finally:
-    jax.jit = jit
-
-
 def compile_step(cfg: ts.StepConfig, *, mesh=None, state_sharding=None, donate=False):
   """The function train.py calls (`make_train_step`), with cheap XLA:CPU code generation."""
-  with _jit_with_compile_options():
-    return ts.make_train_step(
-        model_and_params()[0], cfg, optimizer(), mesh=mesh, state_sharding=state_sharding, donate=donate
-    )
+  return ts.make_train_step(
+      model_and_params()[0],
+      cfg,
+      optimizer(),
+      mesh=mesh,
+      state_sharding=state_sharding,
+      donate=donate,
+      compiler_options=COMPILE_OPTIONS,
+  )
 
 
 def step_config(method, loss_type="grpo", **kw):
