@@ -13,20 +13,11 @@ from flax import nnx
 from ict_jax import sampling
 from ict_jax import train_step as ts
 from ict_jax.config import OptimConfig
-from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
+from tiny import tiny_config
 
 G, N, V = 4, 8, 128
-CFG = Qwen2Config(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    max_position_embeddings=128,
-)
+CFG = tiny_config(V, max_position_embeddings=128)
 LENGTHS = np.array([11, 7, 3, 9, 1, 5, 10, 6])  # longest 11 -> bucket 16
 
 

@@ -20,27 +20,13 @@ from ict_jax import packing, selection, sharding
 from ict_jax import train_step as ts
 from ict_jax.config import OptimConfig
 from ict_jax.models import attention
-from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
+from tiny import COMPILE_OPTIONS, tiny_config
 
 G, N, PROMPT, C, V = 4, 16, 6, 24, 128
 BUDGET = 64  # the most tokens a packed row holds: rows of min(64, PROMPT + C) = 30 tokens
 LENGTHS = np.array([23, 15, 9, 1, 5, 7, 3, 8, 12, 24, 3, 8, 19, 14, 2, 21])  # group 2: one head block
-CFG = Qwen2Config(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    max_position_embeddings=64,
-)
-COMPILE_OPTIONS = {  # cheap XLA:CPU code generation (same HLO), as in test_train_step.py
-    "xla_backend_optimization_level": 0,
-    "xla_cpu_use_fusion_emitters": False,
-    "xla_llvm_disable_expensive_passes": True,
-}
+CFG = tiny_config(V)
 MESH_SHAPE = (2, 2, 2)  # data x fsdp = 4 rows of devices
 METHODS = ("grpo", "ict", "entropy", "stapo")
 

@@ -18,22 +18,13 @@ from flax import nnx
 from ict_jax import config as config_lib
 from ict_jax import train_step as ts
 from ict_jax.config import OptimConfig
-from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
+from tiny import tiny_config
 
 G, N, P, C, V = 4, 8, 4, 12, 128
 LR = 1e-6
 STEPS = 3
-CFG = Qwen2Config(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    max_position_embeddings=64,
-)
+CFG = tiny_config(V)
 
 
 def batch():

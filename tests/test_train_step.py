@@ -27,30 +27,14 @@ from scipy.spatial.distance import jensenshannon
 from ict_jax import grpo, selection, sharding
 from ict_jax import train_step as ts
 from ict_jax.config import OptimConfig
-from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
+from tiny import COMPILE_OPTIONS, tiny_config
 
 G, N, PROMPT, C, V = 4, 16, 5, 23, 256
 TEMP = 0.7
 # completion lengths, one per rollout: ceil(0.1 * len) ranges over 1..3
 LENGTHS = np.array([23, 15, 9, 1, 20, 11, 5, 17, 12, 23, 3, 8, 19, 14, 2, 21])
-CFG = Qwen2Config(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    max_position_embeddings=64,
-)
-# XLA:CPU compile time dominates this file; these options cut it about 4x (same HLO, same
-# numerics up to float rounding of the generated loops)
-COMPILE_OPTIONS = {
-    "xla_backend_optimization_level": 0,
-    "xla_cpu_use_fusion_emitters": False,
-    "xla_llvm_disable_expensive_passes": True,
-}
+CFG = tiny_config(V)
 BETA = 0.1
 MAX_GRAD_NORM = 100.0  # above every gradient norm here except the far-from-reference KL case
 
