@@ -230,7 +230,7 @@ def _restore_items(mngr: ocp.CheckpointManager, step: int, *, state: Any = None,
 class CheckpointReader:
   """Read-only `<workdir>/checkpoints/`: steps, meta, metadata and partial restores of the state.
 
-  What evaluation (`eval/loading.py`) and notebooks (`inspect.py`) read through; nothing is
+  What evaluation (`eval/loading.py`) and notebooks (`inspect/reader.py`) read through; nothing is
   written (no temp-dir clean-up, no save)."""
 
   def __init__(self, directory: str | os.PathLike):

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import config as config_lib
 from ict_jax import inspect as ins
+from ict_jax.inspect import reader
 from ict_jax import sharding
 from ict_jax import train_step as ts
 from ict_jax.checkpoint import Checkpointer, CheckpointError
@@ -297,4 +298,4 @@ def test_old_per_layer_checkpoint_layout_is_one_clear_error():
       )
   }
   with pytest.raises(CheckpointError, match=r"ckpt/2: saved with one tensor per decoder layer \(layers/0/\.\.\.\)"):
-    ins._shape_dims(old, "ckpt/2")
+    reader._shape_dims(old, "ckpt/2")
