@@ -63,7 +63,7 @@ def head_logits(h: Array, w: Array, vocab_major: bool) -> Array:
 # ---- greedy and plain temperature sampling -------------------------------------------------------
 def _first_crossing(cum: Array, weights: Array, target: Array) -> Array:
   """Index of the entry whose cumulative interval holds `target`: cum, weights [B, n]; target [B]
-  (the rule of `sampling.rules._first_crossing`; zero-weight entries are never chosen)."""
+  (zero-weight entries are never chosen)."""
   n = weights.shape[-1]
   count = jnp.sum(cum <= target[:, None], axis=-1)
   last_nonzero = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)

@@ -112,7 +112,7 @@ _TPU_STEP_BYTES = textwrap.dedent("""
   import json
   from jax.experimental import topologies
   from ict_jax import sampling, sharding
-  from ict_jax.aot.sampler import compile_decode_step, decode_cache
+  from ict_jax.aot.sampler import HBM_BYTES_OPTIONS, compile_decode_step, decode_cache
   from ict_jax.models.config import Qwen2Config
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
                                       chips_per_host_bounds=(2, 2, 1), num_slices=1)
@@ -120,7 +120,8 @@ _TPU_STEP_BYTES = textwrap.dedent("""
   def step_bytes(cfg, rows, slots, bound, **kw):
     policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16", mesh=mesh)
     cache, prompts = decode_cache(cfg, mesh, rows, slots, "bfloat16"), decode_cache(cfg, mesh, rows // 8, 16, "bfloat16")
-    c = compile_decode_step(policy, mesh, cache, prompts, dict(greedy=False, top_k=0, use_top_p=False) | kw, bound)
+    c = compile_decode_step(policy, mesh, cache, prompts, dict(greedy=False, top_k=0, use_top_p=False) | kw, bound,
+                            HBM_BYTES_OPTIONS)
     c = c.cost_analysis()
     return (c[0] if isinstance(c, (list, tuple)) else c)["bytes accessed"]
   cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -162,10 +163,11 @@ def test_a_bounded_phase_step_skips_the_unread_slots_on_tpu(tpu_step_bytes):
   assert tpu_step_bytes["phase_1024"] - tpu_step_bytes["phase_128"] >= (1 - 128 / 1024) * kv_bytes_per_chip
 
 
-def test_plain_sampling_reads_the_logits_a_few_times_on_tpu(tpu_step_bytes):
+def test_plain_sampling_costs_what_greedy_costs_on_tpu(tpu_step_bytes):
   """Qwen2.5's 151,936-id vocabulary, 128 rows a chip: a decode step sampling at temperature 1
-  (the paper configs') accesses at most 6 [rows, V] float32 logits' worth of bytes more than the
-  greedy step (whose argmax and log-softmax read the logits where the head writes them). Built
-  as a [B, V] weight array, the inverse-CDF draw was written, re-laid out and padded: 11.8 more."""
+  (the paper configs') moves at most one [rows, V] float32 logits array's bytes more than the
+  greedy step (measured: 0.0; the Gumbel-max draw's noise is made inside its argmax). The
+  inverse-CDF draw before it moved 3.1 more (counted as `ict_jax.aot` counts, without on-chip
+  staging); built as a [B, V] weight array, earlier still, it was written, re-laid out and padded."""
   logits_bytes_per_chip = (512 // 4) * 151936 * 4
-  assert tpu_step_bytes["plain"] - tpu_step_bytes["greedy"] <= 6 * logits_bytes_per_chip
+  assert tpu_step_bytes["plain"] - tpu_step_bytes["greedy"] <= logits_bytes_per_chip

@@ -29,7 +29,9 @@ The sampler (`compile_sampler`, --part sample): `sampling.lower_generate` for th
 plus the train state (on the chips during the rollout) is within the usable HBM. Its decode step
 is compiled alone, layer scan unrolled, once a length-bounded decode phase (the completion slots
 it reads), for `cost_analysis()` bytes accessed, reported against that phase's minimum (rollout
-weights + the KV cache it reads, per chip). --part both (default): exit 1 unless both fit.
+weights + the KV cache it reads, per chip). On TPU that step is compiled without memory-space
+assignment (`sampler.HBM_BYTES_OPTIONS`): with it, libtpu's cost analysis also counts each VMEM
+staging copy and every read from VMEM, the same bytes several times over. --part both (default): exit 1 unless both fit.
 Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
 
 The compilers (libtpu, the CUDA plugin) print warnings or tracebacks at every plain CPU start

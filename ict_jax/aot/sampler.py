@@ -65,8 +65,22 @@ def _unrolled_scans():
     jax.lax.scan = scan
 
 
+# libtpu's cost analysis counts an operand staged into on-chip VMEM by memory-space assignment
+# (MSA) several times: the HBM read, the VMEM write, each read from VMEM (a 37 MiB logits array
+# reduced twice on v5p: 7 x its bytes with MSA, 3 x without). The decode step's bytes are counted
+# with MSA off: what the step moves through HBM when nothing is kept on-chip, an upper bound on
+# the HBM traffic of the program the sampler runs (MSA only moves traffic off HBM).
+HBM_BYTES_OPTIONS = {"xla_msa_enable": False}
+
+
 def compile_decode_step(
-    policy, mesh, cache: LayerCache, prompt_cache: LayerCache, sample_kw: dict, read_len: int | None = None
+    policy,
+    mesh,
+    cache: LayerCache,
+    prompt_cache: LayerCache,
+    sample_kw: dict,
+    read_len: int | None = None,
+    compiler_options: dict | None = None,
 ):
   """`_decode_step` compiled for `mesh` (the decode cache donated, as the loop carries it in
   place; the prompt cache only read), reading read_len completion slots (a decode phase's bound;
@@ -102,6 +116,7 @@ def compile_decode_step(
       in_shardings=tuple(in_shardings),
       out_shardings=(rows, cache_formats),
       donate_argnums=(1,),
+      compiler_options=compiler_options,
   )
   with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES), _unrolled_scans():
     return step.lower(*args).compile()
@@ -190,7 +205,8 @@ def compile_sampler(
     costs = None
     if not phase_bytes or phase_bytes[-1] is not None:  # no cost analysis in one phase: none in any
       try:
-        costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound).cost_analysis()
+        opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
+        costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts).cost_analysis()
       except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
         report.error = report.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs

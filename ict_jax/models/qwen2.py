@@ -253,8 +253,8 @@ class Qwen2(nnx.Module):
   def next_token_logits(self, h: Array) -> Array:
     """h [B, D] (after the final norm, one position per row) -> float32 logits [B, V]: the decode
     step's head (`cpu_paths.head_logits` is XLA:CPU's formulation). Computed vocabulary-major,
-    [V, B], and returned transposed (a layout, not a copy): the sampler reads them
-    vocabulary-major (`sampling.rules._inverse_cdf`), and XLA keeps the layout the dot produces."""
+    [V, B], and returned transposed (a layout, not a copy; XLA keeps the layout the dot
+    produces): the sampler's reductions over the vocabulary read either layout alike."""
     w, vocab_major = self.head_weight()
     logits = jnp.einsum(
         "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32

@@ -2,8 +2,12 @@
 
 `sample_logits`: logits / temperature, then top-k (exactly k candidates, ties broken by the lower
 token id), then top-p (the smallest set of most likely tokens whose mass reaches top_p, like
-`transformers`' TopPLogitsWarper), then one draw by inverse CDF from a single uniform per row (no
-[B, V] Gumbel noise). The returned log-prob is that of the sampled token under the distribution
+`transformers`' TopPLogitsWarper), then one draw by the Gumbel-max trick (`jax.random.categorical`:
+the argmax of the scaled logits plus Gumbel noise, generated inside the reduction, never stored).
+On a TPU decode step of Qwen2.5's 151,936 ids this accesses what greedy does: the logits written
+once by the head and read twice (the draw, the normaliser); the inverse-CDF draw it replaced (block
+sums of chunk sums, then the drawn block picked out) read them ~4 times more (RESULTS, "The draw
+by Gumbel-max"). The returned log-prob is that of the sampled token under the distribution
 actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
 the raw logits, and the log-prob is `log_softmax(raw logits)` at that token. This is the portable
 path, run on TPU/GPU and on any mesh. With the model's `kernels == "cpu"` (XLA:CPU on one device,
@@ -14,7 +18,6 @@ top-k / top-p work on [B, V] either way.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,68 +26,8 @@ from ict_jax import cpu_paths
 
 Array = jax.Array
 
-_CDF_BLOCK = 1024  # inverse-CDF search: block sums first, then a cumsum inside one block
-_CDF_CHUNK = 128  # the block sums' first level, and the unit the drawn block is picked out in
 _F32_ONE_BITS = 0x3F800000
 _TOP_P_CANDIDATES = 256  # top-p fast path: the nucleus usually lies within the 256 best tokens
-
-
-def _first_crossing(cum: Array, weights: Array, target: Array) -> Array:
-  """Index of the entry whose cumulative interval holds `target`: cum, weights [B, n]; target [B].
-
-  Zero-weight entries have empty intervals and are never chosen; float round-off past the end
-  lands on the last entry with weight > 0."""
-  n = weights.shape[-1]
-  count = jnp.sum(cum <= target[:, None], axis=-1)
-  last_nonzero = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
-  return jnp.minimum(count, last_nonzero).astype(jnp.int32)
-
-
-def _inverse_cdf(key: Array, log_weights: Array, shift: Array | float = 0.0) -> tuple[Array, Array]:
-  """One draw per row from the weights exp(log_weights - shift) (log_weights [B, V], -inf: weight
-  0, at least one finite; shift [B] or a scalar) -> (ids [B], the weights' sum [B]).
-
-  The ids fall in blocks of `_CDF_BLOCK` consecutive ids (the last one short): a block by the
-  cumulative block sums, then an id by the cumulative weights inside it. The weights are never
-  built as a [B, V] array, and the vocabulary is read vocabulary-major ([V, B]: cutting it into
-  blocks moves nothing), in chunks of `_CDF_CHUNK` ids: the block sums are sums of chunk sums,
-  exponentiated inside their reduction, and the drawn block is picked out chunk by chunk by
-  masked reductions, each over every block's p-th chunk (one more read of the logits), not
-  gathered (on TPU a gather of one block a row from [V, B] costs like ~8 reads of it). Built as
-  [B, V] weights, as it was, XLA wrote, re-laid out and padded them: a TPU decode step of the
-  151,936-id vocabulary accessed ~12 more [B, V] float32 arrays' bytes than greedy's (4.9 now;
-  tests/test_decode_phases.py). Same blocks, weights and uniform as before; the block sums' float
-  rounding order differs (chunk sums first), which moves a draw to the adjacent id when the
-  uniform lands within that rounding of a boundary."""
-  lw = log_weights.T  # [V, B]
-  v, b = lw.shape
-  u = jax.random.uniform(key, (b,), jnp.float32)
-  if v <= _CDF_BLOCK:  # one block
-    inside = jnp.exp(log_weights - jnp.reshape(shift, (-1, 1)))
-    total = jnp.sum(inside, axis=-1)
-    return _first_crossing(jnp.cumsum(inside, axis=-1), inside, u * total), total
-  chunk, per = _CDF_CHUNK, _CDF_BLOCK // _CDF_CHUNK
-  chunks = -(-v // chunk)
-  if chunks * chunk != v:  # a vocabulary that is not a multiple of the chunk: padded with weight 0
-    lw = jnp.pad(lw, ((0, chunks * chunk - v), (0, 0)), constant_values=-jnp.inf)
-  nb = -(-chunks // per)
-  x = lw.reshape(chunks, chunk, b)
-  chunk_sum = jnp.sum(jnp.exp(x - shift), axis=1)  # [chunks, B]
-  chunk_sum = jnp.pad(chunk_sum, ((0, nb * per - chunks), (0, 0)))  # the last block's missing chunks: 0
-  block_sum = jnp.sum(chunk_sum.reshape(nb, per, b), axis=1).T  # [B, nb]
-  cum = jnp.cumsum(block_sum, axis=-1)
-  target = u * cum[:, -1]
-  blk = _first_crossing(cum, block_sum, target)  # [B]
-
-  def pick(p):  # [chunk, B]: chunk p of each row's drawn block, from chunks p, p + per, ...
-    every = jax.lax.slice(x, (p, 0, 0), x.shape, (per, 1, 1))
-    return jnp.max(jnp.where(jnp.arange(every.shape[0])[:, None, None] == blk, every, -jnp.inf), axis=0)
-
-  drawn = jnp.stack([pick(p) for p in range(per)]).reshape(_CDF_BLOCK, b).T  # [B, block]
-  inside = jnp.exp(drawn - jnp.reshape(shift, (-1, 1)))
-  before = jnp.take_along_axis(cum - block_sum, blk[:, None], axis=1)[:, 0]
-  j = _first_crossing(jnp.cumsum(inside, axis=-1), inside, target - before)
-  return blk * _CDF_BLOCK + j, cum[:, -1]
 
 
 def _bisect_threshold(e: Array, target: Array) -> Array:
@@ -150,9 +93,7 @@ def _sample_step(
       probs = jax.nn.softmax(scaled, axis=-1)
       mass_before = jnp.cumsum(probs, axis=-1) - probs
       scaled = jnp.where(mass_before < top_p, scaled, -jnp.inf)  # the first is always kept
-    # (the maximum over the row, not vals[:, :1]: slicing would make XLA CPU lower top_k as a full
-    # sort of the vocabulary instead of its TopK kernel)
-    j, _ = _inverse_cdf(key, scaled, jnp.max(scaled, axis=-1))
+    j = jax.random.categorical(key, scaled, axis=-1)
     tok = jnp.take_along_axis(cand, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
     lp = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
     return tok, lp
@@ -161,7 +102,10 @@ def _sample_step(
   if use_top_p:  # tokens outside the nucleus: weight 0
     e = jnp.exp(scaled - top[:, None])  # [B, V] in [0, 1], max exactly 1
     scaled = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], scaled, -jnp.inf)
-  tok, total = _inverse_cdf(key, scaled, top)
+  # Gumbel-max (`jax.random.categorical`): one pass over the logits with the noise fused into the
+  # argmax; the normaliser `total` is the second
+  tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  total = jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1)
   lp = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0] - top - jnp.log(total)
   return tok, lp
 
