@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ict_jax import selection
+from ict_jax import selection, token_masks
 from ict_jax.models.axes import constrain
 
 __all__ = ["logp_and_stats", "sparse_grad_rows"]
@@ -37,10 +37,10 @@ def sparse_grad_rows(method: str, top_fraction: float, entropy_top_fraction: flo
   selection exactly; 20-Entropy keeps ~f of all tokens (ties may exceed it: dense fallback).
   GRPO and STAPO keep (almost) every token: always dense."""
   if method == "ict":  # ceil in exact rational arithmetic, as selection's counts
-    num, den = selection._rational(top_fraction, "ict top_fraction")
+    num, den = token_masks._rational(top_fraction, "ict top_fraction")
     return rows * -(-num * length // den)
   if method == "entropy":
-    num, den = selection._rational(entropy_top_fraction, "entropy_top_fraction")
+    num, den = token_masks._rational(entropy_top_fraction, "entropy_top_fraction")
     return -(-num * rows * length // den)
   return 0
 

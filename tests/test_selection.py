@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy.spatial.distance import jensenshannon
 
-from ict_jax import selection
+from ict_jax import selection, token_masks
 
 js_scores = jax.jit(selection.js_scores, static_argnames=("group_size", "chunk_size"))
 token_stats = jax.jit(selection.token_stats, static_argnames=("chunk_size",))
@@ -193,7 +193,7 @@ def test_top_k_rows_is_the_first_k_of_a_stable_sort():
   (ties by position, -0.0 = 0.0, NaN last), for every k from 0 to beyond the row."""
   rng = np.random.default_rng(3)
   specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 3.0, -3.0, 1e30, -1e30, 0.5], np.float32)
-  top_k = jax.jit(selection._top_k_rows)
+  top_k = jax.jit(token_masks._top_k_rows)
   for trial in range(40):
     r, t = 5, int(rng.integers(1, 30))
     score = rng.choice(specials, size=(r, t)) if trial % 2 else rng.integers(-2, 3, (r, t)).astype(np.float32)
