@@ -206,6 +206,7 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
   for key in ("fits", "peak_bytes_per_device", "decode_step_bytes", "decode_step_min_bytes", "decode_bytes_ratio"):
     assert key in s, key
   assert s["decode_batch_size"] == 16 and s["shapes"]["sub_batches"] == 1 and s["shapes"]["rows_per_device"] == 2
+  assert s["decode_bytes_options"] == {"xla_msa_enable": False}  # TPU bytes counted without VMEM staging
   # each of the 2 prompts prefilled once, its keys/values read by its 8 rows
   assert s["prefill_rows"] == 2 and s["shapes"]["samples_per_prompt"] == 8
   c = Qwen2Config.preset("tiny")

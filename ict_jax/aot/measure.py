@@ -78,6 +78,8 @@ class Report:
   decode_phase_min_bytes: list[int] | None = None
   # the sampler: a lower bound on one training step's time on the target (`plan.step_bound`)
   step_bound: Any = None
+  # the compiler options the decode phases' bytes were counted with (TPU: without VMEM staging)
+  decode_bytes_options: dict | None = None
 
   @property
   def margin_bytes(self) -> int | None:

@@ -200,12 +200,13 @@ def compile_sampler(
   prompt_kv = bytes_per_device(prompt_cache)
   kv_cache_bytes = bytes_per_device(cache) + prompt_kv
   phase_bytes, phase_flops, phase_min = [], [], []
+  opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
+  report.decode_bytes_options = opts
   matmul_flops = layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
   for bound in phases:
     costs = None
     if not phase_bytes or phase_bytes[-1] is not None:  # no cost analysis in one phase: none in any
       try:
-        opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
         costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts).cost_analysis()
       except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
         report.error = report.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
