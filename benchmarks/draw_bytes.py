@@ -1,6 +1,6 @@
 """Bytes one TPU chip's decode head + draw accesses, compiled here for an absent TPU.
 
-    python benchmarks/draw_bytes.py [--target v5p-32] [--rows 64,128] [--hidden 896]
+    python benchmarks/draw_bytes.py [--target v5p-32] [--rows 64,128] [--hidden 896] [--vocab 151936]
 
 The decode step's last part alone, as the sampler runs it: the head (`Qwen2.next_token_logits`'s
 einsum, float32 logits [rows, V]) and `sampling.rules._sample_step` at temperature 0 (greedy)
@@ -18,7 +18,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+# first, before JAX starts: ict_jax.aot puts the compilers' folder on sys.path (as compile_step.py)
+from ict_jax import aot  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's
 
@@ -28,9 +31,8 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--target", default="v5p-32", help="a TPU target of ict_jax.aot")
   p.add_argument("--rows", default="64,128", help="rows a chip, comma-separated")
   p.add_argument("--hidden", type=int, default=896, help="model width (0.5B: 896, 1.5B: 1536)")
+  p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (Qwen2.5's by default)")
   a = p.parse_args(argv)
-
-  from ict_jax.aot import targets  # puts the compilers' folder on sys.path
 
   import jax
   import jax.numpy as jnp
@@ -39,10 +41,10 @@ def main(argv=None) -> list[dict]:
 
   from ict_jax.sampling import rules
 
-  target = targets.TARGETS[a.target]
+  target = aot.TARGETS[a.target]
   if target.platform != "tpu":
     p.error(f"--target {a.target}: a TPU target is needed (the CUDA plugin gives no cost analysis)")
-  mesh = Mesh(np.array(targets.target_devices(target)[:1]), ("chip",))
+  mesh = Mesh(np.array(aot.target_devices(target)[:1]), ("chip",))
   one = NamedSharding(mesh, P())
   key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
 
@@ -54,10 +56,16 @@ def main(argv=None) -> list[dict]:
 
   out = []
   for rows in (int(r) for r in a.rows.split(",")):
-    record = {"target": a.target, "rows": rows, "hidden": a.hidden, "logits_mib": rows * VOCAB * 4 / 2**20}
+    record = {
+        "target": a.target,
+        "rows": rows,
+        "hidden": a.hidden,
+        "vocab": a.vocab,
+        "logits_mib": rows * a.vocab * 4 / 2**20,
+    }
     args = (
         jax.ShapeDtypeStruct((rows, a.hidden), jnp.bfloat16, sharding=one),  # h after the final norm
-        jax.ShapeDtypeStruct((VOCAB, a.hidden), jnp.bfloat16, sharding=one),  # the tied embedding
+        jax.ShapeDtypeStruct((a.vocab, a.hidden), jnp.bfloat16, sharding=one),  # the tied embedding
         jax.ShapeDtypeStruct((), key_dtype, sharding=one),
     )
     for kind in ("head_max", "greedy", "plain"):

@@ -108,6 +108,7 @@ SMOKE = {
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
+    "draw_bytes.py": "test_draw_bytes_tiny_on_v5e_8",
     "faults.py": "tests/test_faults.py",
     "fma_rate.py": "test_fma_rate_prints_json",
     "iteration.py": "test_iteration_smoke_prints_consistent_json",
@@ -230,6 +231,17 @@ def test_compile_step_tiny_on_v5e_8():
   # the arguments a chip holds: the float32 state (12 B a parameter) over 8 chips + the batch
   assert out["argument_gib"] == pytest.approx(12 * _tiny_params() / 8 / 2**30, abs=6e-4)
   assert out["collectives"]["all-gather"] > 0  # FSDP gathers the weights
+
+
+def test_draw_bytes_tiny_on_v5e_8():
+  """The head + draw of 8 rows over 4096 ids on one v5e chip: plain sampling accesses at most one
+  logits array more than greedy, and greedy at least what the head and its maximum do."""
+  proc = _run_script("draw_bytes.py", "--target", "v5e-8", "--rows", "8", "--hidden", "64", "--vocab", "4096")
+  (out,) = _json_lines(proc)
+  assert (out["target"], out["rows"], out["vocab"]) == ("v5e-8", 8, 4096)
+  for msa in ("", "_no_msa"):
+    assert out[f"head_max_mib{msa}"] <= out[f"greedy_mib{msa}"]
+    assert out[f"plain_mib{msa}"] <= out[f"greedy_mib{msa}"] + out["logits_mib"]
 
 
 def test_fma_rate_prints_json():
