@@ -179,8 +179,9 @@ def _phase_ratios(r: dict) -> str:
   x = r.get("decode_phase_bytes_over_weights_kv")
   if not x:
     return "—"
-  # TPU rows compiled before the count left out VMEM staging (ict_jax.aot.sampler.HBM_BYTES_OPTIONS)
-  staged = r.get("target", "").startswith("v") and r.get("decode_bytes_options") is None
+  # a report without the key predates the count that leaves out VMEM staging
+  # (ict_jax.aot.sampler.HBM_BYTES_OPTIONS); only TPU targets give phase bytes at all
+  staged = "decode_bytes_options" not in r
   return " / ".join(f"{v:.2f}" for v in x) + (" (VMEM staging counted)" if staged else "")
 
 

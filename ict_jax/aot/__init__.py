@@ -31,7 +31,8 @@ is compiled alone, layer scan unrolled, once a length-bounded decode phase (the 
 it reads), for `cost_analysis()` bytes accessed, reported against that phase's minimum (rollout
 weights + the KV cache it reads, per chip). On TPU that step is compiled without memory-space
 assignment (`sampler.HBM_BYTES_OPTIONS`): with it, libtpu's cost analysis also counts each VMEM
-staging copy and every read from VMEM, the same bytes several times over. --part both (default): exit 1 unless both fit.
+staging copy and every read from VMEM, the same bytes several times over.
+--part both (default): exit 1 unless both fit.
 Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
 
 The compilers (libtpu, the CUDA plugin) print warnings or tracebacks at every plain CPU start

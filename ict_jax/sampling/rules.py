@@ -6,8 +6,8 @@ token id), then top-p (the smallest set of most likely tokens whose mass reaches
 the argmax of the scaled logits plus Gumbel noise, generated inside the reduction, never stored).
 On a TPU decode step of Qwen2.5's 151,936 ids this accesses what greedy does: the logits written
 once by the head and read twice (the draw, the normaliser); the inverse-CDF draw it replaced (block
-sums of chunk sums, then the drawn block picked out) read them ~4 times more (RESULTS, "The draw
-by Gumbel-max"). The returned log-prob is that of the sampled token under the distribution
+sums of chunk sums, then the drawn block picked out) accessed 2-4 logits arrays more, counted
+without VMEM staging (RESULTS, "The draw by Gumbel-max"). The returned log-prob is that of the sampled token under the distribution
 actually sampled from (after temperature, top-k and top-p). `temperature=0` is greedy: argmax of
 the raw logits, and the log-prob is `log_softmax(raw logits)` at that token. This is the portable
 path, run on TPU/GPU and on any mesh. With the model's `kernels == "cpu"` (XLA:CPU on one device,
@@ -17,7 +17,6 @@ top-k / top-p work on [B, V] either way.
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
