@@ -108,6 +108,7 @@ SMOKE = {
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
+    "device_check.py": "test_device_check_smoke_packed_and_padded",
     "draw_bytes.py": "test_draw_bytes_tiny_on_v5e_8",
     "faults.py": "tests/test_faults.py",
     "fma_rate.py": "test_fma_rate_prints_json",
@@ -242,6 +243,41 @@ def test_draw_bytes_tiny_on_v5e_8():
   for msa in ("", "_no_msa"):
     assert out[f"head_max_mib{msa}"] <= out[f"greedy_mib{msa}"]
     assert out[f"plain_mib{msa}"] <= out[f"greedy_mib{msa}"] + out["logits_mib"]
+
+
+def test_device_check_smoke_packed_and_padded(tmp_path):
+  """The accelerator check on tiny shapes, padded and packed: the same rows, fewer executed
+  positions packed; MFU, the padded share and decode MBU are what their definitions give from the
+  lengths, the model's FLOPs a token, its parameter count and the timings the script reports."""
+  import numpy as np
+
+  from ict_jax.models.config import Qwen2Config
+
+  runs = {}
+  for budget in (0, 96):
+    out = tmp_path / f"{budget}.json"
+    args = ["--config", "configs/qwen2_5_0_5b_math.py", "--smoke", "--token_budget", str(budget)]
+    _run_script("device_check.py", *args, "--hbm_tb_s", "0.05", "--json", str(out))
+    runs[budget] = json.loads(out.read_text())
+  padded, packed = runs[0]["update"], runs[96]["update"]
+  assert padded["completion_lens"] == packed["completion_lens"] and padded["real_tokens"] == packed["real_tokens"]
+  assert packed["real_tokens"] <= packed["executed_positions"] < padded["executed_positions"]
+  mcfg = Qwen2Config.preset("qwen2_5_0_5b").replace(num_hidden_layers=1, vocab_size=512)
+  for run in runs.values():
+    up, dec = run["update"], run["decode"]
+    lengths = np.add(up["prompt_lens"], up["completion_lens"])
+    assert up["real_tokens"] == lengths.sum()
+    assert up["padded_fraction"] == pytest.approx(1 - lengths.sum() / up["executed_positions"])
+    flops = sum(mcfg.flops_per_token(int(n)) * int(n) for n in lengths)
+    assert up["mfu"] == pytest.approx(flops / up["step_s"] / 1e12 / run["peak_tflops"], rel=1e-6)
+    # decode: steps half .. new - 1 read the float32 weights, 1 prompt x 16 slots, the filled slots
+    rows, new, half = dec["rows"], dec["new"], dec["half"]
+    assert (rows, new, half, dec["prompt"]) == (16, 32, 17, 16)
+    assert dec["step_s"] == pytest.approx((dec["long_s"] - dec["short_s"]) / (new - half))
+    slot = 2 * 1 * mcfg.num_key_value_heads * mcfg.head_dim * 4
+    want = mcfg.num_params() * 4 + slot * (rows // 8 * 16 + rows * np.mean(np.arange(half, new)))
+    assert dec["step_min_bytes"] == pytest.approx(want)
+    assert dec["decode_mbu"] == pytest.approx(want / dec["step_s"] / 0.05e12)
 
 
 def test_fma_rate_prints_json():
