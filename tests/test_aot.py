@@ -96,6 +96,26 @@ def test_model_flops_are_flops_per_token_times_tokens(tpu_small):
   assert r["model_flops_per_step"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_packed_step_compiles_at_its_largest_batch(tpu_small, tmp_path):
+  """train.token_budget: the packed step train.py runs, at its largest batch (every sequence at
+  full length: the most micro-batches, the widest head), micro-batches by tokens. 32 sequences of
+  16 + 16 tokens in rows of 32 and micro-batches of 512 tokens: 16 one-sequence rows each, two
+  micro-batches; the compiled step's temporaries are about the padded step's of 16 rows (the same
+  16 x 32 decoder positions a micro-batch; packing adds segment ids and the head's gathers)."""
+  args = ["--config.train.token_budget=32", "--config.train.micro_batch_tokens=512"]
+  proc, r = aot(*SMALL, *MESH_2X4, "--target", "v5e-8", "--part", "train", *args, json_path=tmp_path / "p.json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert r["fits"] is True
+  pk = r["shapes"]["packed"]
+  assert pk == dict(
+      token_budget=32, micro_batch_tokens=512, width=32, micro_batches=2, packed_rows_per_micro_batch=16, head_width=16
+  )
+  assert r["shapes"]["micro_batch_size"] == 16 and "2 micro-batches x 16 rows of 32 tokens" in proc.stdout
+  padded = tpu_small[16][1]  # the same 32 rows, padded, micro-batches of 16 rows
+  assert r["model_flops_per_step"] == padded["model_flops_per_step"]
+  assert r["temp_bytes"] == pytest.approx(padded["temp_bytes"], rel=0.25)
+
+
 def test_default_config_compiles_over_its_task_vocabulary(tmp_path):
   """configs/tiny.py (model.vocab="task"): aot builds the task vocabulary from the task's data, as
   the trainer does, and compiles the 128-row model (20 tokens of synthetic_chain level 1)."""
@@ -378,6 +398,10 @@ def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, 
         (["--target", "v5e-8", "--config.rollout.decode_batch_size=5"], ["decode_batch_size: 5 does not divide"]),
         (["--target", "v5e-8", "--hbm_gib=-1"], ["--hbm_gib must be >= 0"]),
         (["--target", "v5e-8", "--capped_share=1.5"], ["--capped_share must be in [0, 1], got 1.5"]),
+        (
+            ["--target", "h100-8", "--config.model.dtype=bfloat16", "--config.train.token_budget=32"],
+            ["h100-8", "packing needs an attention implementation that takes segment ids", "'cudnn'"],
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):

@@ -8,7 +8,10 @@ does not have.
 Builds the abstract train state and batch with `jax.eval_shape` (no weight is allocated), with
 the shapes the trainer feeds: rows = prompts_per_step x group_size, prompt_ids/prompt_mask
 [rows, P] (P = the bucket of data.max_prompt_len), completion_ids/completion_mask [rows, C]
-(C = rollout.max_new_tokens unless --completion_len), advantages [rows]. The state, its
+(C = rollout.max_new_tokens unless --completion_len), advantages [rows]; with
+`train.token_budget` (packed rows), that batch packed as train.py packs it at its largest (every
+sequence at full length: the most micro-batches, the widest LM head; `step.packed_batch_shapes`),
+the packing's sizes in the report's shapes["packed"]. The state, its
 shardings and the jitted step come from the trainer's own functions (`setup`, `train_step`),
 so what compiles here is what runs there. Then it compiles for the target's devices:
 - TPU: compile-only devices of `jax.experimental.topologies.get_topology_desc` (libtpu). libtpu

@@ -34,6 +34,13 @@ def format_report(r: Report, target: Target) -> str:
   if s.get("attention"):
     calls = f" ({r.cudnn_attention_calls} cuDNN attention calls compiled)" if r.cudnn_attention_calls else ""
     lines.append(f"  attention: {s['attention']}{calls}")
+  if s.get("packed"):
+    pk = s["packed"]
+    lines.append(
+        f"  packed (train.token_budget {pk['token_budget']}), the largest batch: {pk['micro_batches']} "
+        f"micro-batches x {pk['packed_rows_per_micro_batch']} rows of {pk['width']} tokens, "
+        f"LM head {pk['head_width']} columns"
+    )
   if s.get("note"):
     lines.append(f"  note: {s['note']}")
   if s.get("method") == "ict" and 0 < s.get("rows_per_shard", 0) < s.get("group_size", 0):

@@ -12,10 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import numpy as np
+
+from ict_jax import packing
 from ict_jax import train_step as ts
 from ict_jax.aot.measure import Report, measure
 from ict_jax.aot.targets import AotError, Target, target_devices
-from ict_jax.config import Config, ConfigError
+from ict_jax.config import Config, ConfigError, check_packing_attention
 from ict_jax.sampling import bucket_length
 from ict_jax.setup import abstract_params, make_mesh, model_config
 
@@ -91,6 +94,38 @@ def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dic
   return shapes
 
 
+def packed_batch_shapes(cfg: Config, prompt_len: int, completion_len: int, multiple: int) -> tuple[dict, int, dict]:
+  """With `train.token_budget`: ({name: (shape, dtype)}, rows a micro-batch, the packing's sizes)
+  of one step's batch as train.py packs it (`packing.pack_batch`, whole groups balanced, rows a
+  multiple of `multiple` = data x fsdp), at its largest: every prompt and completion at full
+  length, so the most micro-batches and every head stripe full (the widest head). The step scans
+  the micro-batches, so its peak memory is a micro-batch's; shorter batches pack into fewer."""
+  shapes = train_batch_shapes(cfg, prompt_len, completion_len)
+  full = {k: np.ones(shape, np.dtype(dtype)) for k, (shape, dtype) in shapes.items()}
+  packed = packing.pack_batch(
+      full,
+      token_budget=cfg.train.token_budget,
+      group_size=cfg.rollout.group_size,
+      micro_batch_size=cfg.train.micro_batch_size,
+      multiple=multiple,
+      balance=True,
+      micro_batch_tokens=cfg.train.micro_batch_tokens,
+  )
+  rows = packed.pop(packing.MICRO_BATCH_ROWS, None)
+  out = {k: (np.shape(v), np.asarray(v).dtype) for k, v in packed.items()}
+  n = out["completion_ids"][0][0]
+  mb = rows or cfg.train.micro_batch_size or n
+  sizes = dict(
+      token_budget=cfg.train.token_budget,
+      micro_batch_tokens=cfg.train.micro_batch_tokens,
+      width=out["packed_ids"][0][1],
+      micro_batches=n // mb,
+      packed_rows_per_micro_batch=out["packed_ids"][0][0] // (n // mb),
+      head_width=out["head_ids"][0][1],
+  )
+  return out, rows, sizes
+
+
 @dataclasses.dataclass
 class _Setup:
   """What the trainer builds before its first step, abstract, on the target's mesh."""
@@ -136,6 +171,11 @@ def _setup(cfg: Config, target: Target) -> _Setup:
   if cfg.model.vocab == "task" and not cfg.model.path:  # the embedding's rows come from the task's text
     tok = _task_tokenizer(cfg)
   mcfg = model_config(cfg, cfg.model.path, mesh, tok)  # "auto" attention: the target's kernel
+  if cfg.train.token_budget:
+    try:  # the trainer's own start-up check, named for the target
+      check_packing_attention(mcfg.attention)
+    except ConfigError as e:
+      raise AotError(f"--target {target.name}: {e}") from None
   note = "; ".join(n for n in (note, _cudnn_note(mcfg)) if n)
   graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
@@ -156,20 +196,25 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   mb = cfg.train.micro_batch_size or rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-  batch = {
-      k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
-      for k, (shape, dtype) in train_batch_shapes(cfg, prompt_len, completion_len).items()
-  }
+  shapes, packed_mb, packed = train_batch_shapes(cfg, prompt_len, completion_len), None, None
+  if cfg.train.token_budget:  # the packed step train.py runs, at its largest batch
+    shapes, packed_mb, packed = packed_batch_shapes(cfg, prompt_len, completion_len, shards)
+    mb = packed_mb or mb
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding) for k, (shape, dtype) in shapes.items()}
   ref = params if cfg.loss.beta > 0 else None
   step = ts.make_train_step(
       graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
   )
   with jax.set_mesh(mesh), _cudnn_tracing(mcfg):
-    lowered = step.jitted.lower(state, batch, ref)
+    lowered = step.jitted.lower(state, batch, ref, packed_mb)
+  lower = (
+      f"--config.train.micro_batch_tokens (now {cfg.train.micro_batch_tokens})"
+      if cfg.train.token_budget and cfg.train.micro_batch_tokens
+      else f"--config.train.micro_batch_size (now {mb}; a multiple of group_size {cfg.rollout.group_size} "
+      f"and of data x fsdp = {shards})"
+  )
   advice = (
-      f"lower --config.train.micro_batch_size (now {mb}; a multiple of group_size "
-      f"{cfg.rollout.group_size} and of data x fsdp = {shards}), or --completion_len "
-      f"(now {completion_len}), or spread the model over more chips (config.mesh)"
+      f"lower {lower}, or --completion_len (now {completion_len}), or spread the model over more " "chips (config.mesh)"
   )
   report = measure(lowered, target, program="train_step", advice=advice)
   tokens = rows * (prompt_len + completion_len)
@@ -192,4 +237,6 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
       rows_per_shard=mb // shards,
       note=note,
   )
+  if packed is not None:
+    report.shapes["packed"] = packed
   return report
