@@ -39,6 +39,12 @@ CFG = {
     "7B": "configs/qwen2_5_7b_math.py",
 }
 V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
+# the packed update (README "Packed tokens"): rows of 512 + 2048 tokens, micro-batches of 32 of them
+PACKED = [
+    "--config.train.token_budget=2560",
+    "--config.train.micro_batch_tokens=81920",
+    "--config.train.micro_batch_size=0",
+]
 
 # name -> (model, target, extra aot arguments); the order is the order they are compiled in: the
 # recipes README.md and launch/README.md show first, then the rest of their mesh table.
@@ -57,11 +63,18 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
     "1.5b_v5e-8": ("1.5B", "v5e-8", []),  # the config's micro-batch, 64
     "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
+    "1.5b_v5e-8_packed": ("1.5B", "v5e-8", PACKED),
+    "1.5b_v5p-32_packed": ("1.5B", "v5p-32", PACKED),
 }
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
 # runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
-SAME_SAMPLER = {"1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16", "1.5b_v5e-8": "1.5b_v5e-8_mb16"}
+SAME_SAMPLER = {
+    "1.5b_v5e-8_mb32": "1.5b_v5e-8_mb16",
+    "1.5b_v5e-8": "1.5b_v5e-8_mb16",
+    "1.5b_v5e-8_packed": "1.5b_v5e-8_mb16",
+    "1.5b_v5p-32_packed": "1.5b_v5p-32",
+}
 
 
 # where the JSONs go (--out) and what every aot run gets on top of its own arguments (--aot_args)
@@ -153,13 +166,19 @@ def table(reports: dict[str, dict]) -> str:
     )
     rows.append(
         f"| {model} | {target} | {_mesh(s)} | "
-        f"{s['param_dtype']} | {s['micro_batch_size']} | {s['prompt_len']} + {s['completion_len']} | "
+        f"{s['param_dtype']} | {_micro(s)} | {s['prompt_len']} + {s['completion_len']} | "
         f"{_gib(r.get('argument_bytes'))} | {_gib(r.get('temp_bytes'))} | "
         f"{_gib(r.get('generated_code_bytes'))} | {_gib(r['peak_bytes_per_device'])} | "
         f"{_gib(r['hbm_bytes_per_device'])} | {fit} | {r['compile_s']:.0f} | {coll} | "
         f"{r['model_flops_per_step'] / 1e12:.0f} |"
     )
   return "\n".join(rows)
+
+
+def _micro(s: dict) -> str:
+  """A train report's micro-batch: its rows, and for the packed step the tokens it is made of."""
+  pk = s.get("packed")
+  return f"{s['micro_batch_size']}" if not pk else f"{s['micro_batch_size']} packed ({pk['micro_batch_tokens']} tokens)"
 
 
 def _fit(r: dict) -> str:
@@ -257,7 +276,7 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
     )
     rows.append(
         f"| {model} | {target} | {_mesh((t or r)['shapes'])} | "
-        f"{t['shapes']['micro_batch_size'] if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
+        f"{_micro(t['shapes']) if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
         f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {_bound(r)} |"
     )
   return "\n".join(rows)
