@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -109,21 +108,13 @@ def hbm_tb_s(device_kind: str) -> float | None:
   return next((TARGETS[t].hbm_tb_s for key, t in HBM_TARGET if key in kind), None)
 
 
-def timed(fn, repeats: int) -> tuple[float, list[float]]:
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times), times
-
-
 def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
   import jax
   import numpy as np
   from flax import nnx
 
   from benchmarks.length import length_batch
+  from benchmarks.step import median_time as timed
   from benchmarks.step import step_config
   from ict_jax import packing, throughput
   from ict_jax import train_step as ts
@@ -203,6 +194,7 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   import numpy as np
 
   import ict_jax
+  from benchmarks.step import median_time as timed
   from ict_jax.sampling import bucket_length
 
   from jax.sharding import Mesh
