@@ -10,9 +10,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import packing
 from ict_jax import train_step as ts
@@ -214,7 +213,7 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
       f"and of data x fsdp = {shards})"
   )
   advice = (
-      f"lower {lower}, or --completion_len (now {completion_len}), or spread the model over more " "chips (config.mesh)"
+      f"lower {lower}, or --completion_len (now {completion_len}), or spread the model over more chips (config.mesh)"
   )
   report = measure(lowered, target, program="train_step", advice=advice)
   tokens = rows * (prompt_len + completion_len)
