@@ -193,13 +193,12 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   import jax
   import numpy as np
 
-  import ict_jax
-  from benchmarks.step import median_time as timed
-  from ict_jax.sampling import bucket_length
-
   from jax.sharding import Mesh
 
+  import ict_jax
+  from benchmarks.step import median_time as timed
   from ict_jax import setup as setup_lib
+  from ict_jax.sampling import bucket_length, kv_bytes
 
   g, n = cfg.rollout.group_size, args.new or args.max_new
   dtype = args.rollout_dtype or setup_lib.rollout_dtype(cfg, Mesh(np.array(jax.devices()[:1]), ("data",)))
@@ -237,9 +236,8 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   step_s = (long_s - short_s) / (n - half)
   # what steps half .. n - 1 must read (the plan's minimum): the rollout weights, each prompt's
   # keys/values once, and the completion slots filled before the step
-  item = np.dtype(dtype).itemsize
-  weights = sum(x.size for x in jax.tree.leaves(nnx_state(model))) * item
-  slot = 2 * mcfg.num_hidden_layers * mcfg.num_key_value_heads * mcfg.head_dim * item  # k and v, a slot
+  weights = mcfg.num_params() * np.dtype(dtype).itemsize
+  slot = kv_bytes(mcfg, 1, None, dtype)  # one slot's keys and values, all layers
   filled = float(np.mean(np.arange(half, n)))  # completion slots written before an average step
   step_bytes = weights + slot * (prompts * args.decode_prompt + args.decode_rows * filled)
   out = {
@@ -263,12 +261,6 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
     out["decode_mbu"] = step_bytes / step_s / (bw_tb_s * 1e12)
     out["decode_s_over_bound"] = 1 / out["decode_mbu"]
   return out
-
-
-def nnx_state(model):
-  from flax import nnx
-
-  return nnx.split(model)[1]
 
 
 def main(argv=None) -> dict:
