@@ -1,17 +1,15 @@
 """The multi-host path on CPU: two processes join with `jax.distributed.initialize` on localhost
 and train the tiny model together; their losses equal a one-process run on the same number of
-devices, a SIGTERM to one of them makes both save the same step and exit 0, and a rollout where
-one host's verifier is slow on one row gives both hosts the same rewards and advantages."""
+devices, and a rollout where one host's verifier is slow on one row gives both hosts the same
+rewards and advantages. A SIGTERM to one host (every host saves the same step, exits 0, and the
+resume equals the uninterrupted run) is tests/test_pod.py's, on 4 processes and a bucket."""
 
-import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 
@@ -27,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     c = C.tiny_config()
     c.warm_start.sft_steps = 0
     c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
-    c.train.steps = c.train.checkpoint_every = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    c.train.steps = c.train.checkpoint_every = 2
     c.train.async_checkpointing = False
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     history = train(c, sys.argv[1], progress=False)
@@ -140,90 +138,6 @@ def test_two_processes_train_like_one(tmp_path):
   rows = read_log(tmp_path / "multi", "metrics")
   assert [r["step"] for r in rows] == [1, 2]
   assert os.path.isdir(tmp_path / "multi" / "checkpoints" / "2")
-
-
-def _faults():
-  spec = importlib.util.spec_from_file_location("ict_faults", os.path.join(REPO, "benchmarks", "faults.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def _two_processes(workdir, steps, *, shim_dir=None, markers=()):
-  port = _free_port()
-  procs = []
-  for i in range(2):
-    extra = dict(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
-    env = _env(2, **extra)
-    if shim_dir:  # benchmarks/faults.py's phase markers, and a slowed train step
-      env.update(
-          PYTHONPATH=os.pathsep.join([str(shim_dir), REPO]),
-          ICT_FAULTS_MARKERS=str(markers[i]),
-          ICT_FAULTS_SLEEP="step=1.5",
-      )
-    procs.append(
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, str(workdir), str(steps)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    )
-  return procs
-
-
-def _finish(procs):
-  outs = []
-  for p in procs:
-    out, _ = p.communicate(timeout=900)
-    assert p.returncode == 0, out[-3000:]
-    outs.append((_result(out), out))
-  return outs
-
-
-def _rows(workdir):
-  return read_log(workdir, "metrics")
-
-
-def _wait_marker(path, event, proc, timeout=900):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if os.path.exists(path) and any(
-        json.loads(line)["event"] == event for line in open(path).read().splitlines() if line.strip()
-    ):
-      return
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    time.sleep(0.05)
-  raise TimeoutError(f"{event} not seen in {path}")
-
-
-def test_sigterm_to_one_process_both_save_the_same_step_and_resume_exactly(tmp_path):
-  steps = 6
-  (ref,) = {o["steps"][-1] for o, _ in _finish(_two_processes(tmp_path / "ref", steps))}
-  assert ref == steps
-  shim = tmp_path / "shim"
-  shim.mkdir()
-  (shim / "sitecustomize.py").write_text(_faults().SHIM)
-  markers = [tmp_path / f"markers{i}.jsonl" for i in range(2)]
-  procs = _two_processes(tmp_path / "run", steps, shim_dir=shim, markers=markers)
-  _wait_marker(markers[1], "step_end", procs[1])  # the loop runs (JAX's SIGTERM handler is in place)
-  procs[1].send_signal(signal.SIGTERM)  # one host only: JAX's preemption service tells the other
-  outs = _finish(procs)
-  stopped = [o["steps"][-1] for o, _ in outs]
-  assert stopped[0] == stopped[1] and 1 <= stopped[0] < steps, stopped  # the same step, before the end
-  saved = stopped[0]
-  for _, text in outs:
-    assert f"preempted: saved step {saved}; exiting" in text, text[-3000:]
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(saved)]
-  resumed = _finish(_two_processes(tmp_path / "run", steps))
-  assert [o["steps"] for o, _ in resumed] == [list(range(saved + 1, steps + 1))] * 2
-  a, b = _rows(tmp_path / "ref"), _rows(tmp_path / "run")
-  assert [r["step"] for r in b] == list(range(1, steps + 1))
-  for ra, rb in zip(a, b):
-    for key in ("reward_mean", "entropy", "loss", "grad_norm"):
-      np.testing.assert_allclose(rb[key], ra[key], rtol=1e-5, atol=1e-7, err_msg=f"step {ra['step']} {key}")
 
 
 def test_each_host_scores_its_rows_and_all_see_the_same_rewards(tmp_path):

@@ -40,31 +40,50 @@ DEFAULT_STEPS = 800  # the default's whole run (~3 minutes on 2 cores): shorter 
 # dip (steps 241-320) before they climb, so a cut-down run would test a knife edge
 
 
-def _run_default(tmp_path_factory, *flags):
+def _start_default(tmp_path_factory, *flags):
   """The README's main command (`python -m ict_jax.train`, no config flags) as a user runs it on a
-  CPU: one process, one device (not the 8 simulated devices of the test setup), on a
-  shortened schedule, plus `flags`. Returns (workdir, metrics rows)."""
+  CPU: one process, one device (not the 8 simulated devices of the test setup), plus `flags`,
+  started in the background. Returns (process, its directory); the default --workdir is the
+  relative path runs/default there."""
   cwd = str(tmp_path_factory.mktemp("default"))
-  workdir = os.path.join(cwd, "runs", "default")  # the default --workdir, a relative path
   env = dict(os.environ)
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
   cmd = [sys.executable, "-m", "ict_jax.train", *flags]
-  proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return workdir, _metrics(workdir)
+  with open(os.path.join(cwd, "stderr.txt"), "w") as err:  # a file: an unread pipe would stall the run
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+  return proc, cwd
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-  return _run_default(tmp_path_factory)
+def default_runs(tmp_path_factory):
+  """The default run and the same run without learning (lr 1e-12 moves no float32 weight: Adam's
+  step is ~lr, far below a weight's ulp, so it samples the same prompts with the same keys from
+  the warm-start), side by side: each keeps about one core busy. -> ((workdir, metrics rows)) x 2."""
+  procs = [_start_default(tmp_path_factory), _start_default(tmp_path_factory, "--config.optim.learning_rate=1e-12")]
+  out = []
+  for proc, cwd in procs:
+    try:
+      proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+      for p, _ in procs:
+        p.kill()
+      raise
+    with open(os.path.join(cwd, "stderr.txt")) as err:
+      assert proc.returncode == 0, err.read()[-3000:]
+    workdir = os.path.join(cwd, "runs", "default")
+    out.append((workdir, _metrics(workdir)))
+  return out
 
 
 @pytest.fixture(scope="module")
-def default_control(tmp_path_factory):
-  """The same run without learning: lr 1e-12 moves no float32 weight (Adam's step is ~lr, far
-  below a weight's ulp), so it samples the same prompts with the same keys from the warm-start."""
-  return _run_default(tmp_path_factory, "--config.optim.learning_rate=1e-12")
+def default_run(default_runs):
+  return default_runs[0]
+
+
+@pytest.fixture(scope="module")
+def default_control(default_runs):
+  return default_runs[1]
 
 
 def test_default_run_reward_rises(default_run, default_control):
