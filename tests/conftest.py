@@ -25,3 +25,20 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The GCS server fixtures (`gcs`, `gcs_environ`; tests/gcs_emulator.py), registered here so that
 # every test file shares one server per session. Nothing starts until a test asks for them.
 from gcs_emulator import gcs, gcs_environ  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import
+
+# Files that start whole training runs go first: under xdist (README's `-n 2`) a file runs on one
+# worker, and the longest ones started last would leave the other worker idle at the end.
+SLOW_FIRST = (
+    "test_train.py",
+    "test_pod.py",
+    "test_benchmarks_smoke.py",
+    "test_faults.py",
+    "test_aot.py",
+    "test_multihost.py",
+    "test_gcs.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: otherwise in file order
