@@ -274,10 +274,12 @@ def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
         else f"{_gib(r['peak_bytes_per_device'])} + {_gib(r['resident_bytes'])} / {_gib(r['hbm_bytes_per_device'])}, "
         + ("yes" if r["fits"] else "**no**")
     )
+    fits = bool(t and t["fits"] and r and r["fits"])
+    bound = _bound(r) if fits else "—"  # no bound for a recipe that does not run
     rows.append(
         f"| {model} | {target} | {_mesh((t or r)['shapes'])} | "
         f"{_micro(t['shapes']) if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
-        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {_bound(r)} |"
+        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {bound} |"
     )
   return "\n".join(rows)
 

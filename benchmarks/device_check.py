@@ -234,9 +234,11 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   long_s, all_long = timed(lambda: run(n), args.repeats)
   short_s, all_short = timed(lambda: run(half), args.repeats)
   step_s = (long_s - short_s) / (n - half)
-  # what steps half .. n - 1 must read (the plan's minimum): the rollout weights, each prompt's
-  # keys/values once, and the completion slots filled before the step
-  weights = mcfg.num_params() * np.dtype(dtype).itemsize
+  # what steps half .. n - 1 must read (the plan's minimum): the rollout weights (an untied input
+  # embedding is gathered, not read), each prompt's keys/values once, and the completion slots
+  # filled before the step
+  embed = 0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size
+  weights = (mcfg.num_params() - embed) * np.dtype(dtype).itemsize
   slot = kv_bytes(mcfg, 1, None, dtype)  # one slot's keys and values, all layers
   filled = float(np.mean(np.arange(half, n)))  # completion slots written before an average step
   step_bytes = weights + slot * (prompts * args.decode_prompt + args.decode_rows * filled)

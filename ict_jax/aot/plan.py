@@ -43,7 +43,7 @@ class DecodeCosts:
   phases: tuple[int, ...]  # the decode phases' read bounds
   phase_bytes: tuple[float, ...]  # bytes one decode step of each phase reads and writes on a chip
   phase_flops: tuple[float, ...]  # FLOPs of one decode step of each phase on a chip
-  policy_bytes: int  # the rollout weights on a chip (read once a prefill)
+  policy_bytes: int  # the rollout weights a chip reads once a prefill (an untied input embedding: gathered, not read)
   prompt_kv_bytes: int  # the prompt cache of a sub-batch on a chip (written by the prefill)
 
 

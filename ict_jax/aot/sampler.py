@@ -151,6 +151,9 @@ def compile_sampler(
   policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)
   resident = bytes_per_device(su.state) + (bytes_per_device(su.params) if cfg.loss.beta > 0 else 0)
   policy_bytes = bytes_per_device(policy.state)
+  # what a prefill or decode step must read of them: all, less an untied input embedding, of which
+  # it gathers one row a token (a tied one is the LM head, read whole)
+  weights_read = policy_bytes - (0 if mcfg.tie_word_embeddings else bytes_per_device(policy.state["embed"]))
   free = target.usable_hbm - resident - policy_bytes
   dbs = setup_lib.decode_batch_size(cfg)
   group = cfg.rollout.group_size
@@ -213,7 +216,7 @@ def compile_sampler(
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
     phase_bytes.append(float(costs["bytes accessed"]) if costs and costs.get("bytes accessed") else None)
     phase_flops.append(float(costs["flops"]) if costs and costs.get("flops") else matmul_flops)
-    phase_min.append(policy_bytes + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, layout.rows, bound, dtype)))
+    phase_min.append(weights_read + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, layout.rows, bound, dtype)))
   if phase_bytes[-1] is None and not report.error:  # the CUDA plugin's compile-only executables
     note = "; ".join(
         n
@@ -226,7 +229,7 @@ def compile_sampler(
       phase_min,
   )
   report.decode_step_bytes = phase_bytes[-1]  # the last phase reads every slot
-  report.decode_step_min_bytes = policy_bytes + kv_cache_bytes
+  report.decode_step_min_bytes = weights_read + kv_cache_bytes
   costs = plan.DecodeCosts(
       rows=rows,
       group_size=group,
@@ -236,7 +239,7 @@ def compile_sampler(
       phases=tuple(phases),
       phase_bytes=tuple(b if b is not None else m for b, m in zip(phase_bytes, phase_min)),
       phase_flops=tuple(phase_flops),
-      policy_bytes=policy_bytes,
+      policy_bytes=weights_read,
       prompt_kv_bytes=prompt_kv,
   )
   report.step_bound = plan.step_bound(
