@@ -249,6 +249,28 @@ def test_sampler_report_and_decode_step_minimum(sampler_small):
   assert "one decode step reads/writes" in proc.stdout and "decode batch 16" in proc.stdout
 
 
+def test_an_untied_input_embedding_is_not_in_the_decode_minimum(tmp_path):
+  """A prefill or decode step gathers one row of an untied input embedding (7B's) a token and never
+  reads the table: the minimum is the other weights + the KV cache, and the step reads at least it."""
+  import dataclasses
+
+  from ict_jax.models.config import Qwen2Config
+
+  c = dataclasses.replace(Qwen2Config.preset("tiny"), tie_word_embeddings=False)
+  model = tmp_path / "untied"
+  model.mkdir()
+  (model / "config.json").write_text(json.dumps(c.to_hf_dict()))
+  flags = [*SAMPLE, *FIXED_LENGTHS, "--config.rollout.decode_batch_size=16", f"--config.model.path={model}"]
+  proc, r = aot(*flags, json_path=tmp_path / "r.json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  s = r["sampler"]
+  assert s["shapes"]["rollout_policy_bytes"] == c.num_params() * 2  # the bf16 copy, whole on every chip
+  weights = (c.num_params() - c.vocab_size * c.hidden_size) * 2
+  assert s["shapes"]["rollout_weights_read_bytes"] == weights
+  assert s["decode_step_min_bytes"] == weights + _kv_bytes_per_chip(2, 32) + _kv_bytes_per_chip(2, 16)
+  assert s["decode_bytes_ratio"] >= 1.0
+
+
 def test_bigger_decode_batch_needs_more_sampler_memory(sampler_small):
   small, big = sampler_small[8][1]["sampler"], sampler_small[16][1]["sampler"]
   assert small["decode_batch_size"] == 8 and small["shapes"]["sub_batches"] == 2

@@ -85,7 +85,7 @@ def format_report(r: Report, target: Target) -> str:
     ratio = "n/a" if r.decode_bytes_ratio is None else f"{r.decode_bytes_ratio:.2f}x"
     lines.append(
         f"  one decode step reads/writes {got} a chip, {ratio} the minimum {_gib(r.decode_step_min_bytes)} "
-        f"(rollout weights {_gib(s.get('rollout_policy_bytes'))} + KV cache {_gib(s.get('kv_cache_bytes'))}; "
+        f"(rollout weights read {_gib(s.get('rollout_weights_read_bytes'))} + KV cache {_gib(s.get('kv_cache_bytes'))}; "
         f"{floor_s * 1e3:.2f} ms at {target.hbm_tb_s:g} TB/s)"
     )
   if r.decode_phase_min_bytes:

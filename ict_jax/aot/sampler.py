@@ -272,6 +272,7 @@ def compile_sampler(
       param_dtype=dtype,
       attention=mcfg.attention,  # the prefill's
       rollout_policy_bytes=policy_bytes,
+      rollout_weights_read_bytes=weights_read,  # a step's share of the minimum
       kv_cache_bytes=kv_cache_bytes,
       prompt_kv_cache_bytes=prompt_kv,
       note=note,
