@@ -43,7 +43,9 @@ class DecodeCosts:
   phases: tuple[int, ...]  # the decode phases' read bounds
   phase_bytes: tuple[float, ...]  # bytes one decode step of each phase reads and writes on a chip
   phase_flops: tuple[float, ...]  # FLOPs of one decode step of each phase on a chip
-  policy_bytes: int  # the rollout weights a chip reads once a prefill (an untied input embedding: gathered, not read)
+  weights_read_bytes: (
+      int  # the rollout weights a chip reads once a prefill (an untied input embedding: gathered, not read)
+  )
   prompt_kv_bytes: int  # the prompt cache of a sub-batch on a chip (written by the prefill)
 
 
@@ -139,7 +141,7 @@ def step_bound(
     for sub in c.reshape(sub_batches, -1):
       steps += phase_steps(costs.phases, int(sub.max()))
   upd, pre, tokens, completion, capped, steps = (x / batches for x in (upd, pre, tokens, completion, capped, steps))
-  prefill_bytes = sub_batches * (costs.policy_bytes + costs.prompt_kv_bytes)
+  prefill_bytes = sub_batches * (costs.weights_read_bytes + costs.prompt_kv_bytes)
   prefill_s = max(pre / (chips * peak), prefill_bytes / bw)
   decode_s = float(sum(n * max(b / bw, f / peak) for n, b, f in zip(steps, costs.phase_bytes, costs.phase_flops)))
   update_s = upd / (chips * peak)

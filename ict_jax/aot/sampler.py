@@ -239,7 +239,7 @@ def compile_sampler(
       phases=tuple(phases),
       phase_bytes=tuple(b if b is not None else m for b, m in zip(phase_bytes, phase_min)),
       phase_flops=tuple(phase_flops),
-      policy_bytes=weights_read,
+      weights_read_bytes=weights_read,
       prompt_kv_bytes=prompt_kv,
   )
   report.step_bound = plan.step_bound(
