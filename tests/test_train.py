@@ -62,17 +62,17 @@ def default_runs(tmp_path_factory):
   the warm-start), side by side: each keeps about one core busy. -> ((workdir, metrics rows)) x 2."""
   procs = [_start_default(tmp_path_factory), _start_default(tmp_path_factory, "--config.optim.learning_rate=1e-12")]
   out = []
-  for proc, cwd in procs:
-    try:
-      proc.wait(timeout=1800)
-    except subprocess.TimeoutExpired:
-      for p, _ in procs:
-        p.kill()
-      raise
-    with open(os.path.join(cwd, "stderr.txt")) as err:
-      assert proc.returncode == 0, err.read()[-3000:]
-    workdir = os.path.join(cwd, "runs", "default")
-    out.append((workdir, _metrics(workdir)))
+  try:
+    for proc, cwd in procs:
+      proc.wait(timeout=1200)
+      with open(os.path.join(cwd, "stderr.txt")) as err:
+        assert proc.returncode == 0, err.read()[-3000:]
+      workdir = os.path.join(cwd, "runs", "default")
+      out.append((workdir, _metrics(workdir)))
+  finally:  # a run that failed or timed out does not leave the other running
+    for proc, _ in procs:
+      if proc.poll() is None:
+        proc.kill()
   return out
 
 
