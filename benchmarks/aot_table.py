@@ -65,6 +65,9 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
     "1.5b_v5e-8_packed": ("1.5B", "v5e-8", PACKED),
     "1.5b_v5p-32_packed": ("1.5B", "v5p-32", PACKED),
+    "1.5b_h100-8_packed": ("1.5B", "h100-8", PACKED),  # cuDNN's sequence packing
+    "7b_h100-8_packed": ("7B", "h100-8", PACKED),
+    "7b_h200-8_packed": ("7B", "h200-8", PACKED),
 }
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
@@ -74,6 +77,9 @@ SAME_SAMPLER = {
     "1.5b_v5e-8": "1.5b_v5e-8_mb16",
     "1.5b_v5e-8_packed": "1.5b_v5e-8_mb16",
     "1.5b_v5p-32_packed": "1.5b_v5p-32",
+    "1.5b_h100-8_packed": "1.5b_h100-8",
+    "7b_h100-8_packed": "7b_h100-8",
+    "7b_h200-8_packed": "7b_h200-8",
 }
 
 

@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--hbm_tb_s", type=float, default=0.0, help="HBM TB/s a chip (0: by the device kind)")
   ap.add_argument("--dtype", default="", help="compute dtype of the update (default: the config's)")
   ap.add_argument("--rollout_dtype", default="", help="decode dtype (default: the config's rollout.dtype)")
-  ap.add_argument("--attention", default="", help="model.attention (default: the config's; packing: not cudnn)")
+  ap.add_argument("--attention", default="", help="model.attention (default: the config's)")
   ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
   ap.add_argument("--vocab", type=int, default=0, help="override vocab_size")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: " + json.dumps(SMOKE))
@@ -141,7 +141,7 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
     from ict_jax.config import ConfigError, check_packing_attention
 
     try:
-      check_packing_attention(mcfg.attention)
+      check_packing_attention(mcfg.attention, jax.devices())  # cudnn: cuDNN's sequence packing, Hopper+
     except ConfigError as e:
       raise SystemExit(f"--token_budget {budget}: {e}; pass --attention dot_product") from None
     mb_tokens = pick(args.micro_batch_tokens, cfg.train.micro_batch_tokens)

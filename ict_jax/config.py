@@ -135,7 +135,7 @@ class TrainConfig:
   num_iterations: int = 1  # passes over each rollout batch (old log-probs kept)
   micro_batch_size: int = 0  # sequences per micro-batch (0: the whole batch)
   token_budget: int = 0  # > 0: the decoder runs on packed rows of this many tokens (ict_jax/packing.py;
-  # at least data.max_prompt_len + rollout.max_new_tokens); 0: on the padded rows
+  # at least data.max_prompt_len + rollout.max_new_tokens; cudnn attention: Hopper or later); 0: padded rows
   micro_batch_tokens: int = 0  # > 0 (with token_budget): micro-batches formed by decoder tokens, not
   # rows (verl's dynamic batch size): each this many tokens of packed rows, as many whole groups as fit
   seed: int = 0
@@ -454,15 +454,28 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
   return cfg
 
 
-def check_packing_attention(attention: str) -> None:
-  """Packed rows (train.token_budget) need an attention implementation that takes segment ids."""
-  from ict_jax.models.attention import PACKING
+def check_packing_attention(attention: str, devices=()) -> None:
+  """Packed rows (train.token_budget) with the cuDNN attention take cuDNN's sequence packing,
+  which runs on Hopper or later GPUs; `devices` (the mesh's) are checked where they say their
+  compute capability. Every implementation takes packed rows otherwise."""
+  from ict_jax.models.attention import CUDNN_PACKING_CAPABILITY, PACKING
 
   if attention not in PACKING + ("auto",):
     raise ConfigError(
         f"config.train.token_budget: packing needs an attention implementation that takes segment "
-        f"ids ({', '.join(PACKING)}); model.attention is {attention!r} (cuDNN's takes sequence lengths only)"
+        f"ids ({', '.join(PACKING)}); model.attention is {attention!r}"
     )
+  if attention != "cudnn":
+    return
+  need = ".".join(map(str, CUDNN_PACKING_CAPABILITY))
+  for device in devices:
+    have = getattr(device, "compute_capability", "")
+    if have and tuple(int(x) for x in have.split(".")) < CUDNN_PACKING_CAPABILITY:
+      raise ConfigError(
+          f"config.train.token_budget: packed rows with model.attention 'cudnn' take cuDNN's sequence "
+          f"packing, which needs compute capability >= {need} (Hopper); {device.device_kind} has {have}. "
+          f"Use model.attention=dot_product, or train.token_budget=0"
+      )
 
 
 def profile_range(text: str) -> tuple[int, int]:

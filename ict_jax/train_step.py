@@ -166,8 +166,11 @@ def completion_logp_and_stats(
       kernels=model.cfg.kernels,
   )
   if "packed_ids" in batch:  # the decoder on packed rows; the head on the groups' live blocks
-    h = model.hidden_states(
-        batch["packed_ids"], positions=batch["packed_positions"], segment_ids=batch["packed_segments"]
+    h = model.hidden_states(  # a packed row holds at most the micro-batch's N sequences
+        batch["packed_ids"],
+        positions=batch["packed_positions"],
+        segment_ids=batch["packed_segments"],
+        max_segments=batch["head_index"].shape[0],
     )
     h = jnp.take(h.reshape(-1, h.shape[-1]), batch["head_index"], axis=0)  # [N, C2, D]
     logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"], segments=batch["head_segments"])

@@ -116,6 +116,16 @@ def test_packed_step_compiles_at_its_largest_batch(tpu_small, tmp_path):
   assert r["temp_bytes"] == pytest.approx(padded["temp_bytes"], rel=0.25)
 
 
+def test_packed_step_compiles_on_gpu_with_cudnns_sequence_packing(tmp_path):
+  """The packed step on h100-8 in bfloat16, where auto attention is cudnn: cuDNN's sequence
+  packing (the runs as ragged offsets) compiles, forward and backward, for the Hopper target."""
+  args = ["--config.model.dtype=bfloat16", "--config.train.token_budget=32", "--config.train.micro_batch_tokens=512"]
+  proc, r = aot(*SMALL, *MESH_2X4, "--target", "h100-8", "--part", "train", *args, json_path=tmp_path / "g.json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert r["shapes"]["attention"] == "cudnn" and r["cudnn_attention_calls"] == 2 and r["fits"] is True
+  assert r["shapes"]["packed"]["micro_batches"] == 2 and r["shapes"]["packed"]["width"] == 32
+
+
 def test_default_config_compiles_over_its_task_vocabulary(tmp_path):
   """configs/tiny.py (model.vocab="task"): aot builds the task vocabulary from the task's data, as
   the trainer does, and compiles the 128-row model (20 tokens of synthetic_chain level 1)."""
@@ -420,10 +430,6 @@ def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, 
         (["--target", "v5e-8", "--config.rollout.decode_batch_size=5"], ["decode_batch_size: 5 does not divide"]),
         (["--target", "v5e-8", "--hbm_gib=-1"], ["--hbm_gib must be >= 0"]),
         (["--target", "v5e-8", "--capped_share=1.5"], ["--capped_share must be in [0, 1], got 1.5"]),
-        (
-            ["--target", "h100-8", "--config.model.dtype=bfloat16", "--config.train.token_budget=32"],
-            ["h100-8", "packing needs an attention implementation that takes segment ids", "'cudnn'"],
-        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):

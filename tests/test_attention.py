@@ -3,7 +3,7 @@ GQA, left- and right-padded rows; "auto" resolved once in set-up; the splash ker
 interpreter (CPU) and compiled for a TPU v5e topology this machine does not have (libtpu); the
 cudnn formulation (rotated rows, sequence lengths) through XLA, and its cuDNN call traced, with
 cuDNN's layout checks, in the train step, scoring and the sampler's prefill (cuDNN's version
-probe stubbed: this machine has no cuDNN library)."""
+probe stubbed: this machine has no cuDNN library); packed rows as cuDNN's ragged runs, traced."""
 
 import os
 import subprocess
@@ -175,6 +175,85 @@ def test_cudnn_traces_in_the_samplers_prefill(cudnn_probe):
   policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16")
   with pytest.raises(NotImplementedError, match="dot_product_attention_fwd.* not found for platform cpu"):
     sampling.lower_generate(policy, 4, 8, 8)
+
+
+# ---- packed rows on cuDNN: its sequence packing (ragged offsets and lengths) ---------------------
+PACKED_IDS = np.array(
+    [
+        [1, 1, 1, 2, 2, 2, 2, 3, 0, 0, 0, 0],  # three sequences, then padding
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],  # one sequence filling the row
+        [1, 1, 3, 3, 3, 3, 0, 0, 0, 0, 0, 0],  # sequence 2 has no real token (an empty slot)
+        [0] * 12,  # a padding-only row
+    ],
+    np.int32,
+)
+
+
+def _runs_mask(lengths, offsets, t):
+  """[B, T, T]: what cuDNN's sequence packing with PADDING_CAUSAL lets query t see, from its
+  ragged form alone: key s of the same run m, s <= t (offsets[b, m] <= s <= t < offsets[b, m] +
+  lengths[b, m]); runs with length -1 are absent."""
+  pos = np.arange(t)
+  allowed = np.zeros((len(lengths), t, t), bool)
+  for b, m in zip(*np.nonzero(lengths >= 0)):
+    inside = (pos >= offsets[b, m]) & (pos < offsets[b, m] + lengths[b, m])
+    allowed[b] |= inside[:, None] & inside[None, :] & (pos[None, :] <= pos[:, None])
+  return allowed
+
+
+def test_segment_runs_give_cudnn_the_packed_rows_block_mask():
+  """`segment_runs` (ids -> cuDNN's lengths [B, M] and offsets [B, M + 1]) describes exactly the
+  block-causal mask the other implementations apply to packed rows, on every real query; a
+  sequence without tokens and the rows' ends are -1."""
+  lengths, offsets = (np.asarray(x) for x in attn.segment_runs(jnp.asarray(PACKED_IDS), 3))
+  np.testing.assert_array_equal(lengths, [[3, 4, 1], [12, -1, -1], [2, -1, 4], [-1, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, 7, -1], [0, -1, -1, -1], [0, -1, 2, -1], [-1, -1, -1, -1]])
+  want = np.asarray(attn._allowed(jnp.asarray(PACKED_IDS), True))
+  real = PACKED_IDS > 0
+  np.testing.assert_array_equal(_runs_mask(lengths, offsets, 12)[real], want[real])
+
+
+@pytest.fixture
+def hopper_probe(cudnn_probe, monkeypatch):
+  """The compute-capability probes JAX asks while tracing cuDNN's sequence packing (there is no
+  local GPU) answer for an H100 (9.0)."""
+  capability = lambda c: tuple(int(x) for x in c.split("."))
+  monkeypatch.setattr(cudnn_fused, "check_compute_capability", lambda c: (9, 0) >= capability(c))
+  monkeypatch.setattr(cudnn_fused, "is_cuda_compute_capability_equal", lambda c: (9, 0) == capability(c))
+
+
+def _packed_cudnn_grads(ids, max_segments):
+  rng = np.random.RandomState(0)
+  b, t = ids.shape
+  q, kk, v = (jnp.asarray(rng.randn(b, t, heads, 16), jnp.bfloat16) for heads in (4, 2, 2))
+  seg = attn.PackedSegments(jnp.asarray(ids), max_segments)
+  loss = lambda q, k, v: jnp.sum(attn.attend(q, k, v, seg, "cudnn").astype(jnp.float32) ** 2)
+  return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)
+
+
+def test_packed_rows_trace_into_cudnns_sequence_packing(hopper_probe, monkeypatch):
+  """bfloat16 packed rows on "cudnn": the forward and backward cuDNN calls take the runs (lengths
+  [B, M] and offsets [B, M + 1], M = max_segments), JAX's checks for packing pass on Hopper, and
+  before Hopper JAX refuses the packed layout (what `check_packing_attention` says at start-up)."""
+  jaxpr = _packed_cudnn_grads(PACKED_IDS, 3)
+  assert _cudnn_calls(jaxpr) == {"dot_product_attention_fwd", "dot_product_attention_bwd"}
+  text = str(jaxpr)
+  assert "i32[4,3]" in text and "i32[4,4]" in text  # the lengths and the offsets of 4 rows x 3 runs
+  monkeypatch.setattr(cudnn_fused, "check_compute_capability", lambda c: False)  # an A100
+  with pytest.raises(NotImplementedError, match="Packed layout requires a GPU with at least Hopper"):
+    _packed_cudnn_grads(PACKED_IDS, 3)
+
+
+def test_packing_with_cudnn_before_hopper_is_one_config_error():
+  a100, h100 = (
+      types.SimpleNamespace(device_kind=k, compute_capability=c) for k, c in (("A100", "8.0"), ("H100", "9.0"))
+  )
+  with pytest.raises(
+      config_lib.ConfigError, match=r"train.token_budget: .* 'cudnn' .* >= 9.0 \(Hopper\); A100 has 8.0"
+  ):
+    config_lib.check_packing_attention("cudnn", [a100])
+  config_lib.check_packing_attention("cudnn", [h100])
+  config_lib.check_packing_attention("splash", [a100])  # only cuDNN's packing needs Hopper
 
 
 def test_splash_kernel_in_interpreter_matches_einsum():

@@ -46,6 +46,9 @@ def _cudnn_loadable() -> bool:
 # library (9.12: the oldest jax-cuda13-plugin[with-cuda] accepts). JAX only gates features on it
 # (MLA, compute capability 10.3); nothing of it enters the program.
 CUDNN_VERSION_FOR_TRACING = 91200
+# The GPU targets' compute capability (H100 and H200 SXM: 9.0, gpu_specs/h100_sxm.txtpb), which JAX
+# asks the local GPU for while tracing cuDNN's sequence packing (the packed step on GPU).
+COMPUTE_CAPABILITY_FOR_TRACING = (9, 0)
 
 
 def _cudnn_note(mcfg) -> str:
@@ -62,18 +65,28 @@ def _cudnn_tracing(mcfg):
   """Trace `mcfg`'s cudnn attention on a machine without the cuDNN library (a CPU box compiling
   for a GPU node). JAX asks the library for its version while tracing and stops there when it is
   absent; the CUDA plugin compiles the cuDNN custom call without it. So, for the trace only, the
-  probe answers CUDNN_VERSION_FOR_TRACING: what compiles is the program the trainer runs."""
+  probe answers CUDNN_VERSION_FOR_TRACING, and the compute-capability probes (no local GPU)
+  answer for the target's (COMPUTE_CAPABILITY_FOR_TRACING): what compiles is the program the
+  trainer runs."""
   if not _cudnn_note(mcfg):
     yield
     return
   from jax._src.cudnn import fused_attention_stablehlo as fused
 
-  probe = fused.check_cudnn_version
-  fused.check_cudnn_version = lambda: CUDNN_VERSION_FOR_TRACING
+  capability = lambda text: tuple(int(x) for x in text.split("."))
+  probes = {
+      "check_cudnn_version": lambda: CUDNN_VERSION_FOR_TRACING,
+      "check_compute_capability": lambda c: COMPUTE_CAPABILITY_FOR_TRACING >= capability(c),
+      "is_cuda_compute_capability_equal": lambda c: COMPUTE_CAPABILITY_FOR_TRACING == capability(c),
+  }
+  saved = {name: getattr(fused, name) for name in probes}
+  for name, probe in probes.items():
+    setattr(fused, name, probe)
   try:
     yield
   finally:
-    fused.check_cudnn_version = probe
+    for name, probe in saved.items():
+      setattr(fused, name, probe)
 
 
 def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dict[str, tuple]:

@@ -11,9 +11,10 @@ here takes q [B, T, N, H] (rotary applied, unscaled), k and v [B, T, K, H] (GQA:
                  implementation="cudnn")`). cuDNN takes no [B, 1, 1, S] key mask (a bias must be
                  [.., T, S]) and reads padding as sequence lengths, i.e. right padding only: each
                  row is rotated so its real tokens start at 0 (`seq_lengths_attention`), attended
-                 with PADDING_CAUSAL and rotated back. It computes in float16/bfloat16 only;
-                 float32 inputs (a rollout or eval dtype override) take XLA's implementation of
-                 the same call.
+                 with PADDING_CAUSAL and rotated back. Packed rows go to cuDNN's sequence packing
+                 (`packed_cudnn_attention`: each sequence's run as ragged offsets and lengths;
+                 Hopper or later). It computes in float16/bfloat16 only; float32 inputs (a
+                 rollout or eval dtype override) take XLA's implementation of the same masks.
   "splash"       the Pallas TPU splash-attention kernel (flash, blockwise; causal mask blocks are
                  skipped), run per shard under `shard_map` when a mesh is set.
 
@@ -24,8 +25,8 @@ so no row is empty), "cudnn" gives them zeros, the others a uniform or arbitrary
 completion: what the train step, scoring, the warm start and the sampler's prefill pass).
 Packed rows (`PackedSegments`: several sequences a row, ids 1, 2, .. per sequence, 0 padding;
 the train step's `train.token_budget`) attend within their own sequence: "einsum" and
-"dot_product" by a block mask, "splash" by its segment ids; "cudnn" (sequence lengths only)
-cannot take them. Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
+"dot_product" by a block mask, "splash" by its segment ids, "cudnn" by the runs' offsets and
+lengths (a sequence's tokens are one run of its row, as `ict_jax.packing` lays them out). Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
 devices); nothing here looks at the backend.
 """
 
@@ -42,14 +43,18 @@ from ict_jax.models.axes import constrain, logical_to_spec
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
 
-PACKING = ("einsum", "dot_product", "splash")  # the implementations that take packed segments
+PACKING = ("einsum", "dot_product", "cudnn", "splash")  # the implementations that take packed segments
+CUDNN_PACKING_CAPABILITY = (9, 0)  # cuDNN's sequence packing: Hopper or later (JAX checks it when tracing)
 
 
 class PackedSegments(NamedTuple):
   """Segment ids [B, T] of packed rows: token t of row b belongs to sequence ids[b, t] (1, 2, ..
-  within the row, 0 padding) and attends causally to the earlier tokens of that sequence only."""
+  within the row, 0 padding) and attends causally to the earlier tokens of that sequence only.
+  `max_segments` (static): at most that many sequences in a row (cuDNN sizes its ragged offsets
+  and its softmax statistics [B x max_segments, N, T] by it); None: T."""
 
   ids: Array
+  max_segments: int | None = None
 
 
 SPLASH_BLOCKS = (512, 256, 128)  # splash tile along T (queries and keys): the largest dividing T
@@ -115,6 +120,21 @@ def _rotate_rows_bwd(shift, g):
 _rotate_rows.defvjp(_rotate_rows_fwd, _rotate_rows_bwd)
 
 
+def _cudnn_operands(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+  """q [B, T, N, H], k and v [B, T, K, H] as cuDNN's partitioner takes them under a mesh:
+  sharded alike. K heads that do not split over `tensor` as the N query heads do are repeated to
+  N (GQA as MHA, the same values; query head n reads KV head n // G either way). No mesh: as given."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return q, k, v
+  heads, kv_heads = ("act_batch", "act_length", "act_heads", None), ("act_batch", "act_length", "act_kv_heads", None)
+  shape = dict(mesh.shape)
+  if logical_to_spec(heads, q.shape, shape) != logical_to_spec(kv_heads, k.shape, shape):
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    kv_heads = heads
+  return constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
+
+
 def seq_lengths_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, implementation: str) -> Array:
   """Causal attention with padding given as sequence lengths, the form cuDNN takes.
 
@@ -122,22 +142,11 @@ def seq_lengths_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, i
   after). Rotating the row left by `start` puts them at [0, n): then real token i sees exactly
   the real tokens 0..i under PADDING_CAUSAL with query and key lengths n. Exact for real tokens;
   padding queries come back as zeros (a padding-only row gets length 1, so no row is empty).
-  Under a mesh q, k and v are given one sharding (cuDNN's partitioner needs it; K heads that do
-  not split over `tensor` like the N query heads are repeated to N)."""
+  Under a mesh q, k and v are given one sharding (`_cudnn_operands`)."""
   real = segment_ids > 0
   start = jnp.argmax(real, axis=1).astype(jnp.int32)  # the first real token (0 if none)
   lengths = jnp.maximum(jnp.sum(real, axis=1, dtype=jnp.int32), 1)
-  q, k, v = (_rotate_rows(x, start) for x in (q, k, v))
-  heads, kv_heads = ("act_batch", "act_length", "act_heads", None), ("act_batch", "act_length", "act_kv_heads", None)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:  # cuDNN's partitioner takes q, k and v sharded alike
-    shape = dict(mesh.shape)
-    if logical_to_spec(heads, q.shape, shape) != logical_to_spec(kv_heads, k.shape, shape):
-      # the K heads do not split over `tensor` as the N query heads do: repeat them to N
-      # (GQA as MHA, the same values; query head n reads KV head n // G either way)
-      k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-      kv_heads = heads
-    q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
+  q, k, v = _cudnn_operands(*(_rotate_rows(x, start) for x in (q, k, v)))
   out = jax.nn.dot_product_attention(
       q,
       k,
@@ -151,9 +160,55 @@ def seq_lengths_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, i
   return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def cudnn_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
-  """cuDNN flash attention (`seq_lengths_attention`); float32 inputs, which cuDNN refuses, take
-  XLA's implementation of the same call."""
+def segment_runs(ids: Array, max_segments: int) -> tuple[Array, Array]:
+  """cuDNN's ragged form of packed rows whose sequences are each one run of ids 1, 2, .. (0
+  padding): ids [B, T] -> (lengths [B, M], offsets [B, M + 1]), int32, M = max_segments: run m's
+  token count and first position, -1 where a row has no run m (and in offsets' last column)."""
+  number = jnp.arange(1, max_segments + 1, dtype=ids.dtype)
+  member = ids[:, :, None] == number  # [B, T, M]
+  lengths = jnp.sum(member, axis=1, dtype=jnp.int32)  # [B, M]
+  present = lengths > 0
+  starts = jnp.where(present, jnp.argmax(member, axis=1).astype(jnp.int32), -1)
+  offsets = jnp.pad(starts, [(0, 0), (0, 1)], constant_values=-1)
+  return jnp.where(present, lengths, -1), offsets
+
+
+def packed_cudnn_attention(q: Array, k: Array, v: Array, segments: PackedSegments) -> Array:
+  """cuDNN flash attention over packed rows: cuDNN's sequence packing (each sequence a run of
+  its row, `segment_runs`) with PADDING_CAUSAL, so a token attends to the earlier tokens of its
+  own run. Padding tokens come back as zeros. cuDNN takes this on Hopper or later GPUs
+  (`CUDNN_PACKING_CAPABILITY`; JAX raises at trace time before that). Under a mesh the runs are
+  sharded over the batch with q, k and v (`_cudnn_operands`)."""
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType
+  from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
+
+  ids = segments.ids
+  lengths, offsets = segment_runs(ids, min(segments.max_segments or ids.shape[1], ids.shape[1]))
+  q, k, v = _cudnn_operands(q, k, v)
+  if not jax.sharding.get_abstract_mesh().empty:
+    lengths, offsets = constrain(lengths, ("act_batch", None)), constrain(offsets, ("act_batch", None))
+  out = cudnn_dpa(
+      q,
+      k,
+      v,
+      q_seqlen=lengths,
+      kv_seqlen=lengths,
+      q_offsets=offsets,
+      kv_offsets=offsets,
+      scale=q.shape[-1] ** -0.5,
+      mask_type=MaskType.PADDING_CAUSAL,
+      qkv_layout="BTNH",
+  )
+  return jnp.where(ids[:, :, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
+def cudnn_attention(q: Array, k: Array, v: Array, segment_ids) -> Array:
+  """cuDNN flash attention (`seq_lengths_attention`; packed rows `packed_cudnn_attention`);
+  float32 inputs, which cuDNN refuses, take XLA's implementation of the same masks."""
+  if isinstance(segment_ids, PackedSegments):
+    if q.dtype == jnp.float32:
+      return dot_product_attention(q, k, v, segment_ids.ids, implementation="xla", packed=True)
+    return packed_cudnn_attention(q, k, v, segment_ids)
   implementation = "xla" if q.dtype == jnp.float32 else "cudnn"
   return seq_lengths_attention(q, k, v, segment_ids, implementation=implementation)
 
@@ -223,6 +278,8 @@ def attend(q: Array, k: Array, v: Array, segment_ids, implementation: str) -> Ar
   """Dispatch on `implementation` (one of IMPLEMENTATIONS); `segment_ids` is the [B, T] mask of a
   padded batch or the `PackedSegments` of packed rows."""
   packed = isinstance(segment_ids, PackedSegments)
+  if implementation == "cudnn":
+    return cudnn_attention(q, k, v, segment_ids)
   if packed:
     if implementation not in PACKING:
       raise ValueError(f"attention implementation {implementation!r} cannot take packed rows; use one of {PACKING}")
@@ -231,8 +288,6 @@ def attend(q: Array, k: Array, v: Array, segment_ids, implementation: str) -> Ar
     return einsum_attention(q, k, v, segment_ids, packed=packed)
   if implementation == "dot_product":
     return dot_product_attention(q, k, v, segment_ids, implementation="xla", packed=packed)
-  if implementation == "cudnn":
-    return cudnn_attention(q, k, v, segment_ids)
   if implementation == "splash":
     return splash_attention(q, k, v, segment_ids)
   raise ValueError(f"attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")

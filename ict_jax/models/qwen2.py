@@ -343,6 +343,7 @@ class Qwen2(nnx.Module):
       prefix_mask: Array | None = None,
       cache_read_len: int | None = None,
       segment_ids: Array | None = None,
+      max_segments: int | None = None,
   ):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
@@ -358,13 +359,13 @@ class Qwen2(nnx.Module):
     hold every slot written before cache_index (the decode loop's length-bounded phases).
     `segment_ids` [B, T] (no cache): packed rows, several sequences a row (ids 1, 2, .. a row, 0
     padding) that attend within their sequence only; `positions` then give each token's position
-    in its own sequence."""
+    in its own sequence; `max_segments` (static): at most that many sequences a row (default T)."""
     cfg = self.cfg
     b, t = input_ids.shape
     if segment_ids is not None:
       if cache is not None or positions is None:
         raise ValueError("hidden_states: packed segment_ids take per-sequence positions and no cache")
-      attention_mask = PackedSegments(segment_ids)
+      attention_mask = PackedSegments(segment_ids, max_segments)
     elif attention_mask is None:
       attention_mask = jnp.ones((b, t), jnp.int32)
     if positions is None:
