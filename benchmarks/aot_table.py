@@ -39,36 +39,47 @@ CFG = {
     "7B": "configs/qwen2_5_7b_math.py",
 }
 V5E_7B = ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]  # float32 state (bf16 params refused)
-# the packed update (README "Packed tokens"): rows of 512 + 2048 tokens, micro-batches of 32 of them
-PACKED = [
-    "--config.train.token_budget=2560",
-    "--config.train.micro_batch_tokens=81920",
-    "--config.train.micro_batch_size=0",
+# the padded update (the configs' default until 2026-12-06): every row at the batch's widest
+# prompt + completion, micro-batches of N rows
+PADDED = lambda n: [
+    "--config.train.token_budget=0",
+    "--config.train.micro_batch_tokens=0",
+    f"--config.train.micro_batch_size={n}",
 ]
 
 # name -> (model, target, extra aot arguments); the order is the order they are compiled in: the
-# recipes README.md and launch/README.md show first, then the rest of their mesh table.
+# recipes README.md and launch/README.md show first (each config as written: the update on packed
+# rows, `paper_config`), then the padded update on the same targets.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
-    "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "1.5b_v5p-32": ("1.5B", "v5p-32", []),
-    "7b_v5p-32": ("7B", "v5p-32", []),
-    "7b_h100-8": ("7B", "h100-8", []),
-    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", ["--config.train.micro_batch_size=16"]),
-    "1.5b_h100-8": ("1.5B", "h100-8", []),
-    "0.5b_v5p-32": ("0.5B", "v5p-32", []),
-    "0.5b_h100-8": ("0.5B", "h100-8", []),
-    "1.5b_h200-8": ("1.5B", "h200-8", []),
-    "7b_h200-8": ("7B", "h200-8", []),
-    "0.5b_h200-8": ("0.5B", "h200-8", []),
-    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", ["--config.train.micro_batch_size=32"]),
-    "1.5b_v5e-8": ("1.5B", "v5e-8", []),  # the config's micro-batch, 64
-    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + ["--config.train.micro_batch_size=8"]),
-    "1.5b_v5e-8_packed": ("1.5B", "v5e-8", PACKED),
-    "1.5b_v5p-32_packed": ("1.5B", "v5p-32", PACKED),
-    "1.5b_h100-8_packed": ("1.5B", "h100-8", PACKED),  # cuDNN's sequence packing
-    "7b_h100-8_packed": ("7B", "h100-8", PACKED),
-    "7b_h200-8_packed": ("7B", "h200-8", PACKED),
+    "1.5b_v5e-8_packed": ("1.5B", "v5e-8", []),
+    "1.5b_v5p-32_packed": ("1.5B", "v5p-32", []),
+    "7b_v5p-32_packed": ("7B", "v5p-32", []),
+    "7b_h100-8_packed": ("7B", "h100-8", []),  # cuDNN's sequence packing
+    "0.5b_v5e-8_packed": ("0.5B", "v5e-8", []),
+    "1.5b_h100-8_packed": ("1.5B", "h100-8", []),
+    "0.5b_v5p-32_packed": ("0.5B", "v5p-32", []),
+    "0.5b_h100-8_packed": ("0.5B", "h100-8", []),
+    "1.5b_h200-8_packed": ("1.5B", "h200-8", []),
+    "7b_h200-8_packed": ("7B", "h200-8", []),
+    "0.5b_h200-8_packed": ("0.5B", "h200-8", []),
+    "7b_v5e-8_mb8": ("7B", "v5e-8", V5E_7B + PADDED(8)),
+    "1.5b_v5e-8_mb16": ("1.5B", "v5e-8", PADDED(16)),
+    "1.5b_v5p-32": ("1.5B", "v5p-32", PADDED(64)),
+    "7b_v5p-32": ("7B", "v5p-32", PADDED(32)),
+    "7b_h100-8": ("7B", "h100-8", PADDED(32)),
+    "0.5b_v5e-8_mb16": ("0.5B", "v5e-8", PADDED(16)),
+    "1.5b_h100-8": ("1.5B", "h100-8", PADDED(64)),
+    "0.5b_v5p-32": ("0.5B", "v5p-32", PADDED(128)),
+    "0.5b_h100-8": ("0.5B", "h100-8", PADDED(128)),
+    "1.5b_h200-8": ("1.5B", "h200-8", PADDED(64)),
+    "7b_h200-8": ("7B", "h200-8", PADDED(32)),
+    "0.5b_h200-8": ("0.5B", "h200-8", PADDED(128)),
+    "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", PADDED(32)),
+    "1.5b_v5e-8": ("1.5B", "v5e-8", PADDED(64)),
 }
+# the rows README.md and launch/README.md show: the configs as written (packed), and 7B on v5e-8,
+# which fits in no form (its padded step at 8 rows shows by how much)
+RECIPES = [name for name, (_, _, extra) in RUNS.items() if not extra] + ["7b_v5e-8_mb8"]
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
 # runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
@@ -77,9 +88,15 @@ SAME_SAMPLER = {
     "1.5b_v5e-8": "1.5b_v5e-8_mb16",
     "1.5b_v5e-8_packed": "1.5b_v5e-8_mb16",
     "1.5b_v5p-32_packed": "1.5b_v5p-32",
-    "1.5b_h100-8_packed": "1.5b_h100-8",
+    "7b_v5p-32_packed": "7b_v5p-32",
     "7b_h100-8_packed": "7b_h100-8",
+    "0.5b_v5e-8_packed": "0.5b_v5e-8_mb16",
+    "1.5b_h100-8_packed": "1.5b_h100-8",
+    "0.5b_v5p-32_packed": "0.5b_v5p-32",
+    "0.5b_h100-8_packed": "0.5b_h100-8",
+    "1.5b_h200-8_packed": "1.5b_h200-8",
     "7b_h200-8_packed": "7b_h200-8",
+    "0.5b_h200-8_packed": "0.5b_h200-8",
 }
 
 
@@ -254,14 +271,15 @@ def sampler_table(reports: dict[str, dict]) -> str:
   return "\n".join(rows)
 
 
-def recipes_table(reports: dict[str, dict[str, dict]]) -> str:
-  """The short table README.md and launch/README.md show: per recipe, does each program fit."""
+def recipes_table(reports: dict[str, dict[str, dict]], names=None) -> str:
+  """The short table README.md and launch/README.md show: per recipe (`names`, default RECIPES),
+  does each program fit."""
   rows = _header(
       "model", "target", "mesh (data, fsdp, tensor)", "micro-batch", "train step: peak / usable GiB a chip, fits",
       "decode batch", "sampler: peak + train state / usable GiB, fits", "decode step bytes / minimum",
       "step time LOWER BOUND (h for train.steps)",
   )  # fmt: skip
-  for name in RUNS:
+  for name in names or RECIPES:
     model, target, _ = RUNS[name]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
     if t is None and r is None:
@@ -352,7 +370,7 @@ def main() -> None:
         run(name, part)
   reports = load_reports()
   write_results(reports, docs=not args.no_docs)
-  print(recipes_table(reports))
+  print(recipes_table(reports, [n for n in args.only.split(",") if n] or None))  # these runs, or the recipes
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Compile time and per-device memory of the train step, without running it (abstract inputs).
 
     python benchmarks/compile_step.py --config configs/qwen2_5_1_5b_math.py --preset qwen2_5_1_5b \
-        [--target v5p-32 | --target cpu] [--rows 1024 --prompt 512 --completion 2048] [--json out.json]
+        [--target v5p-32 | --target cpu] [--rows 1024 --prompt 512 --completion 2048] \
+        [--micro_batch 64] [--json out.json]
 
 The step, its state and shardings come from the trainer's functions (`setup`, `train_step`); the
 model's architecture comes from `--preset` (the config's model.path is not read). `--target
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
   spec.loader.exec_module(module)
   c = module.get_config()
   c.model.path, c.model.preset = "", args.preset
+  c.train.token_budget = c.train.micro_batch_tokens = 0  # the padded step (`ict_jax.aot` compiles the packed one)
   if args.rows:
     c.rollout.prompts_per_step = args.rows // c.rollout.group_size
   if args.micro_batch:

@@ -3,16 +3,16 @@
     python -m ict_jax.train --config configs/qwen2_5_0_5b_math.py --workdir gs://BUCKET/run \
         --config.model.path=/ckpt/Qwen2.5-0.5B [--config.ict.method=grpo|entropy|stapo|ict]
 
-Mesh: v5e-8: fsdp=8. Batch: 128 prompts x G=8 per step (ASSUMPTION), micro-batches of 128 sequences.
-128 is not compiled for v5e-8; 16 is and fits (`--config.train.micro_batch_size=16`; the figures:
-`python -m ict_jax.aot --config configs/qwen2_5_0_5b_math.py --target v5e-8
---config.train.micro_batch_size=16`, tabled in benchmarks/RESULTS.md and README.md).
+Mesh: v5e-8: fsdp=8 (or v5p-32: fsdp=16; 8 x H100/H200: fsdp=8). Batch: 128 prompts x G=8 per
+step (ASSUMPTION). The update runs on packed rows of 512 + 2048 tokens, micro-batches of 32 such rows
+(`paper_config`: README "Packed tokens"; the padded update: `--config.train.token_budget=0
+--config.train.micro_batch_tokens=0 --config.train.micro_batch_size=N`).
+Check a target with `python -m ict_jax.aot --config configs/qwen2_5_0_5b_math.py --target v5e-8`
+(tabled in benchmarks/RESULTS.md and README.md).
 """
 
 from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config(
-      "/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1, micro_batch_size=128
-  )
+  return paper_config("/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1)

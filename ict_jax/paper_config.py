@@ -18,7 +18,7 @@ def paper_config(
     steps: int,
     mesh_fsdp: int = -1,
     mesh_tensor: int = 1,
-    micro_batch_size: int = 0,
+    micro_batch_tokens: int = 32 * 2560,
 ):
   c = default_config()
   c.model.path = model_dir  # local HF folder, e.g. /ckpt/Qwen2.5-1.5B
@@ -53,7 +53,13 @@ def paper_config(
   c.reward.num_workers = 8
   c.reward.timeout_s = 5.0
   c.train.steps = steps  # ASSUMPTION
-  c.train.micro_batch_size = micro_batch_size
+  # the update on packed rows, micro-batches by tokens (README "Packed tokens"; verl's dynamic batch
+  # size): rows of one whole sequence's width, each micro-batch `micro_batch_tokens` of them (32
+  # rows of 2560 tokens), as many whole groups as fit. The padded update instead:
+  # --config.train.token_budget=0 --config.train.micro_batch_tokens=0 --config.train.micro_batch_size=N
+  c.train.token_budget = c.data.max_prompt_len + c.rollout.max_new_tokens
+  c.train.micro_batch_tokens = micro_batch_tokens
+  c.train.micro_batch_size = 0
   c.train.checkpoint_every = 25
   c.train.keep_checkpoints = 3
   c.train.eval_samples = 4  # PAPER: pass@4 (P@1 and P@4)

@@ -1,6 +1,6 @@
 """The multi-host path on CPU: two processes join with `jax.distributed.initialize` on localhost
-and train the tiny model together; their losses equal a one-process run on the same number of
-devices, and a rollout where one host's verifier is slow on one row gives both hosts the same
+and train the tiny model together, the update on packed rows; their losses equal a one-process
+run of the padded update on the same number of devices, and a rollout where one host's verifier is slow on one row gives both hosts the same
 rewards and advantages. A SIGTERM to one host (every host saves the same step, exits 0, and the
 resume equals the uninterrupted run) is tests/test_pod.py's, on 4 processes and a bucket."""
 
@@ -28,12 +28,14 @@ SCRIPT = textwrap.dedent("""
     c.train.steps = c.train.checkpoint_every = 2
     c.train.async_checkpointing = False
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.train.token_budget = int(sys.argv[2])  # > 0: the update on packed rows
     history = train(c, sys.argv[1], progress=False)
     print("RESULT " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
                                   "steps": [r["step"] for r in history],
                                   "devices": jax.device_count(),
                                   "metrics": [[r["loss"], r["reward_mean"], r["entropy"], r["grad_norm"]]
-                                              for r in history]}), flush=True)
+                                              for r in history],
+                                  "padded": [r["padded_fraction"] for r in history]}), flush=True)
     if jax.process_count() > 1:  # leave together; skip the coordinator's shutdown barrier, whose
         from jax.experimental import multihost_utils  # timeout a loaded CI machine can exceed
         multihost_utils.sync_global_devices("test done")
@@ -102,11 +104,17 @@ def _result(out: str) -> dict:
   return json.loads(lines[-1][len("RESULT ") :])
 
 
+PACKED_ROW = 20  # tiny_config's 16 prompt + 4 completion tokens: the two-process run packs
+
+
 def test_two_processes_train_like_one(tmp_path):
+  """Two processes, each packing the whole batch the same way (`packing.pack_batch` on the
+  gathered rollout, as the paper configs run the update), train like one process on the padded
+  batch: the same losses, rewards, entropies and gradient norms."""
   port = _free_port()
   procs = [
       subprocess.Popen(
-          [sys.executable, "-c", SCRIPT, str(tmp_path / "multi")],
+          [sys.executable, "-c", SCRIPT, str(tmp_path / "multi"), str(PACKED_ROW)],
           cwd=REPO,
           env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
           stdout=subprocess.PIPE,
@@ -121,7 +129,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert p.returncode == 0, out[-3000:]
     outs.append(_result(out))
   single = subprocess.run(
-      [sys.executable, "-c", SCRIPT, str(tmp_path / "single")],
+      [sys.executable, "-c", SCRIPT, str(tmp_path / "single"), "0"],
       cwd=REPO,
       env=_env(4),
       capture_output=True,
@@ -134,6 +142,7 @@ def test_two_processes_train_like_one(tmp_path):
   assert outs[0]["devices"] == outs[1]["devices"] == one["devices"] == 4
   np.testing.assert_allclose(outs[0]["metrics"], outs[1]["metrics"], rtol=1e-6)
   np.testing.assert_allclose(outs[0]["metrics"], one["metrics"], rtol=2e-4, atol=1e-6)
+  assert all(p < q for p, q in zip(outs[0]["padded"], one["padded"]))  # the packed update ran fewer positions
   # only process 0 writes logs; both wrote the same checkpoint
   rows = read_log(tmp_path / "multi", "metrics")
   assert [r["step"] for r in rows] == [1, 2]
