@@ -26,7 +26,8 @@ completion: what the train step, scoring, the warm start and the sampler's prefi
 Packed rows (`PackedSegments`: several sequences a row, ids 1, 2, .. per sequence, 0 padding;
 the train step's `train.token_budget`) attend within their own sequence: "einsum" and
 "dot_product" by a block mask, "splash" by its segment ids, "cudnn" by the runs' offsets and
-lengths (a sequence's tokens are one run of its row, as `ict_jax.packing` lays them out). Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
+lengths (a sequence's tokens are one run of its row, as `ict_jax.packing` lays them out).
+Choosing one is the caller's business (`setup.model_config` resolves "auto" from the mesh's
 devices); nothing here looks at the backend.
 """
 
