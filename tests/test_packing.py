@@ -259,15 +259,28 @@ def test_packed_attention_equals_each_sequence_alone():
   k, v = (jnp.asarray(rng.normal(size=(1, t, 2, 8)), jnp.float32) for _ in range(2))
   seg = np.zeros((1, t), np.int32)
   seg[0, :15] = np.repeat([1, 2, 3], lens)
-  for impl in ("einsum", "dot_product", "cudnn"):  # splash takes the ids as its own segment ids
-    # (float32 "cudnn" is XLA's call with the block mask; bfloat16 cuDNN: tests/test_attention.py)
-    got = attention.attend(q, k, v, attention.PackedSegments(jnp.asarray(seg)), impl)
+  packed = attention.PackedSegments(jnp.asarray(seg))
+  runs = {impl: attention.attend(q, k, v, packed, impl) for impl in ("einsum", "dot_product", "cudnn")}
+  # (float32 "cudnn" is XLA's call with the block mask; bfloat16 cuDNN: tests/test_attention.py).
+  # "splash" (the TPU default) takes the ids as its kernel's segment ids: the kernel in the Pallas
+  # interpreter, as `attend` calls it on TPU
+  runs["splash"] = attention.splash_attention(q, k, v, packed.ids, interpret=True)
+  for impl, got in runs.items():
     start = 0
     for n in lens:
       s = slice(start, start + n)
       alone = attention.einsum_attention(q[:, s], k[:, s], v[:, s], jnp.ones((1, n), jnp.int32))
       np.testing.assert_allclose(np.asarray(got[:, s]), np.asarray(alone), rtol=1e-5, atol=1e-5, err_msg=impl)
       start += n
+  # and the splash kernels' backward pass (dq, dk, dv) on packed rows: the block mask's gradients
+  w = jnp.asarray(rng.normal(size=(1, t, 1, 1)), jnp.float32) * (seg[..., None, None] > 0)
+  loss = lambda fn: lambda q, k, v: jnp.sum((fn(q, k, v) * w) ** 2)
+  want = jax.grad(loss(lambda *a: attention.attend(*a, packed, "einsum")), argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(loss(lambda *a: attention.splash_attention(*a, packed.ids, interpret=True)), argnums=(0, 1, 2))(
+      q, k, v
+  )
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
 TOKENS = 4 * (PROMPT + C)  # token-budget micro-batches of 4 packed rows of 30 tokens
