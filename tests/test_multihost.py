@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent("""
     c.train.steps = c.train.checkpoint_every = 2
     c.train.async_checkpointing = False
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.train.token_budget = int(sys.argv[2])  # > 0: the update on packed rows
+    c.train.token_budget = int(sys.argv[2])  # > 0: the update on packed rows, micro-batches of 4
+    c.train.micro_batch_tokens = 4 * c.train.token_budget  # packed rows (as the paper configs: by tokens)
     history = train(c, sys.argv[1], progress=False)
     print("RESULT " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
                                   "steps": [r["step"] for r in history],
@@ -109,8 +110,9 @@ PACKED_ROW = 20  # tiny_config's 16 prompt + 4 completion tokens: the two-proces
 
 def test_two_processes_train_like_one(tmp_path):
   """Two processes, each packing the whole batch the same way (`packing.pack_batch` on the
-  gathered rollout, as the paper configs run the update), train like one process on the padded
-  batch: the same losses, rewards, entropies and gradient norms."""
+  gathered rollout, micro-batches by tokens, as the paper configs run the update), train like one
+  process on the padded batch: the same losses, rewards, entropies and gradient norms (ICT is
+  micro-batch invariant)."""
   port = _free_port()
   procs = [
       subprocess.Popen(

@@ -2,7 +2,7 @@
 does not have.
 
     python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5p-32 \
-        [--config.train.micro_batch_size=32] [--part train|sample|both] [--completion_len 1024] \
+        [--config.train.micro_batch_tokens=40960] [--part train|sample|both] [--completion_len 1024] \
         [--hbm_gib 14] [--json out.json]
 
 Builds the abstract train state and batch with `jax.eval_shape` (no weight is allocated), with
