@@ -261,7 +261,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
   train_src = fitting_prompts(cfg, tok, train_src)
   mcfg = model_config(cfg, hf_dir, mesh, tok)
   if cfg.train.token_budget:
-    config_lib.check_packing_attention(mcfg.attention, mesh.devices.flat)  # "auto" resolved for these devices
+    config_lib.check_packing_attention(mcfg.attention, mesh.local_devices)  # "auto" resolved for these devices
   graphdef, abstract_params, params_sharding = make_abstract_params(mcfg, mesh)
   optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
   learning_rate = ts.learning_rate_schedule(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
