@@ -474,7 +474,9 @@ def check_packing_attention(attention: str, devices=()) -> None:
       raise ConfigError(
           f"config.train.token_budget: packed rows with model.attention 'cudnn' take cuDNN's sequence "
           f"packing, which needs compute capability >= {need} (Hopper); {device.device_kind} has {have}. "
-          f"Use model.attention=dot_product, or train.token_budget=0"
+          f"Run the padded update (--config.train.token_budget=0 --config.train.micro_batch_tokens=0 "
+          f"--config.train.micro_batch_size=N), or pack with model.attention=dot_product (XLA's "
+          f"attention: [T, T] masks in memory)"
       )
 
 

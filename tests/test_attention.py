@@ -249,7 +249,7 @@ def test_packing_with_cudnn_before_hopper_is_one_config_error():
       types.SimpleNamespace(device_kind=k, compute_capability=c) for k, c in (("A100", "8.0"), ("H100", "9.0"))
   )
   with pytest.raises(
-      config_lib.ConfigError, match=r"train.token_budget: .* 'cudnn' .* >= 9.0 \(Hopper\); A100 has 8.0"
+      config_lib.ConfigError, match=r"train.token_budget: .* 'cudnn' .* >= 9.0 \(Hopper\); A100 has 8.0. Run the padded"
   ):
     config_lib.check_packing_attention("cudnn", [a100])
   config_lib.check_packing_attention("cudnn", [h100])
