@@ -114,6 +114,34 @@ def test_packed_step_equals_padded_step(method, mb):
     )
 
 
+def test_packed_step_with_the_kl_term_equals_padded_step():
+  """`loss.beta` > 0 (the paper configs' "0.001 to enable"): the reference model's log-probs on
+  the packed batch (its own packed decoder pass and LM head) give the padded step's KL, loss and
+  gradients."""
+  mesh, state_sharding, state, opt = mesh_and_state()
+  graphdef, params = model()
+  ref = jax.tree.map(lambda x: x * 0.9, state.params)  # a reference the policy has moved from
+  step = ts.make_train_step(
+      graphdef,
+      dataclasses.replace(step_config("grpo", 0), beta=0.05),
+      opt,
+      mesh=mesh,
+      state_sharding=state_sharding,
+      donate=False,
+      compiler_options=COMPILE_OPTIONS,
+  )
+  batch = make_batch()
+  want_state, want_m, _ = step(state, batch, ref)
+  got_state, got_m, _ = step(state, packed(batch, 0), ref)
+  assert float(want_m["kl"]) > 1e-4
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
+  for a, b in zip(jax.tree.leaves(mu(got_state)), jax.tree.leaves(mu(want_state))):
+    b = np.asarray(b)
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
 def test_balanced_step_equals_padded_step_on_the_permuted_batch():
   """Token-balanced micro-batches (`balance=True`) on a batch whose consecutive micro-batches hold
   135 and 99 tokens: whole groups reordered to 107 and 127 tokens (here back to `make_batch()`'s
