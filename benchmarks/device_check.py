@@ -143,7 +143,7 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
     try:
       check_packing_attention(mcfg.attention, jax.devices())  # cudnn: cuDNN's sequence packing, Hopper+
     except ConfigError as e:
-      raise SystemExit(f"--token_budget {budget}: {e}; pass --attention dot_product") from None
+      raise SystemExit(f"--token_budget {budget}: {e} (here: --token_budget 0, or --attention dot_product)") from None
     mb_tokens = pick(args.micro_batch_tokens, cfg.train.micro_batch_tokens)
     batch = packing.pack_batch(
         batch, token_budget=budget, group_size=g, micro_batch_size=micro, balance=True, micro_batch_tokens=mb_tokens
