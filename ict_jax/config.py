@@ -455,22 +455,17 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
 
 
 def check_packing_attention(attention: str, devices=()) -> None:
-  """Packed rows (train.token_budget) with the cuDNN attention take cuDNN's sequence packing,
-  which runs on Hopper or later GPUs; `devices` (the mesh's) are checked where they say their
-  compute capability. Every implementation takes packed rows otherwise."""
-  from ict_jax.models.attention import CUDNN_PACKING_CAPABILITY, PACKING
+  """Packed rows (train.token_budget): every implementation takes them, the cuDNN attention by
+  cuDNN's sequence packing, which runs on Hopper or later GPUs; `devices` (the mesh's) are checked
+  where they say their compute capability."""
+  from ict_jax.models.attention import CUDNN_PACKING_CAPABILITY, compute_capability
 
-  if attention not in PACKING + ("auto",):
-    raise ConfigError(
-        f"config.train.token_budget: packing needs an attention implementation that takes segment "
-        f"ids ({', '.join(PACKING)}); model.attention is {attention!r}"
-    )
   if attention != "cudnn":
     return
   need = ".".join(map(str, CUDNN_PACKING_CAPABILITY))
   for device in devices:
     have = getattr(device, "compute_capability", "")
-    if have and tuple(int(x) for x in have.split(".")) < CUDNN_PACKING_CAPABILITY:
+    if have and compute_capability(have) < CUDNN_PACKING_CAPABILITY:
       raise ConfigError(
           f"config.train.token_budget: packed rows with model.attention 'cudnn' take cuDNN's sequence "
           f"packing, which needs compute capability >= {need} (Hopper); {device.device_kind} has {have}. "

@@ -18,6 +18,7 @@ from ict_jax import train_step as ts
 from ict_jax.aot.measure import Report, measure
 from ict_jax.aot.targets import AotError, Target, target_devices
 from ict_jax.config import Config, ConfigError, check_packing_attention
+from ict_jax.models.attention import compute_capability
 from ict_jax.sampling import bucket_length
 from ict_jax.setup import abstract_params, make_mesh, model_config
 
@@ -73,11 +74,10 @@ def _cudnn_tracing(mcfg):
     return
   from jax._src.cudnn import fused_attention_stablehlo as fused
 
-  capability = lambda text: tuple(int(x) for x in text.split("."))
   probes = {
       "check_cudnn_version": lambda: CUDNN_VERSION_FOR_TRACING,
-      "check_compute_capability": lambda c: COMPUTE_CAPABILITY_FOR_TRACING >= capability(c),
-      "is_cuda_compute_capability_equal": lambda c: COMPUTE_CAPABILITY_FOR_TRACING == capability(c),
+      "check_compute_capability": lambda c: COMPUTE_CAPABILITY_FOR_TRACING >= compute_capability(c),
+      "is_cuda_compute_capability_equal": lambda c: COMPUTE_CAPABILITY_FOR_TRACING == compute_capability(c),
   }
   saved = {name: getattr(fused, name) for name in probes}
   for name, probe in probes.items():
@@ -185,7 +185,7 @@ def _setup(cfg: Config, target: Target) -> _Setup:
   mcfg = model_config(cfg, cfg.model.path, mesh, tok)  # "auto" attention: the target's kernel
   if cfg.train.token_budget:
     try:  # the trainer's own start-up check, named for the target
-      check_packing_attention(mcfg.attention)
+      check_packing_attention(mcfg.attention, devices)
     except ConfigError as e:
       raise AotError(f"--target {target.name}: {e}") from None
   note = "; ".join(n for n in (note, _cudnn_note(mcfg)) if n)

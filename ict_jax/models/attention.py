@@ -44,8 +44,12 @@ from ict_jax.models.axes import constrain, logical_to_spec
 Array = jax.Array
 from ict_jax.models.config import ATTENTION as IMPLEMENTATIONS
 
-PACKING = ("einsum", "dot_product", "cudnn", "splash")  # the implementations that take packed segments
 CUDNN_PACKING_CAPABILITY = (9, 0)  # cuDNN's sequence packing: Hopper or later (JAX checks it when tracing)
+
+
+def compute_capability(text: str) -> tuple[int, ...]:
+  """A CUDA compute capability as JAX's devices and cuDNN checks spell it ("9.0") -> (9, 0)."""
+  return tuple(int(x) for x in text.split("."))
 
 
 class PackedSegments(NamedTuple):
@@ -281,9 +285,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids, implementation: str) -> Ar
   packed = isinstance(segment_ids, PackedSegments)
   if implementation == "cudnn":
     return cudnn_attention(q, k, v, segment_ids)
-  if packed:
-    if implementation not in PACKING:
-      raise ValueError(f"attention implementation {implementation!r} cannot take packed rows; use one of {PACKING}")
+  if packed:  # every implementation below takes the ids (einsum, dot_product: a block mask)
     segment_ids = segment_ids.ids
   if implementation == "einsum":
     return einsum_attention(q, k, v, segment_ids, packed=packed)
