@@ -4,10 +4,9 @@
         --config.model.path=/ckpt/Qwen2.5-1.5B [--config.ict.method=grpo|entropy|stapo|ict]
 
 Mesh: v5p-32: fsdp=16 (or v5e-8: fsdp=8; 8 x H100/H200: fsdp=8). Batch: 128 prompts x G=8 per
-step (ASSUMPTION). The update runs on packed rows of 512 + 2048 tokens, micro-batches of 32 such rows
-(`paper_config`: README "Packed tokens"; the padded update: `--config.train.token_budget=0
---config.train.micro_batch_tokens=0 --config.train.micro_batch_size=N`).
-Check a target with `python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5e-8`
+step (ASSUMPTION). The update runs on packed rows (`paper_config`, which also names the padded
+update's flags). Check a target with
+`python -m ict_jax.aot --config configs/qwen2_5_1_5b_math.py --target v5e-8`
 (tabled in benchmarks/RESULTS.md and README.md).
 """
 

@@ -4,12 +4,11 @@
         --config.model.path=/ckpt/Qwen2.5-7B [--config.ict.method=grpo|entropy|stapo|ict]
 
 Mesh: v5p-32: fsdp=16; 8 x H100/H200: fsdp=8. Batch: 128 prompts x G=8 per step (ASSUMPTION).
-The update runs on packed rows of 512 + 2048 tokens, micro-batches of 32 such rows
-(`paper_config`: README "Packed tokens"; the padded update: `--config.train.token_budget=0
---config.train.micro_batch_tokens=0 --config.train.micro_batch_size=N`). Not v5e-8: its float32
-parameters and Adam state alone (16 B a parameter, 14.2 GiB/chip over 8 chips) leave no room for
-activations in 15.75 GiB, and bfloat16 parameters are refused (they lose lr 1e-6 updates). Check a
-target with `python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5p-32`.
+The update runs on packed rows (`paper_config`, which also names the padded update's flags). Not
+v5e-8: its float32 parameters and Adam state alone (16 B a parameter, 14.2 GiB/chip over 8 chips)
+leave no room for activations in 15.75 GiB, and bfloat16 parameters are refused (they lose lr 1e-6
+updates). Check a target with
+`python -m ict_jax.aot --config configs/qwen2_5_7b_math.py --target v5p-32`.
 """
 
 from ict_jax.paper_config import paper_config
