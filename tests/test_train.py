@@ -40,68 +40,53 @@ DEFAULT_STEPS = 800  # the default's whole run (~3 minutes on 2 cores): shorter 
 # dip (steps 241-320) before they climb, so a cut-down run would test a knife edge
 
 
-def _start_default(tmp_path_factory, *flags):
+def _start_default(tmp_path_factory):
   """The README's main command (`python -m ict_jax.train`, no config flags) as a user runs it on a
-  CPU: one process, one device (not the 8 simulated devices of the test setup), plus `flags`,
-  started in the background. Returns (process, its directory); the default --workdir is the
-  relative path runs/default there."""
+  CPU: one process, one device (not the 8 simulated devices of the test setup), started in the
+  background. Returns (process, its directory); the default --workdir is the relative path
+  runs/default there."""
   cwd = str(tmp_path_factory.mktemp("default"))
   env = dict(os.environ)
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
-  cmd = [sys.executable, "-m", "ict_jax.train", *flags]
+  cmd = [sys.executable, "-m", "ict_jax.train"]
   with open(os.path.join(cwd, "stderr.txt"), "w") as err:  # a file: an unread pipe would stall the run
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
   return proc, cwd
 
 
 @pytest.fixture(scope="module")
-def default_runs(tmp_path_factory):
-  """The default run and the same run without learning (lr 1e-12 moves no float32 weight: Adam's
-  step is ~lr, far below a weight's ulp, so it samples the same prompts with the same keys from
-  the warm-start), side by side: each keeps about one core busy. -> ((workdir, metrics rows)) x 2."""
-  procs = [_start_default(tmp_path_factory), _start_default(tmp_path_factory, "--config.optim.learning_rate=1e-12")]
-  out = []
+def default_run(tmp_path_factory):
+  """The default run, as a user starts it. -> (workdir, metrics rows)."""
+  proc, cwd = _start_default(tmp_path_factory)
   try:
-    for proc, cwd in procs:
-      proc.wait(timeout=1200)
-      with open(os.path.join(cwd, "stderr.txt")) as err:
-        assert proc.returncode == 0, err.read()[-3000:]
-      workdir = os.path.join(cwd, "runs", "default")
-      out.append((workdir, _metrics(workdir)))
-  finally:  # a run that failed or timed out does not leave the other running
-    for proc, _ in procs:
-      if proc.poll() is None:
-        proc.kill()
-  return out
+    proc.wait(timeout=1200)
+  finally:  # a run that timed out does not keep running
+    if proc.poll() is None:
+      proc.kill()
+  with open(os.path.join(cwd, "stderr.txt")) as err:
+    assert proc.returncode == 0, err.read()[-3000:]
+  workdir = os.path.join(cwd, "runs", "default")
+  return workdir, _metrics(workdir)
 
 
-@pytest.fixture(scope="module")
-def default_run(default_runs):
-  return default_runs[0]
-
-
-@pytest.fixture(scope="module")
-def default_control(default_runs):
-  return default_runs[1]
-
-
-def test_default_run_reward_rises(default_run, default_control):
-  """RL raises the reward over the same run without learning. Paired by step (same prompts, same
-  sampling keys) the comparison is free of the prompts' varying difficulty (step means swing by
-  +-0.1). On a 2-core AMD EPYC box (seed 0, the default) the paired gain over the last fifth of the
-  800 steps is +0.32 (standard error 0.006; reward 0.51 against 0.19), and every one of eight seeds
-  rose by >= +0.24 over its own first fifth, which understates the paired gain; the bound of 0.1
-  leaves room for another CPU's warm-start (the earlier settings rose +0.30 on seed 0 on Sapphire
-  Rapids and +0.09 on AMD EPYC; benchmarks/RESULTS.md, "The default run on AMD EPYC")."""
+def test_default_run_reward_rises(default_run):
+  """RL raises the reward: the mean training reward of the last fifth of the 800 steps against
+  that of the first fifth (which already includes some learning, so this understates the rise).
+  The built-in task draws every step's prompts from one fixed distribution: the same run without
+  learning (lr 1e-12, same prompts and sampling keys) scored 0.191, 0.190, 0.191, 0.186, 0.188
+  over the five fifths, so the run's own first fifth is a fair baseline (that control run was
+  this test's reference until 2026-12-06; it doubled the test's cost and is recorded in
+  benchmarks/RESULTS.md, "The default run on AMD EPYC"). On a 2-core AMD EPYC box seed 0 (the
+  default) rose 0.251 -> 0.509 there (+0.258; +0.321 over the control) and 0.244 -> 0.451
+  (+0.206) on the tree of 2026-12-06, and all eight seeds rose by +0.24..+0.42; the bound of 0.1
+  leaves room for another CPU's warm-start."""
   _, rows = default_run
-  _, control = default_control
-  assert len(rows) == len(control) == DEFAULT_STEPS
+  assert len(rows) == DEFAULT_STEPS
   rewards = np.array([r["reward_mean"] for r in rows])
-  base = np.array([r["reward_mean"] for r in control])
-  assert rewards[0] == base[0]  # step 1 samples before any update: the pairing is exact there
-  gain = rewards[-DEFAULT_STEPS // 5 :] - base[-DEFAULT_STEPS // 5 :]
-  assert gain.mean() > 0.1, (gain.mean(), rewards.round(3).tolist(), base.round(3).tolist())
+  fifth = DEFAULT_STEPS // 5
+  rise = rewards[-fifth:].mean() - rewards[:fifth].mean()
+  assert rise > 0.1, (rise, rewards.round(3).tolist())
 
 
 def test_default_run_writes_metrics_events_checkpoints(default_run):
