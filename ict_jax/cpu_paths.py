@@ -35,6 +35,11 @@ KERNELS = ("portable", "cpu")  # Qwen2Config.kernels; the run config adds "auto"
 # 1.5-2.3x faster on 2 cores (benchmarks/RESULTS.md). Accelerators fuse the whole chunk, and on a
 # multi-device mesh per-row slices of a batch-sharded array would gather it.
 ROW_BLOCK = 16
+# ... when the vocabulary is large. The slices are unrolled (N x C / ROW_BLOCK of them, each a
+# handful of fusions), so over a small vocabulary, where the whole [N, C, V] chunk is cache-sized
+# anyway, they only cost compile time: the default run's step (128 rows x 20 positions x V 128)
+# had ~2,300 fusions and compiled in 42 s on 2 cores (benchmarks/RESULTS.md).
+BLOCKED_MIN_VOCAB = 4096
 _TINY = 1e-37  # floor inside log(): 0 * log(floor) = 0 where the exact value is 0 log 0
 _LOG_FLOOR = -1e30  # floor of log p: -inf logits (masked vocabulary) give p * log p = 0
 _LOG2 = math.log(2.0)
@@ -137,6 +142,11 @@ def plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tu
 
 
 # ---- the ICT statistics on row blocks ------------------------------------------------------------
+def use_blocked_stats(vocab: int) -> bool:
+  """Whether `blocked_stats` pays over the one-pass [N, C, V] statistics (see BLOCKED_MIN_VOCAB)."""
+  return vocab >= BLOCKED_MIN_VOCAB
+
+
 def row_sum(x: Array) -> Array:
   """[B, V] -> [B]: sums of 32 entries as a matrix-vector product, then a reduce. XLA:CPU
   materializes the summand (one fused elementwise pass) instead of evaluating a many-input

@@ -227,7 +227,8 @@ def chunk_stats(
     reference: the distribution P the scores compare with, a key of ``REFERENCES``.
     kl: also return "kl" = KL(p || P) (the "kl" score of the ICT ablation).
     kernels: "portable" (one fused [N, C, V] pass) or "cpu" (the same values over 2-D row
-      blocks, ``cpu_paths.blocked_stats``); see ``ict_jax.cpu_paths``.
+      blocks, ``cpu_paths.blocked_stats``, for a vocabulary of ``cpu_paths.BLOCKED_MIN_VOCAB`` or
+      more); see ``ict_jax.cpu_paths``.
     seq_ref: [N, V] the "sequence_mean" reference of each row (``sequence_reference`` of the
       whole response); default: the mean over this chunk's real positions, the same when the
       chunk holds the whole response.
@@ -249,7 +250,7 @@ def chunk_stats(
     raise ValueError(f"selection: unknown reference={reference!r}; expected one of {sorted(REFERENCES)}")
   if kernels not in cpu_paths.KERNELS:
     raise ValueError(f"selection: unknown kernels={kernels!r}; expected one of {cpu_paths.KERNELS}")
-  if kernels == "cpu" and segments is None:
+  if kernels == "cpu" and segments is None and cpu_paths.use_blocked_stats(logits_chunk.shape[-1]):
     logits = jax.lax.stop_gradient(logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)))
     lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
     if reference == SEQUENCE_REFERENCE and seq_ref is None and group_size is not None:

@@ -190,8 +190,31 @@ def test_generate_cpu_kernels_equal_portable():
 
 
 # ---- the ICT statistics -------------------------------------------------------------------------
+@pytest.fixture
+def blocked_at_any_vocab(monkeypatch):
+  """kernels "cpu" takes the row-blocked statistics at these tests' small vocabularies too."""
+  monkeypatch.setattr(cpu_paths, "BLOCKED_MIN_VOCAB", 1)
+
+
+def test_small_vocabularies_take_the_fused_pass_large_ones_the_row_blocks():
+  """The row blocks are unrolled (N x C / ROW_BLOCK slices): over the task vocabulary of the
+  default run they made a 2,300-fusion step that compiled in 42 s. Below BLOCKED_MIN_VOCAB
+  kernels "cpu" lowers to the very program of the portable pass; from it up, to the blocks."""
+
+  def text(kernels, v):
+    x = jax.ShapeDtypeStruct((16, 20, v), jnp.float32)
+    m = jax.ShapeDtypeStruct((16, 20), jnp.float32)
+    return jax.jit(lambda x, m: selection.chunk_stats(x, m, 8, kernels=kernels)).lower(x, m).as_text()
+
+  small, large = cpu_paths.BLOCKED_MIN_VOCAB - 1, cpu_paths.BLOCKED_MIN_VOCAB
+  assert text("cpu", small) == text("portable", small)
+  assert text("cpu", large) != text("portable", large)
+  # the blocks: one log-softmax slice per row and block, so the program grows with N x C
+  assert text("cpu", large).count("exponential") > 4 * text("portable", large).count("exponential")
+
+
 @pytest.mark.parametrize("reference", sorted(selection.REFERENCES))
-def test_blocked_stats_equal_the_fused_pass(reference):
+def test_blocked_stats_equal_the_fused_pass(reference, blocked_at_any_vocab):
   """chunk_stats with kernels "cpu" (2-D row blocks) equals the portable fused [N, C, V] pass on
   every statistic, with -inf entries, unequal lengths, an empty row and a short last block."""
   rng = np.random.default_rng(5)
@@ -210,7 +233,7 @@ def test_blocked_stats_equal_the_fused_pass(reference):
     np.testing.assert_allclose(np.asarray(got["cpu"][name]), np.asarray(got["portable"][name]), rtol=1e-5, atol=2e-6)
 
 
-def test_lm_head_with_cpu_kernels_equals_portable():
+def test_lm_head_with_cpu_kernels_equals_portable(blocked_at_any_vocab):
   """The train step's fused LM head (`lm_head.logp_and_stats`) passes `kernels` down to its
   statistics: log-probs, every statistic and the gradients agree between the two kernel sets."""
   from ict_jax import lm_head

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy.spatial.distance import jensenshannon
 
-from ict_jax import selection, token_masks
+from ict_jax import cpu_paths, selection, token_masks
 
 js_scores = jax.jit(selection.js_scores, static_argnames=("group_size", "chunk_size"))
 token_stats = jax.jit(selection.token_stats, static_argnames=("chunk_size",))
@@ -72,6 +72,13 @@ def np_entropy_mask(h, mask, f):
   for i in sorted(valid, key=lambda i: (-flat_h[i], i))[: ceil_frac(f, len(valid))]:
     out[i] = True
   return out.reshape(h.shape)
+
+
+@pytest.fixture
+def blocked_at_any_vocab(monkeypatch):
+  """kernels "cpu" takes the row-blocked statistics at these tests' small vocabularies too (a run
+  takes them from cpu_paths.BLOCKED_MIN_VOCAB entries up)."""
+  monkeypatch.setattr(cpu_paths, "BLOCKED_MIN_VOCAB", 1)
 
 
 def grouped_batch(seed, n=8, t=10, v=16, g=4):
@@ -144,7 +151,7 @@ def test_chunk_stats_equals_full_pass_and_bf16():
 
 
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
-def test_chunk_stats_paths_match_numpy_and_scipy(kernels):
+def test_chunk_stats_paths_match_numpy_and_scipy(kernels, blocked_at_any_vocab):
   """Both implementations of chunk_stats (one [N, C, V] pass; 2-D row blocks, kernels "cpu")
   against numpy/scipy, with -inf vocabulary entries, unequal lengths, an empty row, and
   C = 21 > cpu_paths.ROW_BLOCK so that a short last block is exercised."""
@@ -400,7 +407,7 @@ def np_reference_scores(logits, mask, g, reference):
 
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
 @pytest.mark.parametrize("reference", sorted(selection.REFERENCES))
-def test_reference_and_kl_scores_match_scipy(reference, kernels):
+def test_reference_and_kl_scores_match_scipy(reference, kernels, blocked_at_any_vocab):
   logits, mask = grouped_batch(13, t=19)
   logits[1, :, -3:] = -30.0  # KL to a leave-one-out mean is unbounded where the others give p = 0
   want_js, want_kl = np_reference_scores(logits, mask, 4, reference)
@@ -420,7 +427,7 @@ def test_reference_and_kl_scores_match_scipy(reference, kernels):
 
 
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
-def test_sequence_mean_in_the_fused_lm_head_matches_scipy(kernels):
+def test_sequence_mean_in_the_fused_lm_head_matches_scipy(kernels, blocked_at_any_vocab):
   """The train step's path: the fused LM head computes the "sequence_mean" reference over every
   chunk of a response (3 chunks here) before scoring; JS = scipy's jensenshannon(p, P, base e)^2."""
   from ict_jax import lm_head
