@@ -5,8 +5,8 @@ The tiny Qwen2 over the task vocabulary (the ~30 Qwen2.5 tokens of the task's te
 rewarded on the boxed answer (a truncated completion scores 0): a supervised warm-start on the
 worked solutions, then 800 ICT steps (dense GRPO for the first 10, then the top 30% of each
 response's tokens), with pass@1 / pass@4 on the 25 held-out problems every 100 steps. About
-3 minutes on 2 CPU cores; on eight seeds on an AMD EPYC box the reward rose by +0.24..+0.42
-(benchmarks/RESULTS.md, "The default run on AMD EPYC").
+2.5 minutes on 2 CPU cores (2 min 16 s on a quiet AMD EPYC box); on eight seeds on an AMD EPYC
+box the reward rose by +0.24..+0.42 (benchmarks/RESULTS.md, "The default run on AMD EPYC").
 configs/tiny_arith.py is the one-step task.
 """
 

@@ -270,7 +270,7 @@ def chain_config() -> ml_collections.ConfigDict:
   200 warm-start steps on the worked solutions, then 800 ICT steps of 16 prompts x 8 (top 30% of
   each response's tokens), a truncated completion scoring 0, with pass@1 / pass@4 on the 25
   held-out problems every 100 steps. Eight seeds on an AMD EPYC box: the reward rose +0.24..+0.42
-  between the first and last fifth of the steps, ~3 minutes a run on 2 cores
+  between the first and last fifth of the steps, ~2.5 minutes a run on 2 cores
   (benchmarks/RESULTS.md, "The default run on AMD EPYC")."""
   c = tiny_config()
   c.data.name, c.data.config = "synthetic_chain", "level1"

@@ -36,7 +36,7 @@ def _metrics(workdir):
   return read_log(workdir, "metrics")
 
 
-DEFAULT_STEPS = 800  # the default's whole run (~3 minutes on 2 cores): shorter runs of seed 0
+DEFAULT_STEPS = 800  # the default's whole run (~2.5 minutes on 2 cores): shorter runs of seed 0
 # dip (steps 241-320) before they climb, so a cut-down run would test a knife edge
 
 
