@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The GCS server fixtures (`gcs`, `gcs_environ`; tests/gcs_emulator.py), registered here so that
 # every test file shares one server per session. Nothing starts until a test asks for them.
 from gcs_emulator import gcs, gcs_environ  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import
+import pytest  # noqa: E402  pylint: disable=wrong-import-position
 
 # Files that start whole training runs go first: under xdist (README's `-n 2`) a file runs on one
 # worker, and the longest ones started last would leave the other worker idle at the end.
@@ -42,3 +43,12 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(SLOW_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: otherwise in file order
+
+
+@pytest.fixture
+def blocked_at_any_vocab(monkeypatch):
+  """kernels "cpu" takes the row-blocked ICT statistics at a test's small vocabulary too (a run
+  takes them from cpu_paths.BLOCKED_MIN_VOCAB entries up)."""
+  from ict_jax import cpu_paths
+
+  monkeypatch.setattr(cpu_paths, "BLOCKED_MIN_VOCAB", 1)

@@ -190,12 +190,6 @@ def test_generate_cpu_kernels_equal_portable():
 
 
 # ---- the ICT statistics -------------------------------------------------------------------------
-@pytest.fixture
-def blocked_at_any_vocab(monkeypatch):
-  """kernels "cpu" takes the row-blocked statistics at these tests' small vocabularies too."""
-  monkeypatch.setattr(cpu_paths, "BLOCKED_MIN_VOCAB", 1)
-
-
 def test_small_vocabularies_take_the_fused_pass_large_ones_the_row_blocks():
   """The row blocks are unrolled (N x C / ROW_BLOCK slices): over the task vocabulary of the
   default run they made a 2,300-fusion step that compiled in 42 s. Below BLOCKED_MIN_VOCAB

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy.spatial.distance import jensenshannon
 
-from ict_jax import cpu_paths, selection, token_masks
+from ict_jax import selection, token_masks
 
 js_scores = jax.jit(selection.js_scores, static_argnames=("group_size", "chunk_size"))
 token_stats = jax.jit(selection.token_stats, static_argnames=("chunk_size",))
@@ -72,13 +72,6 @@ def np_entropy_mask(h, mask, f):
   for i in sorted(valid, key=lambda i: (-flat_h[i], i))[: ceil_frac(f, len(valid))]:
     out[i] = True
   return out.reshape(h.shape)
-
-
-@pytest.fixture
-def blocked_at_any_vocab(monkeypatch):
-  """kernels "cpu" takes the row-blocked statistics at these tests' small vocabularies too (a run
-  takes them from cpu_paths.BLOCKED_MIN_VOCAB entries up)."""
-  monkeypatch.setattr(cpu_paths, "BLOCKED_MIN_VOCAB", 1)
 
 
 def grouped_batch(seed, n=8, t=10, v=16, g=4):
