@@ -1,8 +1,9 @@
 """The multi-host path on CPU: two processes join with `jax.distributed.initialize` on localhost
 and train the tiny model together, the update on packed rows; their losses equal a one-process
-run of the padded update on the same number of devices, and a rollout where one host's verifier is slow on one row gives both hosts the same
-rewards and advantages. A SIGTERM to one host (every host saves the same step, exits 0, and the
-resume equals the uninterrupted run) is tests/test_pod.py's, on 4 processes and a bucket."""
+run of the padded update on the same number of devices, and a rollout where one host's verifier
+is slow on one row gives both hosts the same rewards and advantages. A SIGTERM to one host (every
+host saves the same step, exits 0, and the resume equals the uninterrupted run) is
+tests/test_pod.py's, on 4 processes and a bucket."""
 
 import json
 import os

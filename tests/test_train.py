@@ -40,32 +40,26 @@ DEFAULT_STEPS = 800  # the default's whole run (~2.5 minutes on 2 cores): shorte
 # dip (steps 241-320) before they climb, so a cut-down run would test a knife edge
 
 
-def _start_default(tmp_path_factory):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
   """The README's main command (`python -m ict_jax.train`, no config flags) as a user runs it on a
-  CPU: one process, one device (not the 8 simulated devices of the test setup), started in the
-  background. Returns (process, its directory); the default --workdir is the relative path
-  runs/default there."""
+  CPU: one process, one device (not the 8 simulated devices of the test setup); the default
+  --workdir is the relative path runs/default. -> (workdir, metrics rows)."""
   cwd = str(tmp_path_factory.mktemp("default"))
   env = dict(os.environ)
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
-  cmd = [sys.executable, "-m", "ict_jax.train"]
-  with open(os.path.join(cwd, "stderr.txt"), "w") as err:  # a file: an unread pipe would stall the run
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-  return proc, cwd
-
-
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-  """The default run, as a user starts it. -> (workdir, metrics rows)."""
-  proc, cwd = _start_default(tmp_path_factory)
-  try:
-    proc.wait(timeout=1200)
-  finally:  # a run that timed out does not keep running
-    if proc.poll() is None:
-      proc.kill()
-  with open(os.path.join(cwd, "stderr.txt")) as err:
-    assert proc.returncode == 0, err.read()[-3000:]
+  # subprocess.run kills the run if it times out
+  proc = subprocess.run(
+      [sys.executable, "-m", "ict_jax.train"],
+      cwd=cwd,
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      text=True,
+      timeout=1200,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
   workdir = os.path.join(cwd, "runs", "default")
   return workdir, _metrics(workdir)
 
