@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ict_jax import cli_config
 from ict_jax import config as config_lib
 from ict_jax import sharding
 from ict_jax import storage
@@ -162,7 +163,8 @@ def load_examples(cfg: Config, split: str, workdir: str):
             )
         )
       except (FileNotFoundError, KeyError, ValueError) as e:
-        raise ConfigError(f"config.data.name={name!r}: {e}") from None
+        text = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) is quoted
+        raise ConfigError(f"config.data.name={name!r}: {text}") from None
     return sources[0] if len(sources) == 1 else _Concat(sources)
 
   if jax.process_count() == 1:
@@ -511,7 +513,6 @@ def _error(msg: str) -> None:
 
 def main(argv=None) -> None:
   from absl import flags
-  from ml_collections import config_flags
 
   fl = flags.FlagValues()
   flags.DEFINE_string(
@@ -520,21 +521,9 @@ def main(argv=None) -> None:
   flags.DEFINE_string("init_from_hf", "", "Start from this local Hugging Face folder.", flag_values=fl)
   argv = sys.argv if argv is None else argv
   try:  # flag and --config.* override errors become one line, not a traceback
-    config_flags.DEFINE_config_file(
-        "config", config_lib.__file__, "An ml_collections config file.", flag_values=fl, lock_config=True
-    )
-    fl(argv)
-    cd = fl.config
-  except (AttributeError, KeyError) as e:  # an override of a key the config does not have
-    text = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-    _error(f"unknown config key {text.strip(chr(39) + ' ')}")
-  except (flags.Error, TypeError, ValueError) as e:
-    _error(str(e).replace("\n", " "))
-  if type(cd).__name__ == "_ErrorConfig":  # ml_collections' stand-in for a file that failed to load
-    _error(
-        f"--config {fl['config'].config_filename}: could not be loaded: "
-        + " ".join(str(object.__getattribute__(cd, "_error")).split())
-    )
+    cd = cli_config.parse(fl, argv)
+  except ConfigError as e:
+    _error(str(e))
   # force: importing orbax already put a WARNING-level handler on the root logger, which would
   # make basicConfig a no-op and hide every INFO line (resume step, warm-start progress)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)

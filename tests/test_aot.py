@@ -430,6 +430,10 @@ def test_sampler_that_does_not_fit_exits_1_and_names_the_setting(sampler_small, 
         (["--target", "v5e-8", "--config.rollout.decode_batch_size=5"], ["decode_batch_size: 5 does not divide"]),
         (["--target", "v5e-8", "--hbm_gib=-1"], ["--hbm_gib must be >= 0"]),
         (["--target", "v5e-8", "--capped_share=1.5"], ["--capped_share must be in [0, 1], got 1.5"]),
+        (
+            ["--target", "v5e-8", "--config.rollout.max_new_tokenz=8"],
+            ["unknown config key 'max_new_tokenz' in --config.rollout.max_new_tokenz=8: did you mean"],
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):

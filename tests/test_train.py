@@ -316,7 +316,15 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--config.train.stepz=3"], "stepz"),
+        (
+            ["--config.train.stepz=3"],
+            """unknown config key 'stepz' in --config.train.stepz=3: did you mean "steps" instead of "stepz"?""",
+        ),
+        (["--config.train.steps.x=3"], "unknown config key: "),
+        (
+            ["--config.data.name=gsm9k"],
+            "config.data.name='gsm9k': unknown dataset 'gsm9k'; known: ['aime',",
+        ),
         (["--config.train.steps=abc"], "steps"),
         (["--config.train.steps=-1"], "config.train.steps: expected > 0"),
         (["--config.ict.top_fraction=1.5"], "config.ict.top_fraction"),

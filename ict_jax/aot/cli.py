@@ -26,8 +26,8 @@ def _fail(msg: str) -> None:
 
 def main(argv=None) -> None:
   from absl import flags
-  from ml_collections import config_flags
 
+  from ict_jax import cli_config
   from ict_jax import config as config_lib
 
   fl = flags.FlagValues()
@@ -58,21 +58,10 @@ def main(argv=None) -> None:
   flags.DEFINE_integer("length_batches", 20, "simulated steps the bound averages", flag_values=fl)
   flags.DEFINE_integer("length_seed", 0, "seed of the simulated lengths", flag_values=fl)
   argv = sys.argv if argv is None else argv
-  try:
-    config_flags.DEFINE_config_file(
-        "config", config_lib.__file__, "An ml_collections config file.", flag_values=fl, lock_config=True
-    )
-    fl(argv)
-    cd = fl.config
-  except (AttributeError, KeyError) as e:
-    _fail(f"unknown config key {str(e.args[0] if e.args else e).strip(chr(39))}")
-  except (flags.Error, TypeError, ValueError) as e:
-    _fail(" ".join(str(e).split()))
-  if type(cd).__name__ == "_ErrorConfig":
-    _fail(
-        f"--config {fl['config'].config_filename}: could not be loaded: "
-        + " ".join(str(object.__getattribute__(cd, "_error")).split())
-    )
+  try:  # flag and --config.* override errors become one line, not a traceback
+    cd = cli_config.parse(fl, argv)
+  except config_lib.ConfigError as e:
+    _fail(str(e))
   if fl.target not in TARGETS:
     _fail(f"--target {fl.target!r}: unknown; expected one of {', '.join(TARGETS)}")
   if fl.completion_len < 0 or fl.prompt_len < 0:
