@@ -15,7 +15,8 @@ def _record(step, truncated_rate=0.1, trained_tokens=40.0, **extra):
 
 def test_a_healthy_run_says_nothing():
   h = health.RunHealth(max_new_tokens=20, mask_truncated=True, truncated_streak=3)
-  assert [h.check(_record(s, truncated_rate=0.99)) for s in range(1, 30)] == [[]] * 29
+  shares = [0.1, 0.89, 0.5, 0.0]  # below health.NEARLY_ALL (0.9) every step
+  assert [h.check(_record(s, truncated_rate=shares[s % 4])) for s in range(1, 30)] == [[]] * 29
 
 
 def test_steps_that_train_no_token_warn_at_the_first_and_every_repeat():
@@ -33,12 +34,29 @@ def test_steps_that_train_no_token_warn_at_the_first_and_every_repeat():
 
 def test_a_truncated_streak_is_said_once_per_streak_length():
   h = health.RunHealth(max_new_tokens=20, mask_truncated=False, truncated_streak=5)
-  said = {s: h.check(_record(s, truncated_rate=1.0 if s != 7 else 0.9)) for s in range(1, 19)}
+  shares = {7: 0.89, 9: 0.9, 10: 0.95}  # 1.0 at the other steps
+  said = {s: h.check(_record(s, truncated_rate=shares.get(s, 1.0))) for s in range(1, 19)}
   warned = [s for s, w in said.items() if w]
-  assert warned == [5, 12, 17]  # 1-5; the streak breaks at 7; 8-12, 13-17
+  assert warned == [5, 12, 17]  # 1-5; the streak breaks at 7 (below 90%); 8-12, then 8-17
   assert said[5][0].startswith("steps 1-5: every completion ran to rollout.max_new_tokens=20")
-  assert said[12][0].startswith("steps 8-12:") and "0.400" in said[12][0]
-  assert "cannot recover" not in said[5][0]  # trained without the mask, the run can still move
+  assert "(all of them in 5 of the 5;" in said[5][0]
+  # steps of 90% and 95% truncated continue a streak, and the warning says how many were all
+  assert said[12][0].startswith("steps 8-12: 90% or more of the completions ran to rollout.max_new_tokens=20")
+  assert "(all of them in 3 of the 5;" in said[12][0] and "0.400" in said[12][0]
+  assert said[17][0].startswith("steps 8-17: 90% or more") and "(all of them in 8 of the 10;" in said[17][0]
+  # trained without the mask, the run can still move: an all-truncated group is what teaches nothing
+  assert "cannot recover" not in said[5][0] and "teaches nothing (advantage 0)" in said[5][0]
+
+
+def test_a_truncated_streak_under_the_mask_says_the_run_cannot_recover_once_all_are():
+  h = health.RunHealth(max_new_tokens=20, mask_truncated=True, truncated_streak=3, repeat_every=100)
+  said = [h.check(_record(s, truncated_rate=0.95)) for s in (1, 2, 3)]
+  assert said[:2] == [[], []]
+  assert said[2] == [
+      "steps 1-3: 90% or more of the completions ran to rollout.max_new_tokens=20 without a stop token in "
+      "each step (all of them in 0 of the 3; verifier reward of the truncated completions 0.400); "
+      "loss.mask_truncated_completions gives them no loss, so once every one is the run cannot recover"
+  ]
 
 
 def test_bad_streak_lengths_are_refused():
