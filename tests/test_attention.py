@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
+from compilers import LIBS_DIR, SKIP_REASON, libtpu_found
 
 from ict_jax import config as config_lib
 from ict_jax import sampling, setup, sharding
@@ -28,7 +29,6 @@ from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBS_DIR = os.path.expanduser(os.environ.get("ICT_JAX_AOT_LIBS", "~/.cache/ict_jax/aot-libs"))
 
 
 def _qkv(b, t, n, k, h, seed=0):
@@ -361,10 +361,7 @@ _TPU_COMPILE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(
-    not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")),
-    reason=f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)",
-)
+@pytest.mark.skipif(not libtpu_found(), reason=SKIP_REASON)
 def test_splash_model_compiles_for_a_tpu_topology(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from compilers import LIBS_DIR, SKIP_REASON, libtpu_found
 
 from ict_jax import sampling
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBS_DIR = os.path.expanduser(os.environ.get("ICT_JAX_AOT_LIBS", "~/.cache/ict_jax/aot-libs"))
 CFG = Qwen2Config(
     vocab_size=128,
     hidden_size=64,
@@ -138,8 +138,8 @@ _TPU_STEP_BYTES = textwrap.dedent("""
 def tpu_step_bytes(tmp_path_factory):
   """`cost_analysis()` bytes accessed a chip of decode steps as `ict_jax.aot` compiles them for a
   TPU (v5e, 4 chips), one subprocess (libtpu on the CPU, compile only)."""
-  if not os.path.isdir(os.path.join(LIBS_DIR, "libtpu")):
-    pytest.skip(f"libtpu not in {LIBS_DIR} (pip install --no-deps --target ... libtpu)")
+  if not libtpu_found():
+    pytest.skip(SKIP_REASON)
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(
