@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       out = ckpt_inspect.to_hf(ckpt, args.out, dtype=args.dtype, mesh=mesh, item="ref_params" if args.ref else "params")
       print(f"wrote step {ckpt.step} of {args.workdir} to {out}")
   except (CheckpointError, KeyError, ValueError) as e:
-    print(f"ict_jax.export: error: {e}", file=sys.stderr)
+    message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) is quoted
+    print(f"ict_jax.export: error: {message}", file=sys.stderr)
     return 2
   return 0
 
