@@ -30,6 +30,9 @@ class ModelConfig:
   # dot_product), CPU einsum), einsum | dot_product | cudnn | splash (see models/attention.py)
   kernels: str = "auto"  # the kernels' formulation (ict_jax/cpu_paths.py): auto (cpu on a single
   # CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
+  decode_attention: str = "auto"  # the sampler's attention over the KV cache: auto (TPU pallas,
+  # else xla) | xla (einsums) | pallas (fused Pallas TPU kernel, models/decode_kernel.py) |
+  # pallas_interpret (that kernel in the Pallas interpreter: slow, for checks on any backend)
   vocab: str = "qwen"  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of the task's data, for
   # a model trained from scratch; ict_jax/task_vocab.py)
 
@@ -179,6 +182,7 @@ _CHOICES = {
     "model.vocab": ("qwen", "task"),
     "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
     "model.kernels": ("auto", "portable", "cpu"),
+    "model.decode_attention": ("auto", "xla", "pallas", "pallas_interpret"),
     "data.prompt_style": ("plain", "chat"),
     "ict.method": ("grpo", "entropy", "stapo", "ict"),
     "ict.score": ("js", "kl", "entropy", "random"),

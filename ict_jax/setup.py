@@ -49,6 +49,25 @@ def resolve_attention(choice: str, mesh: Mesh | None = None, dtype: str = "bfloa
   return choice
 
 
+# model.decode_attention "auto": the fused Pallas kernel where it compiles (TPU), else XLA's einsums.
+AUTO_DECODE_ATTENTION = {"tpu": "pallas"}
+
+
+def resolve_decode_attention(choice: str, devices=None) -> str:
+  """`config.model.decode_attention` -> "xla", "pallas" or "pallas_interpret" for the devices
+  (a mesh's, default jax.devices()): "auto" is "pallas" on TPU, else "xla"; "pallas" asked for
+  off TPU (a Mosaic kernel) is a clear error here, not a compile failure later."""
+  platform = next(iter(jax.devices() if devices is None else devices)).platform
+  if choice == "auto":
+    return AUTO_DECODE_ATTENTION.get(platform, "xla")
+  if choice == "pallas" and platform != "tpu":
+    raise ConfigError(
+        f"config.model.decode_attention: 'pallas' is a TPU kernel and the devices are {platform}; use "
+        f"'xla' (or 'pallas_interpret', the same kernel in the Pallas interpreter: slow, for checks)"
+    )
+  return choice
+
+
 def resolve_kernels(choice: str, devices=None) -> str:
   """`config.model.kernels` -> "portable" or "cpu" (`ict_jax.cpu_paths`): "auto" is "cpu" only
   when `devices` (a mesh's, default jax.devices()) are one CPU device; accelerators and every
@@ -70,6 +89,9 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=N
       remat_policy=cfg.model.remat_policy,
       attention=resolve_attention(cfg.model.attention, mesh, cfg.model.dtype),
       kernels=resolve_kernels(cfg.model.kernels, None if mesh is None else mesh.devices.flat),
+      decode_attention=resolve_decode_attention(
+          cfg.model.decode_attention, None if mesh is None else mesh.devices.flat
+      ),
   )
   try:
     if hf_dir:

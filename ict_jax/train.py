@@ -295,6 +295,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
             remat_policy=mcfg.remat_policy,
             attention=mcfg.attention,
             kernels=mcfg.kernels,
+            decode_attention=mcfg.decode_attention,
         )
       except (ValueError, FileNotFoundError) as e:
         ckpt.close()  # else Orbax's background tmp-dir cleanup dies in interpreter shutdown, noisily

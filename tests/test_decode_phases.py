@@ -45,21 +45,25 @@ def test_phase_bounds_and_the_slots_they_read():
   assert ratio((4,), 1, 2, 2) == pytest.approx(30 / 12)
 
 
-def _sharp_model(seed):
+def _sharp_model(seed, cfg=CFG):
   """Weights of std 0.2 (norm scales left at 1): greedy decoding that does not repeat one token."""
-  model = init_model(CFG, seed=seed)
+  model = init_model(cfg, seed=seed)
   state = nnx.state(model, nnx.Param)
   nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, x: x if "scale" in str(p) else 10 * x, state))
   return model
 
 
-def test_phased_decode_matches_a_full_forward():
+@pytest.mark.parametrize("decode_attention", ["xla", "pallas_interpret"])
+def test_phased_decode_matches_a_full_forward(decode_attention):
   """40 new tokens (bucket 64: phases 16, 32, 48, 64) for 2 prompts x 2 rows at temperature 1:
   the logits each token was sampled from equal one forward over prompt + completion, across the
-  phase boundaries, on the 8-device mesh too."""
+  phase boundaries, on the 8-device mesh too; by the einsums and by the fused kernel (in the
+  Pallas interpreter) over the joint cache."""
+  import dataclasses
+
   from ict_jax import sharding
 
-  model = _sharp_model(3)
+  model = _sharp_model(3, dataclasses.replace(CFG, decode_attention=decode_attention))
   rng = np.random.RandomState(0)
   ids = rng.randint(1, CFG.vocab_size, (2, 9))
   mask = np.ones_like(ids)
@@ -110,6 +114,7 @@ _TPU_STEP_BYTES = textwrap.dedent("""
                     TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
                     TPU_ACCELERATOR_TYPE="v5litepod-4", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   import json
+  import jax
   from jax.experimental import topologies
   from ict_jax import sampling, sharding
   from ict_jax.aot.sampler import HBM_BYTES_OPTIONS, compile_decode_step, decode_cache
@@ -130,6 +135,13 @@ _TPU_STEP_BYTES = textwrap.dedent("""
   costs = {f"phase_{b}": step_bytes(cfg, 64, 1024, b, greedy=True, top_k=1) for b in (128, 1024)}
   cfg = cfg.replace(vocab_size=151936, tie_word_embeddings=True)  # Qwen2.5's vocabulary, 128 rows a chip
   costs.update({m: step_bytes(cfg, 512, 128, 128, greedy=m == "greedy") for m in ("greedy", "plain")})
+  # 64-value heads (Qwen2.5 0.5B's), 128 rows a chip, bound 256 of 1024 slots: the einsums and the kernel
+  cfg = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, dtype="bfloat16")
+  for a in ("xla", "pallas"):
+    costs[f"h64_{a}"] = step_bytes(cfg.replace(decode_attention=a), 512, 1024, 256, greedy=True, top_k=1)
+  policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16", mesh=mesh)
+  costs["h64_weights"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(policy.state))
   print(json.dumps(costs))
 """)
 
@@ -171,3 +183,18 @@ def test_plain_sampling_costs_what_greedy_costs_on_tpu(tpu_step_bytes):
   staging); built as a [B, V] weight array, earlier still, it was written, re-laid out and padded."""
   logits_bytes_per_chip = (512 // 4) * 151936 * 4
   assert tpu_step_bytes["plain"] - tpu_step_bytes["greedy"] <= logits_bytes_per_chip
+
+
+def test_the_fused_decode_kernel_reads_about_weights_plus_kv_on_tpu(tpu_step_bytes):
+  """64-value heads (Qwen2.5 0.5B's), 128 rows a chip, phase bound 256: the decode step with the
+  fused kernel over the joint cache (decode_attention "pallas", compiled by Mosaic) accesses
+  less than the einsums' step and at most 1.3x its rollout weights + the KV it reads (the
+  einsums' step: the scores' round trips and the slots-minor cache's one-slot write)."""
+  kv = 2 * 128 * 2 * (256 * 2 * 64) * 2  # layers x rows x KV heads x (256 slots x key | value) bf16
+  prompts = 2 * 16 * 2 * (16 * 2 * 64) * 2  # 16 prompts a chip, 16 slots
+  minimum = tpu_step_bytes["h64_weights"] + kv + prompts
+  assert tpu_step_bytes["h64_pallas"] < tpu_step_bytes["h64_xla"]
+  assert tpu_step_bytes["h64_pallas"] <= 1.3 * minimum, (
+      tpu_step_bytes["h64_pallas"] / minimum,
+      tpu_step_bytes["h64_xla"] / minimum,
+  )

@@ -33,7 +33,8 @@ def format_report(r: Report, target: Target) -> str:
   lines = [head]
   if s.get("attention"):
     calls = f" ({r.cudnn_attention_calls} cuDNN attention calls compiled)" if r.cudnn_attention_calls else ""
-    lines.append(f"  attention: {s['attention']}{calls}")
+    decode = f", decode attention {s['decode_attention']}" if s.get("decode_attention") else ""
+    lines.append(f"  attention: {s['attention']}{calls}{decode}")
   if s.get("packed"):
     pk = s["packed"]
     lines.append(

@@ -21,7 +21,7 @@ from ict_jax.aot.targets import AotError, Target
 from ict_jax.config import Config
 from ict_jax.length_model import LengthDistribution
 from ict_jax.models.axes import axis_rules, logical_to_spec
-from ict_jax.models.qwen2 import LayerCache
+from ict_jax.models.qwen2 import JointCache, LayerCache
 from ict_jax.sampling import bucket_length
 
 
@@ -39,14 +39,16 @@ def _decode_step(
   return tok, cache
 
 
-def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache:
-  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout."""
-  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim)
+def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache | JointCache:
+  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout
+  (decode_attention "pallas": one joint [L, B, K, S, 2H] array)."""
+  joint = mcfg.decode_attention != "xla"
+  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim * (2 if joint else 1))
   names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
   with axis_rules(sampling.DECODE_RULES):
     spec = logical_to_spec(names, shape, dict(mesh.shape))
   struct = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-  return LayerCache(struct, struct)
+  return JointCache(struct) if joint else LayerCache(struct, struct)
 
 
 @contextlib.contextmanager
@@ -91,8 +93,8 @@ def compile_decode_step(
   (done once, before the loop): with the default layouts of arguments, XLA relayouts the whole
   cache into and out of the layer scan (4 x its bytes: 1.5B on v5e-8, 64 rows a chip, 18 GB) and
   the tied embedding for its gather, and the step would be charged for what the loop does not do."""
-  batch, prompts, prompt_len = cache.k.shape[1], prompt_cache.k.shape[1], prompt_cache.k.shape[3]
-  cache_formats = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in cache))
+  batch, prompts, prompt_len = cache[0].shape[1], prompt_cache[0].shape[1], prompt_cache[0].shape[3]
+  cache_formats = type(cache)(*(Format(Layout.AUTO, x.sharding) for x in cache))
   rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
   sds = jax.ShapeDtypeStruct
   args = (
@@ -110,7 +112,7 @@ def compile_decode_step(
   in_shardings = list(jax.tree.map(lambda x: x.sharding, args))
   in_shardings[0] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), policy.state)
   in_shardings[1] = cache_formats
-  in_shardings[2] = LayerCache(*(Format(Layout.AUTO, x.sharding) for x in prompt_cache))
+  in_shardings[2] = type(prompt_cache)(*(Format(Layout.AUTO, x.sharding) for x in prompt_cache))
   step = jax.jit(
       functools.partial(_decode_step, graphdef=policy.graphdef, kw=sample_kw, read_len=read_len),
       in_shardings=tuple(in_shardings),
@@ -271,6 +273,7 @@ def compile_sampler(
       dtype=dtype,
       param_dtype=dtype,
       attention=mcfg.attention,  # the prefill's
+      decode_attention=mcfg.decode_attention,
       rollout_policy_bytes=policy_bytes,
       rollout_weights_read_bytes=weights_read,  # a step's share of the minimum
       kv_cache_bytes=kv_cache_bytes,

@@ -39,8 +39,10 @@ def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
   `model.kernels`'s "auto" for the devices of `mesh` (default jax.devices())."""
   from ict_jax.models.hf import load_pretrained
 
-  kernels = setup.resolve_kernels("auto", None if mesh is None else mesh.devices.flat)
-  model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh, kernels=kernels)
+  devices = None if mesh is None else mesh.devices.flat
+  kernels = setup.resolve_kernels("auto", devices)
+  decode_attention = setup.resolve_decode_attention("auto", devices)
+  model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh, kernels=kernels, decode_attention=decode_attention)
   return LoadedModel(model, os.path.basename(os.path.normpath(hf_dir)) or hf_dir, None, None)
 
 

@@ -12,6 +12,7 @@ from ict_jax.cpu_paths import KERNELS
 _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
 ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
+DECODE_ATTENTION = ("xla", "pallas", "pallas_interpret")  # see models/decode_kernel.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,13 @@ class Qwen2Config:
   # attention without a KV cache (train step, scoring, warm start): "einsum" (the reference),
   # "dot_product" (jax.nn.dot_product_attention, XLA), "cudnn" (its cuDNN flash kernel, GPU),
   # "splash" (the Pallas TPU kernel). A concrete choice: the run config's "auto" is resolved
-  # from the mesh's devices in `setup.model_config`. The KV-cache path is always the einsum.
+  # from the mesh's devices in `setup.model_config`.
   attention: str = "einsum"
+  # the decode step's attention over the KV cache: "xla" (einsums over a [L, B, K, S, H] keys
+  # and values cache) or "pallas" (`models/decode_kernel.py`: a fused Pallas TPU kernel over a
+  # joint [L, B, K, S, 2H] cache, scores kept on-chip); "pallas_interpret" runs that kernel in the
+  # Pallas interpreter (any backend; tests). The run config's "auto" is resolved in `setup`.
+  decode_attention: str = "xla"
   # the kernels' formulation (`ict_jax.cpu_paths`): "portable" (TPU, GPU, any mesh: what the
   # reference tests check) or "cpu" (XLA:CPU on one device). A concrete choice: the run config's
   # "auto" is resolved from the mesh's devices in `setup.model_config`.
@@ -70,6 +76,10 @@ class Qwen2Config:
       raise ValueError(f"Qwen2Config.remat_policy: expected one of {REMAT_POLICIES}, " f"got {self.remat_policy!r}")
     if self.attention not in ATTENTION:
       raise ValueError(f"Qwen2Config.attention: expected one of {ATTENTION}, got {self.attention!r}")
+    if self.decode_attention not in DECODE_ATTENTION:
+      raise ValueError(
+          f"Qwen2Config.decode_attention: expected one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+      )
     if self.kernels not in KERNELS:
       raise ValueError(f"Qwen2Config.kernels: expected one of {KERNELS}, got {self.kernels!r}")
     for name in ("dtype", "param_dtype"):

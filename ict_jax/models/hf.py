@@ -173,6 +173,7 @@ def load_pretrained(
     remat_policy: str = "none",
     attention: str = "einsum",
     kernels: str = "portable",
+    decode_attention: str = "xla",
 ) -> Qwen2:
   """Load a local Hugging Face Qwen2/Qwen2.5 folder into a `Qwen2` model.
 
@@ -182,7 +183,15 @@ def load_pretrained(
   turns "auto" into one for a set of devices)."""
   dt = jnp.dtype(dtype).name
   pdt = jnp.dtype(param_dtype or dtype).name
-  cfg = read_config(path, dtype=dt, param_dtype=pdt, remat_policy=remat_policy, attention=attention, kernels=kernels)
+  cfg = read_config(
+      path,
+      dtype=dt,
+      param_dtype=pdt,
+      remat_policy=remat_policy,
+      attention=attention,
+      kernels=kernels,
+      decode_attention=decode_attention,
+  )
   where = _weight_files(path)
   abstract = abstract_model(cfg)
   graphdef, state = nnx.split(abstract)

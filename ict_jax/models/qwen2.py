@@ -23,6 +23,7 @@ from flax import nnx
 from ict_jax.models.attention import PackedSegments, attend
 from ict_jax.models.axes import constrain
 from ict_jax.models.config import Qwen2Config
+from ict_jax.models.decode_kernel import decode_attention
 
 Array = jax.Array
 _INIT_STD = 0.02
@@ -34,6 +35,14 @@ class LayerCache(NamedTuple):
 
   k: Array
   v: Array
+
+
+class JointCache(NamedTuple):
+  """Keys and values side by side, [L, B, K, S, 2H]: slot s holds its key in lanes [0, H) and its
+  value in [H, 2H) (`Qwen2Config.decode_attention` "pallas": the layout `models/decode_kernel.py`
+  reads; a slot is one lane-dense row, written whole)."""
+
+  kv: Array
 
 
 # remat policy name -> jax.checkpoint policy (MaxText's names); "none" runs the layer as is.
@@ -117,6 +126,7 @@ class Attention(nnx.Module):
       cache: LayerCache | None = None,
       prefill: bool = False,
       prefix: LayerCache | None = None,
+      layer: Array | None = None,
   ):
     """x [B,T,D] -> ([B,T,D], (k, v)): the T new keys and values, [B,K,T,H] each (rotary applied),
     for the caller to write into the cache. Without a cache, or with `prefill` (an empty cache:
@@ -127,7 +137,9 @@ class Attention(nnx.Module):
     (old [B,1,1,T|1,S], new [B,1,1,T,T]) of one softmax over the S cache slots and the T new tokens;
     only the first S slots of the cache, as many as `old` has biases, are read.
     `prefix` [U,K,P,H] (U dividing B) adds a block of P slots read by B/U consecutive rows each
-    (a prompt's keys/values shared by its samples), its biases [U,1,1,1,1,P] first in `mask`."""
+    (a prompt's keys/values shared by its samples), its biases [U,1,1,1,1,P] first in `mask`.
+    A `JointCache` (decode_attention "pallas") is passed whole, [L,B,K,S,2H] (and the prefix
+    [L,U,K,P,2H]), with the `layer` to read: the kernel reads its slots in place."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
@@ -139,6 +151,12 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is None or prefill:  # the T tokens attend to themselves: scores [.., T, T]
       out = attend(q, k, v, mask, cfg.attention)
+    elif isinstance(cache, JointCache):  # the fused kernel over the joint caches
+      b, t = q.shape[:2]
+      q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_groups, cfg.head_dim)  # [B,T,K,G,H]
+      interpret = cfg.decode_attention == "pallas_interpret"
+      out = decode_attention(q, k, v, mask, cache.kv, layer, None if prefix is None else prefix.kv, interpret=interpret)
+      out = out.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     else:  # decoding: one softmax over the (prefix,) S old cache slots and the T new tokens
       old_bias, new_bias = mask[-2:]
       s = old_bias.shape[-1]  # the slots that may hold keys (`hidden_states`' cache_read_len): read only those
@@ -201,9 +219,9 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False, prefix=None):
+  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False, prefix=None, layer=None):
     """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
-    h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix)
+    h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix, layer)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x))
     return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
@@ -261,14 +279,16 @@ class Qwen2(nnx.Module):
     )
     return constrain(logits, ("act_vocab", "act_batch")).T
 
-  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
-    """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype)."""
+  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache | JointCache:
+    """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype);
+    decode_attention "pallas": one `JointCache` [L, B, K, S, 2H]."""
     cfg = self.cfg
-    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim)
+    joint = cfg.decode_attention != "xla"
+    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim * (2 if joint else 1))
     dt = dtype or _dtype(cfg.dtype)
     names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
     zeros = lambda: constrain(jnp.zeros(shape, dt), names)
-    return LayerCache(zeros(), zeros())
+    return JointCache(zeros()) if joint else LayerCache(zeros(), zeros())
 
   def _decoder_stack(
       self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False, prefix=None
@@ -306,12 +326,27 @@ class Qwen2(nnx.Module):
         x, new = nnx.merge(graphdef, layer_state)(x, cos, sin, mask, None, True)
         start = (index, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
         write = lambda c, n: jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), start)  # [1,B,K,T,H]
+        if isinstance(cache, JointCache):
+          return (x, JointCache(write(cache.kv, jnp.concatenate(new, axis=-1)))), None
         return (x, LayerCache(write(cache.k, new[0]), write(cache.v, new[1]))), None
 
       index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
       return jax.lax.scan(prefill_layer, (x, cache), (state, index))[0]
 
     s = mask[-2].shape[-1]  # the old slots' biases: the slots read
+    index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+    start = (zero, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+    names = (None, "act_batch", "act_kv_heads", None, None)
+    write = lambda c, n: jax.lax.dynamic_update_slice(c, constrain(n.astype(c.dtype), names), start)
+    if isinstance(cache, JointCache):  # the kernel reads layer `index` of the whole caches in place
+
+      def joint_layer(x, xs):
+        layer_state, layer = xs
+        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, cache, False, prefix, layer)
+
+      x, new = jax.lax.scan(joint_layer, x, (state, index))
+      x, new = jax.lax.optimization_barrier((x, new))  # read before write, as below
+      return x, JointCache(write(cache.kv, jnp.concatenate(new, axis=-1)))  # [L, B, K, T, 2H]
 
     def cached_layer(x, xs):  # a shared prefix [L, U, K, P, H] is read like the cache, never written
       layer_state, index, pre = xs
@@ -319,14 +354,10 @@ class Qwen2(nnx.Module):
       old = LayerCache(read(cache.k)[0], read(cache.v)[0])  # this layer's [B, K, s, H]
       return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, old, False, pre)
 
-    index = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
     x, new = jax.lax.scan(cached_layer, x, (state, index, prefix))
     # the write must follow every read of the old cache; the last layer's new keys/values do not
     # depend on its attention (the reads), x does: without this order XLA copies the whole cache
     x, new = jax.lax.optimization_barrier((x, new))
-    start = (zero, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
-    names = (None, "act_batch", "act_kv_heads", None, None)
-    write = lambda c, n: jax.lax.dynamic_update_slice(c, constrain(n.astype(c.dtype), names), start)
     return x, LayerCache(write(cache.k, new[0]), write(cache.v, new[1]))  # new: [L, B, K, T, H]
 
   def hidden_states(
@@ -373,7 +404,7 @@ class Qwen2(nnx.Module):
     if cache is None or prefill:  # keys are the T tokens themselves: the implementation masks
       mask = attention_mask  # [B, T], or the PackedSegments of packed rows
     else:  # biases of the S old cache slots and of the T new tokens (see `Attention`)
-      s = cache.k.shape[3] if cache_read_len is None else cache_read_len
+      s = cache[0].shape[3] if cache_read_len is None else cache_read_len
       bias = lambda allowed: jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
       old = jnp.arange(s)[None, :] < cache_index  # [1, S]: slots written before this call
       causal = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]  # [1, T, T]

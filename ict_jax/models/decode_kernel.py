@@ -1,0 +1,241 @@
+"""A fused decode-attention kernel (Pallas TPU) over a joint, lane-dense KV cache.
+
+The decode step's attention reads each cache slot once and does almost no arithmetic, so its cost
+is bytes. Written in XLA (`Attention`'s "xla" decode path) the scores and softmax weights
+[B, K, G, 1, S] pass through HBM between the fusions, and for 64-value heads (Qwen2.5 0.5B) the
+compiler lays the cache out slots-minor, so the one-slot write of every step rewrites a tile per
+row and head. Here the cache is one array `JointCache.kv` [L, B, K, S, 2H]: slot s of a row and KV
+head holds its key in lanes [0, H) and its value in lanes [H, 2H) (128 lanes for H = 64: one
+lane-dense tile row a slot, written whole), and one kernel call a layer does the step's whole
+softmax on-chip (flash decoding), block by block:
+
+  1. the new token (its own key and value: always visible) starts the running max, sum and
+     value sum;
+  2. the prompt block [P, 2H] shared by the R samples of a prompt, read once for its R rows;
+  3. the rows' own first s cache slots (the decode phase's bound);
+
+  scores = q_pad @ kv_blk^T   q_pad [G, 2H]: the query in the key lanes, zeros in the value lanes
+  acc    = p @ kv_blk         [G, 2H]: lanes [H, 2H) hold p @ v (lanes [0, H) p @ k, unused)
+
+so neither needs a lane slice; the output is acc / sum, of which the caller keeps lanes [H, 2H).
+Layer `layer` of the stacked caches is read in place (scalar-prefetched into the index maps), so
+no layer slice is copied. Biases (0 where a slot may be read, finfo.min where not) come from
+`Qwen2.hidden_states`. `interpret=True` runs it in the Pallas interpreter (any backend: the CPU
+tests). Under a mesh it runs per shard of rows and KV heads (`shard_map`), as XLA does not
+partition a Pallas kernel; a shard's rows find their prompt by global row // R.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ict_jax.models.axes import logical_to_spec
+
+P = jax.sharding.PartitionSpec
+
+Array = jax.Array
+
+SLOT_BLOCKS = (512, 256, 128)  # slots a grid step reads: the largest dividing the slots (else all)
+ROW_BLOCKS = (8, 4, 2, 1)  # rows a grid step reads without a prompt block: the largest dividing B
+LANES = 128  # m and l live lane-replicated in VMEM, as in JAX's TPU flash attention
+
+
+def _slot_block(slots: int) -> int:
+  return next((b for b in SLOT_BLOCKS if slots % b == 0), slots)
+
+
+def _kernel(
+    layer_ref,
+    q_ref,
+    new_ref,
+    new_bias_ref,
+    *refs,
+    rows: int,
+    prefix_blocks: int,
+    scale: float,
+    shared: tuple[bool, bool],
+):
+  """Grid step (row block i, KV head h, slot block j): j < prefix_blocks reads the prompt block's
+  j-th slots (one [bs, W] block for the R rows of the prompt), then the rows' own cache slots.
+  q_ref [R, G, W]; new_ref [R, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token (its key |
+  value, its bias); then (prefix_ref [bs, W], prefix_bias_ref [1, bs]) if a prompt block,
+  cache_ref [R, bs, W], cache_bias_ref [R | 1, 1, bs], out_ref [R, G, W], scratch m, l
+  [R, G, LANES] and acc [R, G, W] (the running maximum, sum and weighted value sum)."""
+  del layer_ref  # read by the index maps
+  if prefix_blocks:
+    prefix_ref, prefix_bias_ref, cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
+  else:
+    cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
+  j = pl.program_id(2)
+  g, w = q_ref.shape[1], q_ref.shape[2]
+  widen = lambda x, n: jnp.tile(x, (1, n // LANES)) if n % LANES == 0 else x[:, :n]  # [G, LANES] -> [G, n]
+
+  @pl.when(j == 0)
+  def _start():  # the softmax starts at the new token, which every row sees
+    for r in range(rows):
+      new = new_ref[r].astype(jnp.float32)  # [1, W]: key | value
+      score = jnp.sum(q_ref[r].astype(jnp.float32) * new, axis=1, keepdims=True) * scale  # [G, 1]
+      score = score + new_bias_ref[0 if shared[0] else r]
+      m_ref[r] = jnp.broadcast_to(score, (g, LANES))
+      l_ref[r] = jnp.ones((g, LANES), jnp.float32)
+      acc_ref[r] = jnp.broadcast_to(new, (g, w))
+
+  def update(r, kv, bias):  # kv [bs, W] slots, bias [1, bs]
+    s = jax.lax.dot_general(q_ref[r], kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * scale + bias  # [G, bs]
+    m_prev = m_ref[r]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - widen(m_next, s.shape[1]))
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[r] = alpha * l_ref[r] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[r] = m_next
+    acc_ref[r] = acc_ref[r] * widen(alpha, w) + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+
+  if prefix_blocks:
+
+    @pl.when(j < prefix_blocks)
+    def _prompt():  # one block of the prompt's slots, read once for its R rows
+      kv, bias = prefix_ref[...], prefix_bias_ref[...]
+      for r in range(rows):
+        update(r, kv, bias)
+
+  @pl.when(j >= prefix_blocks)
+  def _cache():
+    for r in range(rows):
+      update(r, cache_ref[r], cache_bias_ref[0 if shared[1] else r])
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _done():
+    for r in range(rows):
+      out_ref[r] = (acc_ref[r] / widen(l_ref[r], w)).astype(out_ref.dtype)
+
+
+def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, interpret: bool) -> Array:
+  """One shard: q [B, K, G, W], new [B, K, 1, W], new_bias [B | 1, 1, 1], (prefix_kv
+  [L, U, K, P, W], prefix_bias [U, 1, P],) kv [L, B, K, S, W], bias [B | 1, 1, s], and the
+  scalars [layer, first row, first prompt] of this shard -> [B, K, G, W]. `group`: rows a prompt."""
+  if has_prefix:
+    prefix_kv, prefix_bias, kv, bias, scalars = rest
+  else:
+    kv, bias, scalars = rest
+  b, k, g, w = q.shape
+  s = bias.shape[-1]
+  shared = (new_bias.shape[0] == 1, bias.shape[0] == 1)  # a bias for every row alike
+  bs = _slot_block(s)
+  if has_prefix:  # a block's rows belong to one prompt: the global row // group, less the shard's first
+    u, p = prefix_kv.shape[1], prefix_kv.shape[3]
+    rows, bp = math.gcd(b, group), _slot_block(p)
+    prefix_blocks = p // bp
+    prompt = lambda i, sc: (sc[1] + i * rows) // group - sc[2]
+  else:
+    rows, prefix_blocks = next(r for r in ROW_BLOCKS if b % r == 0), 0
+  cache_j = lambda j: jnp.maximum(j - prefix_blocks, 0)
+  in_specs = [
+      pl.BlockSpec((rows, None, g, w), lambda i, h, j, sc: (i, h, 0, 0)),
+      pl.BlockSpec((rows, None, 1, w), lambda i, h, j, sc: (i, h, 0, 0)),
+      pl.BlockSpec((1 if shared[0] else rows, 1, 1), lambda i, h, j, sc: (0 if shared[0] else i, 0, 0)),
+  ]
+  operands = [q, new, new_bias]
+  read = b * k * s * w * kv.dtype.itemsize + k * bias.size * 4
+  if has_prefix:
+    pre_j = lambda j: jnp.minimum(j, prefix_blocks - 1)
+    in_specs += [
+        pl.BlockSpec((None, None, None, bp, w), lambda i, h, j, sc: (sc[0], prompt(i, sc), h, pre_j(j), 0)),
+        pl.BlockSpec((None, 1, bp), lambda i, h, j, sc: (prompt(i, sc), 0, pre_j(j))),
+    ]
+    operands += [prefix_kv, prefix_bias]
+    reads_a_prompt = max(1, group // rows)  # a prompt's slots are read once a row block
+    read += reads_a_prompt * (u * k * p * w * prefix_kv.dtype.itemsize + k * prefix_bias.size * 4)
+  in_specs += [
+      pl.BlockSpec((None, rows, None, bs, w), lambda i, h, j, sc: (sc[0], i, h, cache_j(j), 0)),
+      pl.BlockSpec((1 if shared[1] else rows, 1, bs), lambda i, h, j, sc: (0 if shared[1] else i, 0, cache_j(j))),
+  ]
+  operands += [kv, bias]
+  kernel = functools.partial(_kernel, rows=rows, prefix_blocks=prefix_blocks, scale=scale, shared=shared)
+  slots = s + (prefix_kv.shape[3] if has_prefix else 0)
+  cost = pl.CostEstimate(  # what the kernel moves: q and the output, the new tokens, the slots read
+      flops=4 * b * k * g * slots * w,
+      transcendentals=b * k * g * slots,
+      bytes_accessed=2 * q.size * q.dtype.itemsize + new.size * new.dtype.itemsize + read,
+  )
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(b // rows, k, prefix_blocks + s // bs),
+          in_specs=in_specs,
+          out_specs=pl.BlockSpec((rows, None, g, w), lambda i, h, j, sc: (i, h, 0, 0)),
+          scratch_shapes=[
+              pltpu.VMEM((rows, g, LANES), jnp.float32),
+              pltpu.VMEM((rows, g, LANES), jnp.float32),
+              pltpu.VMEM((rows, g, w), jnp.float32),
+          ],
+      ),
+      out_shape=jax.ShapeDtypeStruct((b, k, g, w), q.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="ict_decode_attention",
+  )(scalars, *operands)
+
+
+def _shard_start(spec_entry, local: int) -> Array:
+  """The global index of a shard's first element along an axis sharded by `spec_entry` (None,
+  an axis name or a tuple of them), inside `shard_map`."""
+  if spec_entry is None:
+    return jnp.int32(0)
+  return jax.lax.axis_index(spec_entry).astype(jnp.int32) * local
+
+
+def decode_attention(
+    q: Array, k: Array, v: Array, mask, kv: Array, layer: Array, prefix_kv: Array | None, *, interpret: bool = False
+) -> Array:
+  """One new token a row over the joint caches, one kernel call: q [B, 1, K, G, H] (rotary
+  applied, unscaled), its own key and value k, v [B, 1, K, H]; `mask` the biases of
+  `Qwen2.hidden_states` ((prefix [U, 1, 1, 1, 1, P],) old [B | 1, 1, 1, 1, s], new
+  [B | 1, 1, 1, 1, 1]); layer `layer` of the decode cache kv [L, B, K, S, 2H] (its first s slots)
+  and of the prompt block prefix_kv [L, U, K, P, 2H] (rows [u R, u R + R) read its row u)
+  -> [B, 1, K, G, H]. Under a mesh it runs per shard of rows and KV heads (`shard_map`)."""
+  b, t, kh, g, h = q.shape
+  if t != 1:
+    raise ValueError(f"decode_attention 'pallas' takes one new token a row, got {t}; decode_attention 'xla' takes more")
+  q_pad = jnp.pad(q[:, 0], [(0, 0), (0, 0), (0, 0), (0, h)])  # [B, K, G, 2H]: zeros in the value lanes
+  new = jnp.concatenate([k, v], axis=-1).transpose(0, 2, 1, 3)  # [B, K, 1, 2H]
+  old_bias, new_bias = mask[-2], mask[-1]
+  has_prefix = prefix_kv is not None
+  args = [q_pad, new, new_bias.reshape(-1, 1, 1)]
+  if has_prefix:
+    args += [prefix_kv, mask[0].reshape(prefix_kv.shape[1], 1, -1)]
+  args += [kv, old_bias.reshape(old_bias.shape[0], 1, -1)]
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  group = b // prefix_kv.shape[1] if has_prefix else 1
+  local = functools.partial(_local, scale=h**-0.5, group=group, has_prefix=has_prefix, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(*args, jnp.concatenate([layer, jnp.zeros(2, jnp.int32)]))[..., h:][:, None]
+  shape = dict(mesh.shape)
+  spec = lambda names, x: logical_to_spec(names, x.shape, shape)
+  rows = spec(("act_batch", "act_kv_heads", None, None), q_pad)
+  per_row = lambda x: P(rows[0] if x.shape[0] > 1 else None, None, None)
+  stacked = lambda x: spec((None, "act_batch", "act_kv_heads", None, None), x)
+  in_specs = [rows, rows, per_row(args[2])]
+  if has_prefix:  # the prompts are sharded over as many row axes as divide them (sampling.prompt_sharding)
+    in_specs += [stacked(prefix_kv), P(stacked(prefix_kv)[1], None, None)]
+  in_specs += [stacked(kv), per_row(args[-1])]
+  prompt_axes = stacked(prefix_kv)[1] if has_prefix else None
+
+  def sharded(*xs):
+    *xs, layer = xs
+    row0 = _shard_start(rows[0], xs[0].shape[0])
+    prompt0 = _shard_start(prompt_axes, xs[3].shape[1]) if has_prefix else jnp.int32(0)
+    return local(*xs, jnp.concatenate([layer, jnp.stack([row0, prompt0])]))
+
+  in_specs.append(P(None))
+  out = jax.shard_map(sharded, in_specs=tuple(in_specs), out_specs=rows, check_vma=False)(*args, layer)
+  return out[..., h:][:, None]  # [B, 1, K, G, H]

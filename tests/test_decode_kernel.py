@@ -1,0 +1,159 @@
+"""The fused decode-attention kernel (models/decode_kernel.py), run in the Pallas interpreter:
+its output against numpy, and the model's decode over the joint cache against the XLA path
+and a forward without a cache. Its TPU compile is checked in test_decode_phases (libtpu)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ict_jax import sampling, setup
+from ict_jax.config import ConfigError
+from ict_jax.models import decode_kernel
+from ict_jax.models.config import Qwen2Config
+from ict_jax.models.qwen2 import JointCache, LayerCache, init_model
+
+NEG = np.finfo(np.float32).min
+
+
+def _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, layer):
+  """float64 softmax over [the prompt block's slots, the cache's first s slots, the new token]:
+  q [B, K, G, H], k, v [B, K, H], cache [L, B, K, S, 2H], prefix [L, U, K, P, 2H] -> [B, K, G, H]."""
+  q, k, v, cache, prefix = (np.asarray(x, np.float64) for x in (q, k, v, cache, prefix))
+  b, h = q.shape[0], q.shape[-1]
+  s = cache_bias.shape[-1]
+  pre = np.repeat(prefix[layer], b // prefix.shape[1], axis=0)  # [B, K, P, 2H]
+  slots = np.concatenate([pre, cache[layer, :, :, :s], np.concatenate([k, v], -1)[:, :, None]], axis=2)
+  bias = np.concatenate([np.repeat(prefix_bias, b // prefix.shape[1], 0), cache_bias, np.zeros((b, 1))], 1)
+  scores = np.einsum("bkgh,bksh->bkgs", q, slots[..., :h]) / np.sqrt(h) + bias[:, None, None, :]
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  return np.einsum("bkgs,bksh->bkgh", p / p.sum(-1, keepdims=True), slots[..., h:])
+
+
+@pytest.mark.parametrize(
+    "slots, prompt_len",
+    [(384, 256), (256, 40), (40, 128)],  # cache blocks of 128 / 256 / one odd block; prompt 1, 1, 1 blocks
+)
+def test_kernel_matches_numpy(slots, prompt_len):
+  """3 prompts x 2 rows, 2 KV heads of 3 query heads: the prompt block, the cache's first
+  `slots` slots (the rest unwritten), left padding in a prompt and a hole in one row's cache."""
+  rng = np.random.default_rng(slots)
+  layers, prompts, group, heads, g, h, length = 3, 3, 2, 2, 3, 64, 512
+  b = prompts * group
+  f = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  q, k, v = f(b, heads, g, h), f(b, heads, h), f(b, heads, h)
+  cache, prefix = f(layers, b, heads, length, 2 * h), f(layers, prompts, heads, prompt_len, 2 * h)
+  cache_bias = np.zeros((b, slots), np.float32)
+  cache_bias[:, slots // 3 :] = NEG  # written so far: a third
+  cache_bias[4, 1:5] = NEG
+  prefix_bias = np.zeros((prompts, prompt_len), np.float32)
+  prefix_bias[1, : prompt_len // 4] = NEG  # left padding
+  mask = (
+      prefix_bias[:, None, None, None, None, :],
+      cache_bias[:, None, None, None, :],
+      np.zeros((1, 1, 1, 1, 1), np.float32),
+  )
+  out = decode_kernel.decode_attention(
+      jnp.asarray(q[:, None]),
+      jnp.asarray(k[:, None]),
+      jnp.asarray(v[:, None]),
+      tuple(jnp.asarray(m) for m in mask),
+      jnp.asarray(cache),
+      jnp.int32(2),
+      jnp.asarray(prefix),
+      interpret=True,
+  )
+  ref = _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, 2)
+  np.testing.assert_allclose(np.asarray(out)[:, 0], ref, rtol=1e-4, atol=1e-5)
+
+
+CFG = Qwen2Config(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+def test_joint_cache_layout():
+  """decode_attention "pallas": one [L, B, K, S, 2H] array a cache; "xla": keys and values."""
+  joint = init_model(dataclasses.replace(CFG, decode_attention="pallas_interpret")).init_cache(3, 32)
+  assert isinstance(joint, JointCache) and joint.kv.shape == (2, 3, 2, 32, 32)
+  plain = init_model(CFG).init_cache(3, 32)
+  assert isinstance(plain, LayerCache) and plain.k.shape == (2, 3, 2, 32, 16)
+
+
+def test_decode_with_a_kv_mask_matches_the_xla_path():
+  """One new token a step over a cache with holes (`kv_mask`), no prompt block: the kernel path's
+  hidden states and the cache it writes (keys | values) equal the einsum path's. More than one
+  new token a row is the einsum path's alone: a clear error."""
+  rng = np.random.RandomState(1)
+  models = {a: init_model(dataclasses.replace(CFG, decode_attention=a), seed=5) for a in ("xla", "pallas_interpret")}
+  ids = jnp.asarray(rng.randint(1, CFG.vocab_size, (2, 8)))
+  kv_mask = np.ones((2, 24), np.int32)
+  kv_mask[0, :3] = 0
+  kv_mask[1, 6] = 0
+  out = {}
+  for name, model in models.items():
+    cache, h = model.init_cache(2, 24), []
+    for i in range(8):
+      hs, cache = model.hidden_states(
+          ids[:, i : i + 1],
+          positions=jnp.full((2, 1), i),
+          cache=cache,
+          cache_index=jnp.int32(i),
+          kv_mask=jnp.asarray(kv_mask),
+      )
+      h.append(np.asarray(hs))
+    out[name] = (np.concatenate(h, 1), cache)
+  real = kv_mask[:, :8] > 0  # a padding token's own output is never read
+  np.testing.assert_allclose(out["pallas_interpret"][0][real], out["xla"][0][real], rtol=1e-5, atol=1e-5)
+  joint, plain = out["pallas_interpret"][1].kv, out["xla"][1]
+  np.testing.assert_allclose(joint, np.concatenate([plain.k, plain.v], -1), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="takes one new token a row, got 3"):
+    models["pallas_interpret"].hidden_states(
+        ids[:, :3], cache=models["pallas_interpret"].init_cache(2, 24), cache_index=jnp.int32(0)
+    )
+
+
+@pytest.mark.parametrize("mesh_shape", [None, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_greedy_rollout_over_the_joint_cache_equals_the_xla_rollout(mesh_shape):
+  """Prompts shared by 4 samples (the prompt block read once a prompt), bounded decode phases:
+  greedy tokens, log-probs and logits equal the einsum path's, unsharded and on the 8-device
+  mesh (the kernel per shard of rows and KV heads)."""
+  from ict_jax import sharding
+
+  mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
+  rng = np.random.RandomState(0)
+  ids = rng.randint(1, CFG.vocab_size, (2, 9))
+  mask = np.ones_like(ids)
+  mask[0, :4] = 0
+  kw = dict(max_new_tokens=24, temperature=0.0, rng=jax.random.key(0), eos_token_ids=(), pad_id=0, num_samples=4)
+  outs = {}
+  for name in ("xla", "pallas_interpret"):
+    model = init_model(dataclasses.replace(CFG, decode_attention=name), seed=3)
+    outs[name] = [
+        np.asarray(x) for x in sampling.generate(model, ids * mask, mask, mesh=mesh, return_logits=True, **kw)
+    ]
+  (ids_x, mask_x, lp_x, logits_x), (ids_p, mask_p, lp_p, logits_p) = outs["xla"], outs["pallas_interpret"]
+  np.testing.assert_array_equal(ids_p, ids_x)
+  np.testing.assert_array_equal(mask_p, mask_x)
+  np.testing.assert_allclose(lp_p, lp_x, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits_p, logits_x, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_choice_resolves_by_platform():
+  cpu = jax.devices("cpu")
+  assert setup.resolve_decode_attention("auto", cpu) == "xla"
+  assert setup.resolve_decode_attention("pallas_interpret", cpu) == "pallas_interpret"
+  with pytest.raises(
+      ConfigError, match=r"config.model.decode_attention: 'pallas' is a TPU kernel and the devices are cpu"
+  ):
+    setup.resolve_decode_attention("pallas", cpu)
+  with pytest.raises(ValueError, match=r"Qwen2Config.decode_attention: expected one of"):
+    dataclasses.replace(CFG, decode_attention="flash")
