@@ -10,6 +10,8 @@ remat policy (`Qwen2Config.remat_policy`) wraps the scanned layer in the train s
 The KV cache is an explicit pytree passed in and returned, so decoding is a pure function; it is
 stacked like the parameters, [L, B, K, S, H]: the layer scan reads each layer's old slice (xs) and
 returns the new positions (ys), written after the scan by one in-place update (read before write).
+With `decode_attention` "pallas" (TPU) the cache is one `JointCache` [L, B, K, S, 2H] (key | value
+a slot) that the fused kernel (`models/decode_kernel.py`) reads in place, layer by layer.
 """
 
 from __future__ import annotations
