@@ -39,7 +39,7 @@ def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
   `model.kernels`'s "auto" for the devices of `mesh` (default jax.devices())."""
   from ict_jax.models.hf import load_pretrained
 
-  devices = None if mesh is None else mesh.devices.flat
+  devices = None if mesh is None else list(mesh.devices.flat)
   kernels = setup.resolve_kernels("auto", devices)
   decode_attention = setup.resolve_decode_attention("auto", devices)
   model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh, kernels=kernels, decode_attention=decode_attention)
