@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import tiny_config
 
 from ict_jax import sampling, setup
 from ict_jax.config import ConfigError
 from ict_jax.models import decode_kernel
-from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import JointCache, LayerCache, init_model
 
 NEG = np.finfo(np.float32).min
@@ -69,23 +69,15 @@ def test_kernel_matches_numpy(slots, prompt_len):
   np.testing.assert_allclose(np.asarray(out)[:, 0], ref, rtol=1e-4, atol=1e-5)
 
 
-CFG = Qwen2Config(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
+CFG = tiny_config(128, max_position_embeddings=2048)  # head_dim 8
 
 
 def test_joint_cache_layout():
   """decode_attention "pallas": one [L, B, K, S, 2H] array a cache; "xla": keys and values."""
   joint = init_model(dataclasses.replace(CFG, decode_attention="pallas_interpret")).init_cache(3, 32)
-  assert isinstance(joint, JointCache) and joint.kv.shape == (2, 3, 2, 32, 32)
+  assert isinstance(joint, JointCache) and joint.kv.shape == (2, 3, 2, 32, 16)
   plain = init_model(CFG).init_cache(3, 32)
-  assert isinstance(plain, LayerCache) and plain.k.shape == (2, 3, 2, 32, 16)
+  assert isinstance(plain, LayerCache) and plain.k.shape == (2, 3, 2, 32, 8)
 
 
 def test_decode_with_a_kv_mask_matches_the_xla_path():
