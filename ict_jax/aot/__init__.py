@@ -34,7 +34,9 @@ is compiled alone, layer scan unrolled, once a length-bounded decode phase (the 
 it reads), for `cost_analysis()` bytes accessed, reported against that phase's minimum (rollout
 weights + the KV cache it reads, per chip). On TPU that step is compiled without memory-space
 assignment (`sampler.HBM_BYTES_OPTIONS`): with it, libtpu's cost analysis also counts each VMEM
-staging copy and every read from VMEM, the same bytes several times over.
+staging copy and every read from VMEM, the same bytes several times over. The decode attention is
+the run's (`model.decode_attention`: on TPU the fused Pallas kernel, whose bytes are the ones it
+declares in its `pl.CostEstimate`: libtpu counts a Mosaic call's bytes only from that).
 --part both (default): exit 1 unless both fit.
 Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr).
 
