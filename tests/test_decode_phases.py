@@ -115,6 +115,7 @@ _TPU_STEP_BYTES = textwrap.dedent("""
                     TPU_ACCELERATOR_TYPE="v5litepod-4", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   import json
   import jax
+  import jax.numpy as jnp
   from jax.experimental import topologies
   from ict_jax import sampling, sharding
   from ict_jax.aot.sampler import HBM_BYTES_OPTIONS, compile_decode_step, decode_cache
@@ -140,6 +141,18 @@ _TPU_STEP_BYTES = textwrap.dedent("""
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, dtype="bfloat16")
   for a in ("xla", "pallas"):
     costs[f"h64_{a}"] = step_bytes(cfg.replace(decode_attention=a), 512, 1024, 256, greedy=True, top_k=1)
+  # the kernel alone at buckets off the tiling: a 100-slot cache read to 40 (48), a 24-slot prompt
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from ict_jax.models.decode_kernel import decode_attention
+  sds = lambda shape, *spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(*spec)))
+  rows = ("data", "fsdp")
+  q, k = sds((64, 1, 2, 7, 64), rows), sds((64, 1, 2, 64), rows)
+  kv, pre = sds((3, 64, 2, 100, 128), None, rows), sds((3, 8, 2, 24, 128), None, rows)
+  masks = tuple(jax.ShapeDtypeStruct(x, jnp.float32, sharding=NamedSharding(mesh, P(*sp)))
+                for x, sp in (((8, 1, 1, 1, 1, 24), (rows,)), ((1, 1, 1, 1, 40), ()), ((1, 1, 1, 1, 1), ())))
+  with jax.set_mesh(mesh):
+    odd = jax.jit(lambda *a: decode_attention(*a[:4], a[4], jnp.int32(1), a[5])).lower(q, k, k, masks, kv, pre).compile()
+  costs["odd_buckets"] = (lambda c: c[0] if isinstance(c, (list, tuple)) else c)(odd.cost_analysis())["bytes accessed"]
   policy = sampling.abstract_rollout_policy(cfg, dtype="bfloat16", mesh=mesh)
   costs["h64_weights"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(policy.state))
   print(json.dumps(costs))
@@ -198,3 +211,11 @@ def test_the_fused_decode_kernel_reads_about_weights_plus_kv_on_tpu(tpu_step_byt
       tpu_step_bytes["h64_pallas"] / minimum,
       tpu_step_bytes["h64_xla"] / minimum,
   )
+
+
+def test_the_fused_decode_kernel_compiles_at_buckets_off_the_tiling_on_tpu(tpu_step_bytes):
+  """Mosaic takes the kernel at a phase bound (40) and a prompt bucket (24) that are not
+  multiples of the 128-slot blocks, nor the bound of a bf16 tile's 16 rows (read to 48, the
+  extra slots masked): the odd `rollout` buckets a config may list."""
+  kv = 64 // 4 * 2 * 48 * 128 * 2  # rows a chip x KV heads x 48 slots x key | value bf16
+  assert tpu_step_bytes["odd_buckets"] >= kv

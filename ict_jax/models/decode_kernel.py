@@ -44,6 +44,7 @@ Array = jax.Array
 SLOT_BLOCKS = (512, 256, 128)  # slots a grid step reads: the largest dividing the slots (else all)
 ROW_BLOCKS = (8, 4, 2, 1)  # rows a grid step reads without a prompt block: the largest dividing B
 LANES = 128  # m and l live lane-replicated in VMEM, as in JAX's TPU flash attention
+SUBLANES = 16  # a block's slots: a multiple of this (a bf16 tile's rows) or the whole cache
 
 
 def _slot_block(slots: int) -> int:
@@ -74,7 +75,9 @@ def _kernel(
     cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   j = pl.program_id(2)
   g, w = q_ref.shape[1], q_ref.shape[2]
-  widen = lambda x, n: jnp.tile(x, (1, n // LANES)) if n % LANES == 0 else x[:, :n]  # [G, LANES] -> [G, n]
+
+  def widen(x, n):  # [G, LANES] lane-replicated -> [G, n]
+    return jnp.tile(x, (1, n // LANES)) if n % LANES == 0 else jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
   @pl.when(j == 0)
   def _start():  # the softmax starts at the new token, which every row sees
@@ -212,7 +215,12 @@ def decode_attention(
   args = [q_pad, new, new_bias.reshape(-1, 1, 1)]
   if has_prefix:
     args += [prefix_kv, mask[0].reshape(prefix_kv.shape[1], 1, -1)]
-  args += [kv, old_bias.reshape(old_bias.shape[0], 1, -1)]
+  old_bias = old_bias.reshape(old_bias.shape[0], 1, -1)  # [B | 1, 1, s]
+  s = old_bias.shape[-1]
+  read = min(kv.shape[3], -(-s // SUBLANES) * SUBLANES)  # a bound off the tiling: a few masked slots more
+  if read > s:
+    old_bias = jnp.pad(old_bias, [(0, 0), (0, 0), (0, read - s)], constant_values=jnp.finfo(jnp.float32).min)
+  args += [kv, old_bias]
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   group = b // prefix_kv.shape[1] if has_prefix else 1
   local = functools.partial(_local, scale=h**-0.5, group=group, has_prefix=has_prefix, interpret=interpret)
