@@ -52,7 +52,7 @@ def _slot_block(slots: int) -> int:
 
 
 def _kernel(
-    layer_ref,
+    scalars_ref,
     q_ref,
     new_ref,
     new_bias_ref,
@@ -63,12 +63,12 @@ def _kernel(
     shared: tuple[bool, bool],
 ):
   """Grid step (row block i, KV head h, slot block j): j < prefix_blocks reads the prompt block's
-  j-th slots (one [bs, W] block for the R rows of the prompt), then the rows' own cache slots.
-  q_ref [R, G, W]; new_ref [R, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token (its key |
+  j-th slots (one [bs, W] block for the block's R rows, all of one prompt), then the rows' own
+  cache slots. q_ref [R, G, W]; new_ref [R, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token (its key |
   value, its bias); then (prefix_ref [bs, W], prefix_bias_ref [1, bs]) if a prompt block,
   cache_ref [R, bs, W], cache_bias_ref [R | 1, 1, bs], out_ref [R, G, W], scratch m, l
   [R, G, LANES] and acc [R, G, W] (the running maximum, sum and weighted value sum)."""
-  del layer_ref  # read by the index maps
+  del scalars_ref  # [layer, first row, first prompt]: read by the index maps
   if prefix_blocks:
     prefix_ref, prefix_bias_ref, cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   else:
