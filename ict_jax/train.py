@@ -37,6 +37,7 @@ from ict_jax.setup import (
     make_mesh,
     make_tokenizer,
     model_config,
+    resolve_decode_attention,
     rollout_dtype,
 )
 from ict_jax.models.hf import load_pretrained
@@ -245,6 +246,7 @@ def train(config_dict, workdir: str, *, init_from_hf: str = "", progress: bool =
     import_wandb()  # a missing package is one error now, not after the compile
   sharding.maybe_initialize_distributed(cfg.train.heartbeat_timeout_s)
   mesh = make_mesh(cfg)
+  resolve_decode_attention(cfg.model.decode_attention, mesh.devices.flat)  # refused off TPU before any data
   try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
     ts.check_micro_batch(cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
   except ValueError as e:

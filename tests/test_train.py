@@ -331,6 +331,10 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
         (["--config.mesh.fsdp=3"], "mesh"),
         (["--config.rollout.decode_batch_size=5"], "config.rollout.decode_batch_size: 5 does not divide"),
         (["--workdir=/proc/forbidden/run"], "/proc/forbidden/run"),
+        (
+            ["--config.model.decode_attention=pallas"],
+            "config.model.decode_attention: 'pallas' is a TPU kernel and the devices are cpu",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_error(args, needle, tmp_path):
