@@ -83,15 +83,14 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=N
   with, for `model.vocab="task"`, the embedding sized for `tokenizer` (a `task_vocab.TaskTokenizer`);
   dtypes, the remat policy, the attention implementation and the kernels from `config.model`
   ("auto" resolved for the devices of `mesh`, default jax.devices())."""
+  devices = None if mesh is None else list(mesh.devices.flat)
   kw = dict(
       dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype,
       remat_policy=cfg.model.remat_policy,
       attention=resolve_attention(cfg.model.attention, mesh, cfg.model.dtype),
-      kernels=resolve_kernels(cfg.model.kernels, None if mesh is None else mesh.devices.flat),
-      decode_attention=resolve_decode_attention(
-          cfg.model.decode_attention, None if mesh is None else mesh.devices.flat
-      ),
+      kernels=resolve_kernels(cfg.model.kernels, devices),
+      decode_attention=resolve_decode_attention(cfg.model.decode_attention, devices),
   )
   try:
     if hf_dir:

@@ -21,7 +21,7 @@ from ict_jax.aot.targets import AotError, Target
 from ict_jax.config import Config
 from ict_jax.length_model import LengthDistribution
 from ict_jax.models.axes import axis_rules, logical_to_spec
-from ict_jax.models.qwen2 import JointCache, LayerCache
+from ict_jax.models.qwen2 import CACHE_AXES, JointCache, LayerCache, make_cache
 from ict_jax.sampling import bucket_length
 
 
@@ -42,13 +42,13 @@ def _decode_step(
 def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache | JointCache:
   """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout
   (decode_attention "pallas": one joint [L, B, K, S, 2H] array)."""
-  joint = mcfg.decode_attention != "xla"
-  shape = (mcfg.num_hidden_layers, batch, mcfg.num_key_value_heads, cache_len, mcfg.head_dim * (2 if joint else 1))
-  names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
-  with axis_rules(sampling.DECODE_RULES):
-    spec = logical_to_spec(names, shape, dict(mesh.shape))
-  struct = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-  return JointCache(struct) if joint else LayerCache(struct, struct)
+
+  def struct(shape):
+    with axis_rules(sampling.DECODE_RULES):
+      spec = logical_to_spec(CACHE_AXES, shape, dict(mesh.shape))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  return make_cache(mcfg, batch, cache_len, struct)
 
 
 @contextlib.contextmanager

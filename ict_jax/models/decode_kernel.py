@@ -224,26 +224,27 @@ def decode_attention(
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   group = b // prefix_kv.shape[1] if has_prefix else 1
   local = functools.partial(_local, scale=h**-0.5, group=group, has_prefix=has_prefix, interpret=interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return local(*args, jnp.concatenate([layer, jnp.zeros(2, jnp.int32)]))[..., h:][:, None]
-  shape = dict(mesh.shape)
-  spec = lambda names, x: logical_to_spec(names, x.shape, shape)
-  rows = spec(("act_batch", "act_kv_heads", None, None), q_pad)
-  per_row = lambda x: P(rows[0] if x.shape[0] > 1 else None, None, None)
-  stacked = lambda x: spec((None, "act_batch", "act_kv_heads", None, None), x)
-  in_specs = [rows, rows, per_row(args[2])]
-  if has_prefix:  # the prompts are sharded over as many row axes as divide them (sampling.prompt_sharding)
-    in_specs += [stacked(prefix_kv), P(stacked(prefix_kv)[1], None, None)]
-  in_specs += [stacked(kv), per_row(args[-1])]
-  prompt_axes = stacked(prefix_kv)[1] if has_prefix else None
+  row_axes = prompt_axes = None  # the mesh axes the rows and the prompts are sharded over (none: one shard)
 
-  def sharded(*xs):
+  def run(*xs):  # one shard: its first row and prompt go to the index maps with the layer
     *xs, layer = xs
-    row0 = _shard_start(rows[0], xs[0].shape[0])
+    row0 = _shard_start(row_axes, xs[0].shape[0])
     prompt0 = _shard_start(prompt_axes, xs[3].shape[1]) if has_prefix else jnp.int32(0)
     return local(*xs, jnp.concatenate([layer, jnp.stack([row0, prompt0])]))
 
-  in_specs.append(P(None))
-  out = jax.shard_map(sharded, in_specs=tuple(in_specs), out_specs=rows, check_vma=False)(*args, layer)
-  return out[..., h:][:, None]  # [B, 1, K, G, H]
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    shape = dict(mesh.shape)
+    spec = lambda names, x: logical_to_spec(names, x.shape, shape)
+    rows = spec(("act_batch", "act_kv_heads", None, None), q_pad)
+    per_row = lambda x: P(rows[0] if x.shape[0] > 1 else None, None, None)
+    stacked = lambda x: spec((None, "act_batch", "act_kv_heads", None, None), x)
+    in_specs = [rows, rows, per_row(args[2])]
+    if has_prefix:  # the prompts are sharded over as many row axes as divide them (sampling.prompt_sharding)
+      prefix_spec = stacked(prefix_kv)
+      in_specs += [prefix_spec, P(prefix_spec[1], None, None)]
+      prompt_axes = prefix_spec[1]
+    in_specs += [stacked(kv), per_row(args[-1]), P(None)]
+    row_axes = rows[0]
+    run = jax.shard_map(run, in_specs=tuple(in_specs), out_specs=rows, check_vma=False)
+  return run(*args, layer)[..., h:][:, None]  # [B, 1, K, G, H]

@@ -47,6 +47,17 @@ class JointCache(NamedTuple):
   kv: Array
 
 
+CACHE_AXES = (None, "act_batch", "act_kv_heads", "act_cache_length", None)  # a cache array's logical axes
+
+
+def make_cache(cfg: Qwen2Config, batch: int, length: int, make) -> LayerCache | JointCache:
+  """The KV cache `cfg.decode_attention` reads, its arrays made by `make(shape)`: keys and values
+  [L, B, K, S, H] each ("xla"), or one joint [L, B, K, S, 2H] ("pallas"); S = length."""
+  joint = cfg.decode_attention != "xla"
+  shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim * (2 if joint else 1))
+  return JointCache(make(shape)) if joint else LayerCache(make(shape), make(shape))
+
+
 # remat policy name -> jax.checkpoint policy (MaxText's names); "none" runs the layer as is.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's input
@@ -283,14 +294,9 @@ class Qwen2(nnx.Module):
 
   def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache | JointCache:
     """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype);
-    decode_attention "pallas": one `JointCache` [L, B, K, S, 2H]."""
-    cfg = self.cfg
-    joint = cfg.decode_attention != "xla"
-    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, cfg.head_dim * (2 if joint else 1))
-    dt = dtype or _dtype(cfg.dtype)
-    names = (None, "act_batch", "act_kv_heads", "act_cache_length", None)
-    zeros = lambda: constrain(jnp.zeros(shape, dt), names)
-    return JointCache(zeros()) if joint else LayerCache(zeros(), zeros())
+    decode_attention "pallas": one `JointCache` [L, B, K, S, 2H] (`make_cache`)."""
+    dt = dtype or _dtype(self.cfg.dtype)
+    return make_cache(self.cfg, batch, length, lambda shape: constrain(jnp.zeros(shape, dt), CACHE_AXES))
 
   def _decoder_stack(
       self, x, cos, sin, mask, cache: LayerCache | None, cache_index, prefill: bool = False, prefix=None
