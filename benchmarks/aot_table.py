@@ -224,7 +224,9 @@ def _phase_ratios(r: dict) -> str:
   # a report without the key predates the count that leaves out VMEM staging
   # (ict_jax.aot.sampler.HBM_BYTES_OPTIONS); only TPU targets give phase bytes at all
   staged = "decode_bytes_options" not in r
-  return " / ".join(f"{v:.2f}" for v in x) + (" (VMEM staging counted)" if staged else "")
+  text = " / ".join(f"{v:.2f}" for v in x) + (" (VMEM staging counted)" if staged else "")
+  grid = r.get("decode_phase_grid_steps")  # the fused decode kernel's grid steps a step (TPU)
+  return text + (f"; Pallas grid steps {' / '.join(map(str, grid))}" if grid and any(grid) else "")
 
 
 def _bound(r: dict | None, parts: bool = False) -> str:

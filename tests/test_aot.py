@@ -316,6 +316,11 @@ def test_every_decode_phase_has_its_bytes_against_weights_and_its_kv(sampler_sma
   assert s["decode_phase_bytes"][-1] == s["decode_step_bytes"]
   assert r["decode_phase_bytes_over_weights_kv"] == ratios  # and at the top of the JSON
   assert "decode phases [16, 32]: step bytes / (weights + that phase's KV)" in sampler_small[16][0].stdout
+  # on TPU the fused decode kernel (decode_attention auto -> pallas), 2 rows a chip: 2 layers x 2
+  # row blocks (a row each: two blocks for a megacore's two cores) x (the prompt block + one cache block)
+  assert s["shapes"]["decode_attention"] == "pallas"
+  assert s["decode_phase_grid_steps"] == [8, 8]
+  assert "decode phases' Pallas grid steps a step: 8, 8" in sampler_small[16][0].stdout
 
 
 def test_step_time_lower_bound_is_the_hand_formula(sampler_small):

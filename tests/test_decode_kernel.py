@@ -33,28 +33,37 @@ def _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, layer):
 
 
 @pytest.mark.parametrize(
-    "slots, prompt_len",
-    [(384, 256), (256, 40), (40, 128)],  # cache blocks of 128 / 256 / one odd block; prompt 1, 1, 1 blocks
+    "slots, prompt_len, prompts, group, block_kib, rows",
+    [
+        (384, 256, 3, 2, 2048, 2),  # cache blocks of 128, one prompt a row block
+        (256, 40, 6, 2, 1024, 4),  # one cache block of 256, two prompts a row block (the budget)
+        (40, 128, 2, 4, 128, 2),  # one odd cache block, half a prompt a row block (the budget)
+        (256, 0, 4, 2, 2048, 4),  # no prompt block (the cache holds the prompt)
+    ],
 )
-def test_kernel_matches_numpy(slots, prompt_len):
-  """3 prompts x 2 rows, 2 KV heads of 3 query heads: the prompt block, the cache's first
-  `slots` slots (the rest unwritten), left padding in a prompt and a hole in one row's cache."""
-  rng = np.random.default_rng(slots)
-  layers, prompts, group, heads, g, h, length = 3, 3, 2, 2, 3, 64, 512
+def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, block_kib, rows):
+  """`prompts` x `group` rows, 2 KV heads of 3 query heads: the prompt block, the cache's first
+  `slots` slots (the rest unwritten), left padding in a prompt and a hole in one row's cache;
+  row blocks (at most `block_kib` KiB of cache) of several prompts, one, or a part of one."""
+  monkeypatch.setattr(decode_kernel, "BLOCK_BYTES", block_kib << 10)
+  rng = np.random.default_rng(slots + prompt_len)
+  layers, heads, g, h, length = 3, 2, 3, 64, 512
   b = prompts * group
   f = lambda *shape: rng.normal(size=shape).astype(np.float32)
   q, k, v = f(b, heads, g, h), f(b, heads, h), f(b, heads, h)
   cache, prefix = f(layers, b, heads, length, 2 * h), f(layers, prompts, heads, prompt_len, 2 * h)
   cache_bias = np.zeros((b, slots), np.float32)
   cache_bias[:, slots // 3 :] = NEG  # written so far: a third
-  cache_bias[4, 1:5] = NEG
+  cache_bias[b - 2, 1:5] = NEG
   prefix_bias = np.zeros((prompts, prompt_len), np.float32)
   prefix_bias[1, : prompt_len // 4] = NEG  # left padding
-  mask = (
-      prefix_bias[:, None, None, None, None, :],
-      cache_bias[:, None, None, None, :],
-      np.zeros((1, 1, 1, 1, 1), np.float32),
-  )
+  mask = (cache_bias[:, None, None, None, :], np.zeros((1, 1, 1, 1, 1), np.float32))
+  if prompt_len:
+    mask = (prefix_bias[:, None, None, None, None, :],) + mask
+  slot_bytes = heads * 2 * h * 4
+  prompt_bytes = decode_kernel._slot_block(prompt_len) * slot_bytes if prompt_len else 0  # pylint: disable=protected-access
+  cache_block = decode_kernel._slot_block(-(-slots // 16) * 16)  # pylint: disable=protected-access
+  assert decode_kernel._row_block(b, group if prompt_len else 1, cache_block * slot_bytes, prompt_bytes) == rows  # pylint: disable=protected-access
   out = decode_kernel.decode_attention(
       jnp.asarray(q[:, None]),
       jnp.asarray(k[:, None]),
@@ -62,7 +71,7 @@ def test_kernel_matches_numpy(slots, prompt_len):
       tuple(jnp.asarray(m) for m in mask),
       jnp.asarray(cache),
       jnp.int32(2),
-      jnp.asarray(prefix),
+      jnp.asarray(prefix) if prompt_len else None,
       interpret=True,
   )
   ref = _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, 2)
@@ -149,3 +158,26 @@ def test_decode_attention_choice_resolves_by_platform():
     setup.resolve_decode_attention("pallas", cpu)
   with pytest.raises(ValueError, match=r"Qwen2Config.decode_attention: expected one of"):
     dataclasses.replace(CFG, decode_attention="flash")
+
+
+@pytest.mark.parametrize("bound, steps", [(256, 16), (512, 32), (768, 32), (2048, 80)])
+def test_grid_steps_at_qwen2_5_0_5b_shapes(bound, steps):
+  """One v5e chip's share of the 0.5B recipe's decode (128 rows of 16 prompts, 2 KV heads of 7
+  query heads, 64-value heads, 512 prompt slots, 2048 completion slots, bf16), counted from the
+  traced program as `ict_jax.aot` counts it: a grid step reads all KV heads of 16 rows (2 prompts)
+  at bounds of 256-slot blocks and of 8 rows at 512-slot blocks (a 2 MiB block), plus one prompt
+  block. A step a prompt and KV head (the kernel before) took 64, 64, 128 and 160."""
+  from ict_jax.aot.sampler import pallas_grid_steps
+
+  f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  bias = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  args = (
+      f(128, 1, 2, 7, 64),
+      f(128, 1, 2, 64),
+      f(128, 1, 2, 64),
+      (bias(16, 1, 1, 1, 1, 512), bias(128, 1, 1, 1, bound), bias(1, 1, 1, 1, 1)),
+      f(24, 128, 2, 2048, 128),
+      f(24, 16, 2, 512, 128),
+  )
+  jaxpr = jax.make_jaxpr(lambda q, k, v, m, kv, pre: decode_kernel.decode_attention(q, k, v, m, kv, 3, pre))(*args)
+  assert pallas_grid_steps(jaxpr.jaxpr) == steps

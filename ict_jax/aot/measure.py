@@ -76,6 +76,9 @@ class Report:
   decode_phase_bytes: list[float] | None = None
   decode_phase_flops: list[float] | None = None
   decode_phase_min_bytes: list[int] | None = None
+  # the sampler, one entry a decode phase: the Pallas grid steps a chip's decode step takes (the
+  # fused decode-attention kernel's, `sampler.pallas_grid_steps`; 0 with XLA's decode attention)
+  decode_phase_grid_steps: list[int] | None = None
   # the sampler: a lower bound on one training step's time on the target (`plan.step_bound`)
   step_bound: Any = None
   # the compiler options the decode phases' bytes were counted with (TPU: without VMEM staging)

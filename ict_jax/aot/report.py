@@ -95,6 +95,11 @@ def format_report(r: Report, target: Target) -> str:
         f"  decode phases {s.get('decode_phases')}: step bytes / (weights + that phase's KV) "
         + ("n/a (no cost analysis)" if ratios is None else ", ".join(f"{x:.2f}" for x in ratios))
     )
+  if r.decode_phase_grid_steps and any(r.decode_phase_grid_steps):
+    lines.append(
+        f"  decode phases' Pallas grid steps a step: {', '.join(map(str, r.decode_phase_grid_steps))} "
+        "(~0.35 us each on TPU, not in the bytes)"
+    )
   if r.step_bound is not None:
     lines.append(format_bound(r.step_bound, r.target))
   if r.error:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.layout import Format, Layout
@@ -83,10 +85,13 @@ def compile_decode_step(
     sample_kw: dict,
     read_len: int | None = None,
     compiler_options: dict | None = None,
+    *,
+    traced: bool = False,
 ):
   """`_decode_step` compiled for `mesh` (the decode cache donated, as the loop carries it in
   place; the prompt cache only read), reading read_len completion slots (a decode phase's bound;
-  None: all), its layer scan unrolled (`_unrolled_scans`).
+  None: all), its layer scan unrolled (`_unrolled_scans`). traced=True: (the compiled step, its
+  `jax.stages.Traced`, whose jaxpr `pallas_grid_steps` counts).
 
   The layouts of the cache and the weights are the compiler's choice (`Layout.AUTO`), as inside
   the sampler, where the cache is made in the program and a weight relayout is loop-invariant
@@ -121,7 +126,28 @@ def compile_decode_step(
       compiler_options=compiler_options,
   )
   with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES), _unrolled_scans():
-    return step.lower(*args).compile()
+    trace = step.trace(*args)
+    compiled = trace.lower().compile()
+  return (compiled, trace) if traced else compiled
+
+
+def pallas_grid_steps(jaxpr) -> int:
+  """The Pallas grid steps one run of `jaxpr` takes (a device's, inside `shard_map`): each
+  `pallas_call`'s grid size, times the length of a scan around it; a cond's largest branch; a
+  while loop's body once. A TPU grid step costs ~0.35 us whatever it reads (Pallas TPU docs,
+  "Matrix Multiplication"), which a byte count does not see."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "pallas_call":
+      total += math.prod(eqn.params["grid_mapping"].grid)
+      continue
+    inner = [pallas_grid_steps(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)]
+    if name == "cond":
+      total += max(inner, default=0)
+    else:
+      total += sum(inner) * (eqn.params["length"] if name == "scan" else 1)
+  return total
 
 
 def compile_sampler(
@@ -204,7 +230,7 @@ def compile_sampler(
   prompt_cache = decode_cache(mcfg, mesh, layout.prompts, prompt_len, dtype)
   prompt_kv = bytes_per_device(prompt_cache)
   kv_cache_bytes = bytes_per_device(cache) + prompt_kv
-  phase_bytes, phase_flops, phase_min = [], [], []
+  phase_bytes, phase_flops, phase_min, phase_grid = [], [], [], []
   opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
   report.decode_bytes_options = opts
   matmul_flops = layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
@@ -212,7 +238,9 @@ def compile_sampler(
     costs = None
     if not phase_bytes or phase_bytes[-1] is not None:  # no cost analysis in one phase: none in any
       try:
-        costs = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts).cost_analysis()
+        compiled, trace = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts, traced=True)
+        costs = compiled.cost_analysis()
+        phase_grid.append(pallas_grid_steps(trace.jaxpr.jaxpr))
       except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
         report.error = report.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
@@ -230,6 +258,7 @@ def compile_sampler(
       phase_flops,
       phase_min,
   )
+  report.decode_phase_grid_steps = phase_grid if len(phase_grid) == len(phases) else None
   report.decode_step_bytes = phase_bytes[-1]  # the last phase reads every slot
   report.decode_step_min_bytes = weights_read + kv_cache_bytes
   costs = plan.DecodeCosts(

@@ -14,6 +14,10 @@ softmax on-chip (flash decoding), block by block:
   2. the prompt block [P, 2H] shared by the R samples of a prompt, read once for its R rows;
   3. the rows' own first s cache slots (the decode phase's bound);
 
+a grid step taking every KV head of a block of rows (whole prompts while the block stays within
+BLOCK_BYTES), as a TPU grid step costs a fixed ~0.35 us: the grid is (row blocks, prompt blocks +
+cache blocks), 16 to 80 steps a layer on a v5e chip at Qwen2.5 0.5B's shapes.
+
   scores = q_pad @ kv_blk^T   q_pad [G, 2H]: the query in the key lanes, zeros in the value lanes
   acc    = p @ kv_blk         [G, 2H]: lanes [H, 2H) hold p @ v (lanes [0, H) p @ k, unused)
 
@@ -42,7 +46,7 @@ P = jax.sharding.PartitionSpec
 Array = jax.Array
 
 SLOT_BLOCKS = (512, 256, 128)  # slots a grid step reads: the largest dividing the slots (else all)
-ROW_BLOCKS = (8, 4, 2, 1)  # rows a grid step reads without a prompt block: the largest dividing B
+BLOCK_BYTES = 2 << 20  # a grid step's cache block (rows x KV heads x slots x lanes) at most: 2 MiB
 LANES = 128  # m and l live lane-replicated in VMEM, as in JAX's TPU flash attention
 SUBLANES = 16  # a block's slots: a multiple of this (a bf16 tile's rows) or the whole cache
 
@@ -51,72 +55,98 @@ def _slot_block(slots: int) -> int:
   return next((b for b in SLOT_BLOCKS if slots % b == 0), slots)
 
 
+def _row_block(b: int, group: int, row_bytes: int, prompt_bytes: int) -> int:
+  """Rows a grid step reads, with all of the shard's KV heads: the most that keep its cache block
+  (and its prompts' block) within BLOCK_BYTES and leave two row blocks (a megacore's two cores)
+  and, with a prompt block (`group` rows a prompt), whole prompts or a whole part of one. A grid
+  step costs ~0.35 us of overhead whatever it reads (Pallas TPU docs, "Matrix Multiplication"),
+  which the 0.5B decode layer's ~64 steps of one prompt and one KV head made a good part of its
+  time; blocks of several prompts and all heads take 4x fewer steps there."""
+  fits = lambda r: r == 1 or (
+      b // r >= 2 and r * row_bytes <= BLOCK_BYTES and max(1, r // group) * prompt_bytes <= BLOCK_BYTES
+  )
+  aligned = lambda r: group == 1 or r % group == 0 or group % r == 0
+  return max(r for r in range(1, b + 1) if b % r == 0 and aligned(r) and fits(r))
+
+
 def _kernel(
     scalars_ref,
     q_ref,
     new_ref,
     new_bias_ref,
     *refs,
-    rows: int,
+    group: int,
     prefix_blocks: int,
     scale: float,
     shared: tuple[bool, bool],
 ):
-  """Grid step (row block i, KV head h, slot block j): j < prefix_blocks reads the prompt block's
-  j-th slots (one [bs, W] block for the block's R rows, all of one prompt), then the rows' own
-  cache slots. q_ref [R, G, W]; new_ref [R, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token (its key |
-  value, its bias); then (prefix_ref [bs, W], prefix_bias_ref [1, bs]) if a prompt block,
-  cache_ref [R, bs, W], cache_bias_ref [R | 1, 1, bs], out_ref [R, G, W], scratch m, l
-  [R, G, LANES] and acc [R, G, W] (the running maximum, sum and weighted value sum)."""
+  """Grid step (row block i, slot block j): j < prefix_blocks reads the j-th slots of the block's
+  prompts (one [bs, W] block a prompt and KV head, for its `group` rows), then the rows' own cache
+  slots. q_ref [R, K, G, W]; new_ref [R, K, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token
+  (its key | value, its bias); then (prefix_ref [U, K, bs, W], prefix_bias_ref [U, 1, bs]) if a
+  prompt block (row r's prompt: r // group), cache_ref [R, K, bs, W], cache_bias_ref
+  [R | 1, 1, bs], out_ref [R, K, G, W], scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
+  running maximum, sum and weighted value sum). Rows run in a loop, KV heads unrolled."""
   del scalars_ref  # [layer, first row, first prompt]: read by the index maps
   if prefix_blocks:
     prefix_ref, prefix_bias_ref, cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   else:
     cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
-  j = pl.program_id(2)
-  g, w = q_ref.shape[1], q_ref.shape[2]
+  j = pl.program_id(1)
+  rows, heads, g, w = q_ref.shape
 
   def widen(x, n):  # [G, LANES] lane-replicated -> [G, n]
     return jnp.tile(x, (1, n // LANES)) if n % LANES == 0 else jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
+  def each_row(body):  # body(r, h) for every row (a loop) and KV head (unrolled)
+    def step(r, carry):
+      for h in range(heads):
+        body(r, h)
+      return carry
+
+    jax.lax.fori_loop(0, rows, step, 0)
+
   @pl.when(j == 0)
   def _start():  # the softmax starts at the new token, which every row sees
-    for r in range(rows):
-      new = new_ref[r].astype(jnp.float32)  # [1, W]: key | value
-      score = jnp.sum(q_ref[r].astype(jnp.float32) * new, axis=1, keepdims=True) * scale  # [G, 1]
+    def start(r, h):
+      new = new_ref[r, h].astype(jnp.float32)  # [1, W]: key | value
+      score = jnp.sum(q_ref[r, h].astype(jnp.float32) * new, axis=1, keepdims=True) * scale  # [G, 1]
       score = score + new_bias_ref[0 if shared[0] else r]
-      m_ref[r] = jnp.broadcast_to(score, (g, LANES))
-      l_ref[r] = jnp.ones((g, LANES), jnp.float32)
-      acc_ref[r] = jnp.broadcast_to(new, (g, w))
+      m_ref[r, h] = jnp.broadcast_to(score, (g, LANES))
+      l_ref[r, h] = jnp.ones((g, LANES), jnp.float32)
+      acc_ref[r, h] = jnp.broadcast_to(new, (g, w))
 
-  def update(r, kv, bias):  # kv [bs, W] slots, bias [1, bs]
-    s = jax.lax.dot_general(q_ref[r], kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    each_row(start)
+
+  def update(r, h, kv, bias):  # kv [bs, W] slots, bias [1, bs]
+    s = jax.lax.dot_general(q_ref[r, h], kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale + bias  # [G, bs]
-    m_prev = m_ref[r]
+    m_prev = m_ref[r, h]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - widen(m_next, s.shape[1]))
     alpha = jnp.exp(m_prev - m_next)
-    l_ref[r] = alpha * l_ref[r] + jnp.sum(p, axis=1, keepdims=True)
-    m_ref[r] = m_next
-    acc_ref[r] = acc_ref[r] * widen(alpha, w) + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+    l_ref[r, h] = alpha * l_ref[r, h] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[r, h] = m_next
+    acc_ref[r, h] = acc_ref[r, h] * widen(alpha, w) + jnp.dot(
+        p.astype(kv.dtype), kv, preferred_element_type=jnp.float32
+    )
 
   if prefix_blocks:
 
     @pl.when(j < prefix_blocks)
-    def _prompt():  # one block of the prompt's slots, read once for its R rows
-      kv, bias = prefix_ref[...], prefix_bias_ref[...]
-      for r in range(rows):
-        update(r, kv, bias)
+    def _prompt():  # one block of each prompt's slots, read once for its rows in this block
+      each_row(lambda r, h: update(r, h, prefix_ref[r // group, h], prefix_bias_ref[r // group]))
 
   @pl.when(j >= prefix_blocks)
   def _cache():
-    for r in range(rows):
-      update(r, cache_ref[r], cache_bias_ref[0 if shared[1] else r])
+    each_row(lambda r, h: update(r, h, cache_ref[r, h], cache_bias_ref[0 if shared[1] else r]))
 
-  @pl.when(j == pl.num_programs(2) - 1)
+  @pl.when(j == pl.num_programs(1) - 1)
   def _done():
-    for r in range(rows):
-      out_ref[r] = (acc_ref[r] / widen(l_ref[r], w)).astype(out_ref.dtype)
+    def done(r, h):
+      out_ref[r, h] = (acc_ref[r, h] / widen(l_ref[r, h], w)).astype(out_ref.dtype)
+
+    each_row(done)
 
 
 def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, interpret: bool) -> Array:
@@ -131,36 +161,40 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   s = bias.shape[-1]
   shared = (new_bias.shape[0] == 1, bias.shape[0] == 1)  # a bias for every row alike
   bs = _slot_block(s)
-  if has_prefix:  # a block's rows belong to one prompt: the global row // group, less the shard's first
+  slot_bytes = k * w * kv.dtype.itemsize  # one slot of every KV head
+  if has_prefix:  # a block holds whole prompts (pp of them) or a part of one: row // group, less the shard's first
     u, p = prefix_kv.shape[1], prefix_kv.shape[3]
-    rows, bp = math.gcd(b, group), _slot_block(p)
+    bp = _slot_block(p)
     prefix_blocks = p // bp
-    prompt = lambda i, sc: (sc[1] + i * rows) // group - sc[2]
+    rows = _row_block(b, group, bs * slot_bytes, bp * slot_bytes)
+    pp = max(1, rows // group)
+    prompt = lambda i, sc: ((sc[1] + i * rows) // group - sc[2]) // pp
   else:
-    rows, prefix_blocks = next(r for r in ROW_BLOCKS if b % r == 0), 0
+    rows, prefix_blocks = _row_block(b, 1, bs * slot_bytes, 0), 0
   cache_j = lambda j: jnp.maximum(j - prefix_blocks, 0)
+  per_row = lambda i, j, sc: (i, 0, 0, 0)
   in_specs = [
-      pl.BlockSpec((rows, None, g, w), lambda i, h, j, sc: (i, h, 0, 0)),
-      pl.BlockSpec((rows, None, 1, w), lambda i, h, j, sc: (i, h, 0, 0)),
-      pl.BlockSpec((1 if shared[0] else rows, 1, 1), lambda i, h, j, sc: (0 if shared[0] else i, 0, 0)),
+      pl.BlockSpec((rows, k, g, w), per_row),
+      pl.BlockSpec((rows, k, 1, w), per_row),
+      pl.BlockSpec((1 if shared[0] else rows, 1, 1), lambda i, j, sc: (0 if shared[0] else i, 0, 0)),
   ]
   operands = [q, new, new_bias]
-  read = b * k * s * w * kv.dtype.itemsize + k * bias.size * 4
+  read = b * k * s * w * kv.dtype.itemsize + bias.size * 4 * (b // rows if shared[1] else 1)
   if has_prefix:
     pre_j = lambda j: jnp.minimum(j, prefix_blocks - 1)
     in_specs += [
-        pl.BlockSpec((None, None, None, bp, w), lambda i, h, j, sc: (sc[0], prompt(i, sc), h, pre_j(j), 0)),
-        pl.BlockSpec((None, 1, bp), lambda i, h, j, sc: (prompt(i, sc), 0, pre_j(j))),
+        pl.BlockSpec((None, pp, k, bp, w), lambda i, j, sc: (sc[0], prompt(i, sc), 0, pre_j(j), 0)),
+        pl.BlockSpec((pp, 1, bp), lambda i, j, sc: (prompt(i, sc), 0, pre_j(j))),
     ]
     operands += [prefix_kv, prefix_bias]
     reads_a_prompt = max(1, group // rows)  # a prompt's slots are read once a row block
-    read += reads_a_prompt * (u * k * p * w * prefix_kv.dtype.itemsize + k * prefix_bias.size * 4)
+    read += reads_a_prompt * (u * k * p * w * prefix_kv.dtype.itemsize + prefix_bias.size * 4)
   in_specs += [
-      pl.BlockSpec((None, rows, None, bs, w), lambda i, h, j, sc: (sc[0], i, h, cache_j(j), 0)),
-      pl.BlockSpec((1 if shared[1] else rows, 1, bs), lambda i, h, j, sc: (0 if shared[1] else i, 0, cache_j(j))),
+      pl.BlockSpec((None, rows, k, bs, w), lambda i, j, sc: (sc[0], i, 0, cache_j(j), 0)),
+      pl.BlockSpec((1 if shared[1] else rows, 1, bs), lambda i, j, sc: (0 if shared[1] else i, 0, cache_j(j))),
   ]
   operands += [kv, bias]
-  kernel = functools.partial(_kernel, rows=rows, prefix_blocks=prefix_blocks, scale=scale, shared=shared)
+  kernel = functools.partial(_kernel, group=group, prefix_blocks=prefix_blocks, scale=scale, shared=shared)
   slots = s + (prefix_kv.shape[3] if has_prefix else 0)
   cost = pl.CostEstimate(  # what the kernel moves: q and the output, the new tokens, the slots read
       flops=4 * b * k * g * slots * w,
@@ -171,17 +205,17 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
-          grid=(b // rows, k, prefix_blocks + s // bs),
+          grid=(b // rows, prefix_blocks + s // bs),
           in_specs=in_specs,
-          out_specs=pl.BlockSpec((rows, None, g, w), lambda i, h, j, sc: (i, h, 0, 0)),
+          out_specs=pl.BlockSpec((rows, k, g, w), per_row),
           scratch_shapes=[
-              pltpu.VMEM((rows, g, LANES), jnp.float32),
-              pltpu.VMEM((rows, g, LANES), jnp.float32),
-              pltpu.VMEM((rows, g, w), jnp.float32),
+              pltpu.VMEM((rows, k, g, LANES), jnp.float32),
+              pltpu.VMEM((rows, k, g, LANES), jnp.float32),
+              pltpu.VMEM((rows, k, g, w), jnp.float32),
           ],
       ),
       out_shape=jax.ShapeDtypeStruct((b, k, g, w), q.dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       cost_estimate=cost,
       interpret=interpret,
       name="ict_decode_attention",
