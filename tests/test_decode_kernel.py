@@ -35,8 +35,8 @@ def _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, layer):
 @pytest.mark.parametrize(
     "slots, prompt_len, prompts, group, block_kib, rows",
     [
-        (384, 256, 3, 2, 2048, 2),  # cache blocks of 128, one prompt a row block
-        (256, 40, 6, 2, 1024, 4),  # one cache block of 256, two prompts a row block (the budget)
+        (384, 256, 3, 2, 2048, 2),  # cache blocks of 128 (384), one prompt a row block
+        (256, 40, 8, 2, 512, 4),  # cache blocks of 128, two prompts a row block (the budget)
         (40, 128, 2, 4, 128, 2),  # one odd cache block, half a prompt a row block (the budget)
         (256, 0, 4, 2, 2048, 4),  # no prompt block (the cache holds the prompt)
     ],
@@ -60,10 +60,8 @@ def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, bl
   mask = (cache_bias[:, None, None, None, :], np.zeros((1, 1, 1, 1, 1), np.float32))
   if prompt_len:
     mask = (prefix_bias[:, None, None, None, None, :],) + mask
-  slot_bytes = heads * 2 * h * 4
-  prompt_bytes = decode_kernel._slot_block(prompt_len) * slot_bytes if prompt_len else 0  # pylint: disable=protected-access
-  cache_block = decode_kernel._slot_block(-(-slots // 16) * 16)  # pylint: disable=protected-access
-  assert decode_kernel._row_block(b, group if prompt_len else 1, cache_block * slot_bytes, prompt_bytes) == rows  # pylint: disable=protected-access
+  read = -(-slots // 16) * 16  # the bound read up to a bf16 tile's 16 slots
+  assert decode_kernel.blocks(b, group if prompt_len else 1, read, prompt_len, heads * 2 * h * 4).rows == rows
   out = decode_kernel.decode_attention(
       jnp.asarray(q[:, None]),
       jnp.asarray(k[:, None]),
@@ -160,13 +158,13 @@ def test_decode_attention_choice_resolves_by_platform():
     dataclasses.replace(CFG, decode_attention="flash")
 
 
-@pytest.mark.parametrize("bound, steps", [(256, 16), (512, 32), (768, 32), (2048, 80)])
+@pytest.mark.parametrize("bound, steps", [(256, 12), (512, 20), (768, 28), (2048, 68)])
 def test_grid_steps_at_qwen2_5_0_5b_shapes(bound, steps):
   """One v5e chip's share of the 0.5B recipe's decode (128 rows of 16 prompts, 2 KV heads of 7
   query heads, 64-value heads, 512 prompt slots, 2048 completion slots, bf16), counted from the
-  traced program as `ict_jax.aot` counts it: a grid step reads all KV heads of 16 rows (2 prompts)
-  at bounds of 256-slot blocks and of 8 rows at 512-slot blocks (a 2 MiB block), plus one prompt
-  block. A step a prompt and KV head (the kernel before) took 64, 64, 128 and 160."""
+  traced program as `ict_jax.aot` counts it: a grid step reads all KV heads of 32 rows (4 whole
+  prompts) and 128 slots (a 2 MiB block), so 4 row blocks x (the prompt block + bound / 128 cache
+  blocks). A step a prompt and KV head (the kernel before) took 64, 64, 128 and 160."""
   from ict_jax.aot.sampler import pallas_grid_steps
 
   f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)

@@ -32,7 +32,7 @@ partition a Pallas kernel; a shard's rows find their prompt by global row // R.
 from __future__ import annotations
 
 import functools
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,22 +51,41 @@ LANES = 128  # m and l live lane-replicated in VMEM, as in JAX's TPU flash atten
 SUBLANES = 16  # a block's slots: a multiple of this (a bf16 tile's rows) or the whole cache
 
 
-def _slot_block(slots: int) -> int:
-  return next((b for b in SLOT_BLOCKS if slots % b == 0), slots)
+def _slot_blocks(slots: int) -> list[int]:
+  """The slot blocks a grid step may read of `slots`: those of SLOT_BLOCKS dividing it, else all."""
+  return [b for b in SLOT_BLOCKS if slots % b == 0] or [slots]
 
 
-def _row_block(b: int, group: int, row_bytes: int, prompt_bytes: int) -> int:
-  """Rows a grid step reads, with all of the shard's KV heads: the most that keep its cache block
-  (and its prompts' block) within BLOCK_BYTES and leave two row blocks (a megacore's two cores)
-  and, with a prompt block (`group` rows a prompt), whole prompts or a whole part of one. A grid
-  step costs ~0.35 us of overhead whatever it reads (Pallas TPU docs, "Matrix Multiplication"),
-  which the 0.5B decode layer's ~64 steps of one prompt and one KV head made a good part of its
-  time; blocks of several prompts and all heads take 4x fewer steps there."""
-  fits = lambda r: r == 1 or (
-      b // r >= 2 and r * row_bytes <= BLOCK_BYTES and max(1, r // group) * prompt_bytes <= BLOCK_BYTES
-  )
-  aligned = lambda r: group == 1 or r % group == 0 or group % r == 0
-  return max(r for r in range(1, b + 1) if b % r == 0 and aligned(r) and fits(r))
+class Blocks(NamedTuple):
+  rows: int  # rows a grid step (with all of the shard's KV heads)
+  slots: int  # cache slots a grid step
+  prompt_slots: int  # prompt-block slots a grid step (0: no prompt block)
+
+
+def blocks(b: int, group: int, slots: int, prompt_slots: int, slot_bytes: int) -> Blocks:
+  """The grid's blocks for b rows of a shard (`group` rows a prompt; prompt_slots 0: no prompt
+  block), `slots` cache slots read, a slot of all KV heads `slot_bytes`: a block within
+  BLOCK_BYTES (or one row and the smallest slot blocks); two row blocks at least (a megacore's two
+  cores); whole prompts a row block or whole parts of one. Of those, the fewest reads of the
+  prompts' slots (a prompt split over n row blocks is read n times), then the fewest grid steps:
+  a TPU grid step costs ~0.35 us whatever it reads (Pallas TPU docs, "Matrix Multiplication"),
+  and a step a prompt and KV head made that a good part of a 0.5B decode layer's time."""
+  best = None
+  for rows in (r for r in range(1, b + 1) if b % r == 0 and (r == 1 or b // r >= 2)):
+    if group > 1 and prompt_slots and rows % group and group % rows:
+      continue
+    prompts = max(1, rows // group)
+    for bs in _slot_blocks(slots):
+      for bp in _slot_blocks(prompt_slots) if prompt_slots else [0]:
+        fits = rows * bs * slot_bytes <= BLOCK_BYTES and prompts * bp * slot_bytes <= BLOCK_BYTES
+        smallest = bs == _slot_blocks(slots)[-1] and (not bp or bp == _slot_blocks(prompt_slots)[-1])
+        if not fits and not (rows == 1 and smallest):
+          continue
+        steps = b // rows * ((prompt_slots // bp if bp else 0) + slots // bs)
+        key = (max(1, group // rows) if prompt_slots else 1, steps, -rows)
+        if best is None or key < best[0]:
+          best = (key, Blocks(rows, bs, bp))
+  return best[1]
 
 
 def _kernel(
@@ -160,17 +179,12 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   b, k, g, w = q.shape
   s = bias.shape[-1]
   shared = (new_bias.shape[0] == 1, bias.shape[0] == 1)  # a bias for every row alike
-  bs = _slot_block(s)
-  slot_bytes = k * w * kv.dtype.itemsize  # one slot of every KV head
+  p = prefix_kv.shape[3] if has_prefix else 0
+  rows, bs, bp = blocks(b, group, s, p, k * w * kv.dtype.itemsize)
+  prefix_blocks = p // bp if has_prefix else 0
   if has_prefix:  # a block holds whole prompts (pp of them) or a part of one: row // group, less the shard's first
-    u, p = prefix_kv.shape[1], prefix_kv.shape[3]
-    bp = _slot_block(p)
-    prefix_blocks = p // bp
-    rows = _row_block(b, group, bs * slot_bytes, bp * slot_bytes)
-    pp = max(1, rows // group)
+    u, pp = prefix_kv.shape[1], max(1, rows // group)
     prompt = lambda i, sc: ((sc[1] + i * rows) // group - sc[2]) // pp
-  else:
-    rows, prefix_blocks = _row_block(b, 1, bs * slot_bytes, 0), 0
   cache_j = lambda j: jnp.maximum(j - prefix_blocks, 0)
   per_row = lambda i, j, sc: (i, 0, 0, 0)
   in_specs = [
@@ -195,7 +209,7 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   ]
   operands += [kv, bias]
   kernel = functools.partial(_kernel, group=group, prefix_blocks=prefix_blocks, scale=scale, shared=shared)
-  slots = s + (prefix_kv.shape[3] if has_prefix else 0)
+  slots = s + p
   cost = pl.CostEstimate(  # what the kernel moves: q and the output, the new tokens, the slots read
       flops=4 * b * k * g * slots * w,
       transcendentals=b * k * g * slots,
