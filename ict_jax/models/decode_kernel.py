@@ -14,9 +14,9 @@ softmax on-chip (flash decoding), block by block:
   2. the prompt block [P, 2H] shared by the R samples of a prompt, read once for its R rows;
   3. the rows' own first s cache slots (the decode phase's bound);
 
-a grid step taking every KV head of a block of rows (whole prompts while the block stays within
-BLOCK_BYTES), as a TPU grid step costs a fixed ~0.35 us: the grid is (row blocks, prompt blocks +
-cache blocks), 16 to 80 steps a layer on a v5e chip at Qwen2.5 0.5B's shapes.
+a grid step taking every KV head of a block of rows (whole prompts, the block within
+BLOCK_BYTES: `blocks`), as a TPU grid step costs a fixed ~0.35 us: the grid is (row blocks,
+prompt blocks + cache blocks), 12 to 68 steps a layer on a v5e chip at Qwen2.5 0.5B's shapes.
 
   scores = q_pad @ kv_blk^T   q_pad [G, 2H]: the query in the key lanes, zeros in the value lanes
   acc    = p @ kv_blk         [G, 2H]: lanes [H, 2H) hold p @ v (lanes [0, H) p @ k, unused)
@@ -45,7 +45,7 @@ P = jax.sharding.PartitionSpec
 
 Array = jax.Array
 
-SLOT_BLOCKS = (512, 256, 128)  # slots a grid step reads: the largest dividing the slots (else all)
+SLOT_BLOCKS = (512, 256, 128)  # slots a grid step may read: those dividing the slots (else all of them)
 BLOCK_BYTES = 2 << 20  # a grid step's cache block (rows x KV heads x slots x lanes) at most: 2 MiB
 LANES = 128  # m and l live lane-replicated in VMEM, as in JAX's TPU flash attention
 SUBLANES = 16  # a block's slots: a multiple of this (a bf16 tile's rows) or the whole cache
