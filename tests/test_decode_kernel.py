@@ -46,6 +46,22 @@ def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, bl
   `slots` slots (the rest unwritten), left padding in a prompt and a hole in one row's cache;
   row blocks (at most `block_kib` KiB of cache) of several prompts, one, or a part of one."""
   monkeypatch.setattr(decode_kernel, "BLOCK_BYTES", block_kib << 10)
+  _check_against_numpy(slots, prompt_len, prompts, group, rows)
+
+
+def test_kernel_matches_numpy_per_shard_with_two_prompts_a_row_block(monkeypatch):
+  """On the 8-device mesh (rows over data 2 x fsdp 4): 48 prompts x 2 rows, each shard's 12 rows
+  in 3 row blocks of 2 prompts (a 512 KiB budget): a block's prompts are found from the shard's
+  first row and prompt (scalar-prefetched) with several prompts a block."""
+  from ict_jax import sampling, sharding
+  from ict_jax.models.axes import axis_rules
+
+  monkeypatch.setattr(decode_kernel, "BLOCK_BYTES", 512 << 10)
+  with jax.set_mesh(sharding.make_mesh((2, 4, 1))), axis_rules(sampling.DECODE_RULES):
+    _check_against_numpy(256, 40, 48, 2, 4, local_rows=12)
+
+
+def _check_against_numpy(slots, prompt_len, prompts, group, rows, local_rows=None):
   rng = np.random.default_rng(slots + prompt_len)
   layers, heads, g, h, length = 3, 2, 3, 64, 512
   b = prompts * group
@@ -61,8 +77,9 @@ def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, bl
   if prompt_len:
     mask = (prefix_bias[:, None, None, None, None, :],) + mask
   read = -(-slots // 16) * 16  # the bound read up to a bf16 tile's 16 slots
-  assert decode_kernel.blocks(b, group if prompt_len else 1, read, prompt_len, heads * 2 * h * 4).rows == rows
-  out = decode_kernel.decode_attention(
+  local = local_rows or b
+  assert decode_kernel.blocks(local, group if prompt_len else 1, read, prompt_len, heads * 2 * h * 4).rows == rows
+  out = jax.jit(decode_kernel.decode_attention, static_argnames="interpret")(
       jnp.asarray(q[:, None]),
       jnp.asarray(k[:, None]),
       jnp.asarray(v[:, None]),
