@@ -32,6 +32,7 @@ partition a Pallas kernel; a shard's rows find their prompt by global row // R.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -70,22 +71,20 @@ def blocks(b: int, group: int, slots: int, prompt_slots: int, slot_bytes: int) -
   prompts' slots (a prompt split over n row blocks is read n times), then the fewest grid steps:
   a TPU grid step costs ~0.35 us whatever it reads (Pallas TPU docs, "Matrix Multiplication"),
   and a step a prompt and KV head made that a good part of a 0.5B decode layer's time."""
-  best = None
+  cache_options = _slot_blocks(slots)
+  prompt_options = _slot_blocks(prompt_slots) if prompt_slots else [0]  # bp 0: no prompt block
+  smallest = (cache_options[-1], prompt_options[-1])
+  candidates = []  # (prompt reads, grid steps, -rows), blocks
   for rows in (r for r in range(1, b + 1) if b % r == 0 and (r == 1 or b // r >= 2)):
     if group > 1 and prompt_slots and rows % group and group % rows:
       continue
-    prompts = max(1, rows // group)
-    for bs in _slot_blocks(slots):
-      for bp in _slot_blocks(prompt_slots) if prompt_slots else [0]:
-        fits = rows * bs * slot_bytes <= BLOCK_BYTES and prompts * bp * slot_bytes <= BLOCK_BYTES
-        smallest = bs == _slot_blocks(slots)[-1] and (not bp or bp == _slot_blocks(prompt_slots)[-1])
-        if not fits and not (rows == 1 and smallest):
-          continue
+    prompts, reads = max(1, rows // group), max(1, group // rows) if prompt_slots else 1
+    for bs, bp in itertools.product(cache_options, prompt_options):
+      fits = rows * bs * slot_bytes <= BLOCK_BYTES and prompts * bp * slot_bytes <= BLOCK_BYTES
+      if fits or (rows == 1 and (bs, bp) == smallest):
         steps = b // rows * ((prompt_slots // bp if bp else 0) + slots // bs)
-        key = (max(1, group // rows) if prompt_slots else 1, steps, -rows)
-        if best is None or key < best[0]:
-          best = (key, Blocks(rows, bs, bp))
-  return best[1]
+        candidates.append(((reads, steps, -rows), Blocks(rows, bs, bp)))
+  return min(candidates, key=lambda c: c[0])[1]
 
 
 def _kernel(
@@ -182,9 +181,6 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   p = prefix_kv.shape[3] if has_prefix else 0
   rows, bs, bp = blocks(b, group, s, p, k * w * kv.dtype.itemsize)
   prefix_blocks = p // bp if has_prefix else 0
-  if has_prefix:  # a block holds whole prompts (pp of them) or a part of one: row // group, less the shard's first
-    u, pp = prefix_kv.shape[1], max(1, rows // group)
-    prompt = lambda i, sc: ((sc[1] + i * rows) // group - sc[2]) // pp
   cache_j = lambda j: jnp.maximum(j - prefix_blocks, 0)
   per_row = lambda i, j, sc: (i, 0, 0, 0)
   in_specs = [
@@ -194,7 +190,9 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   ]
   operands = [q, new, new_bias]
   read = b * k * s * w * kv.dtype.itemsize + bias.size * 4 * (b // rows if shared[1] else 1)
-  if has_prefix:
+  if has_prefix:  # a block holds whole prompts (pp of them) or a part of one: row // group, less the shard's first
+    u, pp = prefix_kv.shape[1], max(1, rows // group)
+    prompt = lambda i, sc: ((sc[1] + i * rows) // group - sc[2]) // pp
     pre_j = lambda j: jnp.minimum(j, prefix_blocks - 1)
     in_specs += [
         pl.BlockSpec((None, pp, k, bp, w), lambda i, j, sc: (sc[0], prompt(i, sc), 0, pre_j(j), 0)),
