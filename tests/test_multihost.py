@@ -12,7 +12,9 @@ import subprocess
 import sys
 import textwrap
 
+import host_cache
 import numpy as np
+import pytest
 
 from ict_jax.logs import read_log
 
@@ -92,10 +94,19 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _env(devices, **extra):
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+  """Every process writes its compiled programs to the cache (tests/host_cache.py)."""
+  return host_cache.sitecustomize_dir(tmp_path_factory.mktemp("multihost"))
+
+
+def _env(devices, shim, **extra):
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
   env.update(
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **extra
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+      JAX_PLATFORMS="cpu",
+      PYTHONPATH=os.pathsep.join([str(shim), REPO]),
+      **extra,
   )
   return env
 
@@ -109,7 +120,7 @@ def _result(out: str) -> dict:
 PACKED_ROW = 20  # tiny_config's 16 prompt + 4 completion tokens: the two-process run packs
 
 
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_train_like_one(tmp_path, shim):
   """Two processes, each packing the whole batch the same way (`packing.pack_batch` on the
   gathered rollout, micro-batches by tokens, as the paper configs run the update), train like one
   process on the padded batch: the same losses, rewards, entropies and gradient norms (ICT is
@@ -119,7 +130,7 @@ def test_two_processes_train_like_one(tmp_path):
       subprocess.Popen(
           [sys.executable, "-c", SCRIPT, str(tmp_path / "multi"), str(PACKED_ROW)],
           cwd=REPO,
-          env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+          env=_env(2, shim, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,
           text=True,
@@ -134,7 +145,7 @@ def test_two_processes_train_like_one(tmp_path):
   single = subprocess.run(
       [sys.executable, "-c", SCRIPT, str(tmp_path / "single"), "0"],
       cwd=REPO,
-      env=_env(4),
+      env=_env(4, shim),
       capture_output=True,
       text=True,
       timeout=900,
@@ -152,7 +163,7 @@ def test_two_processes_train_like_one(tmp_path):
   assert os.path.isdir(tmp_path / "multi" / "checkpoints" / "2")
 
 
-def test_each_host_scores_its_rows_and_all_see_the_same_rewards(tmp_path):
+def test_each_host_scores_its_rows_and_all_see_the_same_rewards(shim):
   """8 rows over 4 devices of 2 processes: each host scores its 4 rows; host 1's verifier
   overruns the timeout on one row, which scores 0 on both hosts; rewards, advantages and the
   timeout count are identical on both."""
@@ -161,7 +172,7 @@ def test_each_host_scores_its_rows_and_all_see_the_same_rewards(tmp_path):
       subprocess.Popen(
           [sys.executable, "-c", ROLLOUT_SCRIPT],
           cwd=REPO,
-          env=_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+          env=_env(2, shim, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,
           text=True,

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from etils import epath
+import host_cache
 
 from ict_jax import token_view
 from ict_jax.logs import read_log
@@ -96,14 +97,11 @@ class Pod:
           JAX_PROCESS_ID=str(i),
           JAX_PLATFORMS="cpu",
           XLA_FLAGS=" ".join(xla + [f"--xla_force_host_platform_device_count={DEVICES}"]),
-          PYTHONPATH=str(REPO),
+          # every process writes its compiled programs to the cache (tests/host_cache.py)
+          PYTHONPATH=os.pathsep.join([str(root["shim"]), str(REPO)]),
       )
-      if shim:  # benchmarks/faults.py's phase markers (and sleeps), through sitecustomize
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(root["shim"]), str(REPO)]),
-            ICT_FAULTS_MARKERS=str(self.markers[i]),
-            ICT_FAULTS_SLEEP=sleep,
-        )
+      if shim:  # benchmarks/faults.py's phase markers (and sleeps), from the same sitecustomize
+        env.update(ICT_FAULTS_MARKERS=str(self.markers[i]), ICT_FAULTS_SLEEP=sleep)
       cmd = [
           sys.executable,
           "-m",
@@ -181,9 +179,7 @@ def _log(gcs, workdir: str, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def pod_root(tmp_path_factory, gcs, gcs_environ):
   root = tmp_path_factory.mktemp("pod")
-  shim = root / "shim"
-  shim.mkdir()
-  (shim / "sitecustomize.py").write_text(_faults().SHIM)
+  shim = host_cache.sitecustomize_dir(root, _faults().SHIM)  # faults' part acts only with its env
   timings: dict[str, float] = {}
   # tfds data stay on local disk (a gs:// data_dir is refused)
   yield {"gcs": gcs, "logs": root, "data": root / "data", "shim": shim, "timings": timings}

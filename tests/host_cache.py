@@ -1,0 +1,62 @@
+"""Start-up code for the processes of a CPU pod (tests/test_pod.py, tests/test_multihost.py):
+every process writes what it compiles to the persistent compilation cache, so that the suite's
+next run loads its programs as a TPU pod's hosts do.
+
+JAX writes cache entries from process 0 only. On a TPU slice that is enough: the cache key hashes
+the slice's topology, the same on every host, so the other hosts load what process 0 wrote.
+XLA:CPU's topology fingerprint differs from process to process, so the other processes' keys were
+never written and they recompiled every program on every run (process 1 of the pod's 6-step run:
+58 s of XLA compiles, against process 0's 6 s of cache loads). With this, a process i > 0 writes
+its own keys; the programs and how they are compiled do not change.
+
+`SHIM` is the text of a sitecustomize.py: it patches `jax._src.compiler` when that module is
+first imported (JAX 0.10.2, pinned in requirements.txt) and fails at import, naming itself, if
+the function it wraps is gone.
+"""
+
+from pathlib import Path
+import textwrap
+
+SHIM = textwrap.dedent('''
+    """Test-only (tests/host_cache.py): every process of a CPU pod writes its compiled programs
+    to the persistent compilation cache, not process 0 only."""
+    import importlib.abc, importlib.machinery, sys
+
+    def _every_process_writes(compiler):
+      from jax._src import compilation_cache, config
+      if not hasattr(compiler, "_cache_write"):
+        raise ImportError("tests/host_cache.py: jax._src.compiler._cache_write is gone (JAX upgraded?)")
+      write = compiler._cache_write
+      def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if (compiler.distributed.global_state.process_id == 0 or host_callbacks
+            or compile_time_secs < config.persistent_cache_min_compile_time_secs.value):
+          return write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                  int(compile_time_secs))
+      compiler._cache_write = _cache_write
+
+    class _CompilerFinder(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path, target=None):
+        if name != "jax._src.compiler":
+          return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+          return spec
+        run = spec.loader.exec_module
+        def exec_module(module):
+          run(module)
+          _every_process_writes(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+    sys.meta_path.insert(0, _CompilerFinder())
+''')
+
+
+def sitecustomize_dir(root: Path, *more: str) -> Path:
+  """A folder under `root` holding a sitecustomize.py of SHIM and `more` (other start-up code of
+  the same processes), for the front of their PYTHONPATH."""
+  folder = Path(root) / "sitecustomize"
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "sitecustomize.py").write_text("\n".join((SHIM, *more)))
+  return folder
