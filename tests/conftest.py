@@ -15,11 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Compiled programs are cached on disk across test processes and runs (the suite compiles the
-# same small steps many times); set before JAX is imported.
+# same small steps many times); set before JAX is imported. Every program, however quick to
+# compile: the suite's tests compile thousands of programs of 0.05-0.5 s each (tests/test_selection.py
+# + test_grpo.py, warm: 43 s with a 0.5 s floor, 20 s without one; benchmarks/RESULTS.md, "The test
+# suite's compiled programs").
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "ict_jax_test_jax_cache")
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # The GCS server fixtures (`gcs`, `gcs_environ`; tests/gcs_emulator.py), registered here so that
