@@ -52,9 +52,32 @@ REPO = Path(__file__).resolve().parent.parent
 METRIC_KEYS = ("reward_mean", "loss", "entropy", "grad_norm")
 RTOL, ATOL = 1e-4, 1e-6
 
-SHIM = textwrap.dedent('''
+# Start-up code (a sitecustomize.py's) that patches a module right after it is first imported:
+# `sys.meta_path.insert(0, _PatchOnImport({name: patch(module)}))`. SHIM below uses it, and so does
+# tests/host_cache.py.
+ON_IMPORT = textwrap.dedent("""
+    import importlib.abc, importlib.machinery
+
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+      def __init__(self, patches):
+        self.patches = patches
+      def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+          return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+          return spec
+        run = spec.loader.exec_module
+        def exec_module(module):
+          run(module)
+          self.patches[name](module)
+        spec.loader.exec_module = exec_module
+        return spec
+""")
+
+SHIM = ON_IMPORT + textwrap.dedent('''
     """Test-only phase markers for benchmarks/faults.py (see its docstring)."""
-    import importlib.abc, importlib.machinery, json, os, sys, time
+    import json, os, sys, time
 
     _MARKERS = os.environ.get("ICT_FAULTS_MARKERS")
     _SLEEP = dict((k, float(v)) for k, v in (kv.split("=") for kv in
@@ -100,22 +123,8 @@ SHIM = textwrap.dedent('''
     _PATCHES = {"ict_jax.rollout": _rollout, "ict_jax.train_step": _train_step,
                 "ict_jax.checkpoint": _checkpoint}
 
-    class _Finder(importlib.abc.MetaPathFinder):
-      def find_spec(self, name, path, target=None):
-        if name not in _PATCHES:
-          return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-          return spec
-        run = spec.loader.exec_module
-        def exec_module(module):
-          run(module)
-          _PATCHES[name](module)
-        spec.loader.exec_module = exec_module
-        return spec
-
     if _MARKERS:
-      sys.meta_path.insert(0, _Finder())
+      sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
 ''')
 
 

@@ -9,18 +9,27 @@ never written and they recompiled every program on every run (process 1 of the p
 58 s of XLA compiles, against process 0's 6 s of cache loads). With this, a process i > 0 writes
 its own keys; the programs and how they are compiled do not change.
 
-`SHIM` is the text of a sitecustomize.py: it patches `jax._src.compiler` when that module is
-first imported (JAX 0.10.2, pinned in requirements.txt) and fails at import, naming itself, if
-the function it wraps is gone.
+`SHIM` is the text of a sitecustomize.py: with benchmarks/faults.py's import hook it patches
+`jax._src.compiler` when that module is first imported (JAX 0.10.2, pinned in requirements.txt)
+and fails at import, naming itself, if the function it wraps is gone.
 """
 
+import importlib.util
 from pathlib import Path
 import textwrap
 
-SHIM = textwrap.dedent('''
+REPO = Path(__file__).resolve().parent.parent
+
+
+_spec = importlib.util.spec_from_file_location("ict_faults", REPO / "benchmarks" / "faults.py")
+faults = importlib.util.module_from_spec(_spec)  # benchmarks/faults.py (its SHIM and ON_IMPORT)
+_spec.loader.exec_module(faults)
+
+# faults.py's import hook, then the patch
+SHIM = faults.ON_IMPORT + textwrap.dedent('''
     """Test-only (tests/host_cache.py): every process of a CPU pod writes its compiled programs
     to the persistent compilation cache, not process 0 only."""
-    import importlib.abc, importlib.machinery, sys
+    import sys
 
     def _every_process_writes(compiler):
       from jax._src import compilation_cache, config
@@ -35,21 +44,7 @@ SHIM = textwrap.dedent('''
                                                   int(compile_time_secs))
       compiler._cache_write = _cache_write
 
-    class _CompilerFinder(importlib.abc.MetaPathFinder):
-      def find_spec(self, name, path, target=None):
-        if name != "jax._src.compiler":
-          return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-          return spec
-        run = spec.loader.exec_module
-        def exec_module(module):
-          run(module)
-          _every_process_writes(module)
-        spec.loader.exec_module = exec_module
-        return spec
-
-    sys.meta_path.insert(0, _CompilerFinder())
+    sys.meta_path.insert(0, _PatchOnImport({"jax._src.compiler": _every_process_writes}))
 ''')
 
 

@@ -12,7 +12,6 @@ in a collective for a peer that is gone. The phases' seconds are written to
 <basetemp>/pod*/timings.json (benchmarks/RESULTS.md, "A pod on one box").
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -59,13 +58,6 @@ FLAGS = [
     f"--config.train.heartbeat_timeout_s={HEARTBEAT_S}",
 ]
 METRIC_KEYS = ("reward_mean", "loss", "entropy", "grad_norm", "eval_pass_at_1")
-
-
-def _faults():
-  spec = importlib.util.spec_from_file_location("ict_faults", REPO / "benchmarks" / "faults.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _free_port() -> int:
@@ -179,7 +171,7 @@ def _log(gcs, workdir: str, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def pod_root(tmp_path_factory, gcs, gcs_environ):
   root = tmp_path_factory.mktemp("pod")
-  shim = host_cache.sitecustomize_dir(root, _faults().SHIM)  # faults' part acts only with its env
+  shim = host_cache.sitecustomize_dir(root, host_cache.faults.SHIM)  # faults' part acts only with its env
   timings: dict[str, float] = {}
   # tfds data stay on local disk (a gs:// data_dir is refused)
   yield {"gcs": gcs, "logs": root, "data": root / "data", "shim": shim, "timings": timings}
