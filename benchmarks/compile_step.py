@@ -65,6 +65,7 @@ def main(argv=None) -> int:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from ict_jax import config as config_lib, sharding, train_step as ts
+  from ict_jax.batch import TrainBatch
   from ict_jax.setup import abstract_params, model_config
 
   spec = importlib.util.spec_from_file_location("cfg_module", args.config)
@@ -101,14 +102,8 @@ def main(argv=None) -> int:
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, state_sharding)
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
   rs = NamedSharding(mesh, P(("data", "fsdp")))
-  shapes = dict(
-      prompt_ids=(rows, args.prompt),
-      prompt_mask=(rows, args.prompt),
-      completion_ids=(rows, args.completion),
-      completion_mask=(rows, args.completion),
-  )
-  batch = {k: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rs) for k, s in shapes.items()}
-  batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rs)
+  # ids, masks and advantages only (no rollout's stop_pos / answer_end)
+  batch = TrainBatch.abstract(rows, args.prompt, args.completion, sharding=rs).replace(stop_pos=None, answer_end=None)
   ref = params if cfg.loss.beta > 0 else None
   step = ts.make_train_step(
       graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding

@@ -8,7 +8,7 @@ lent (issue 25, item 7), and a CPU smoke run of the same code on tiny shapes.
 
 - update: `--prompts` x G rows whose prompt / completion lengths are drawn from the plan's
   `LengthDistribution` (seed 0) within the config's `data.max_prompt_len` / `rollout.max_new_tokens`,
-  trimmed (`train_step.trim_batch`) and, with `train.token_budget` > 0, packed
+  trimmed (`TrainBatch.trim`) and, with `train.token_budget` > 0, packed
   (`packing.pack_batch`) as train.py does; the config's step (`StepConfig.from_config`, warm-up
   off, so ICT selects), compiled once, `--repeats` timed steps (median). `mfu`, `padded_fraction`
   and `model_tflops_per_chip` are `throughput.Throughput.step_metrics` on the rows' real tokens;
@@ -120,7 +120,6 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
   from ict_jax import train_step as ts
   from ict_jax.aot import plan
   from ict_jax.length_model import LengthDistribution
-  from ict_jax.train import executed_positions
 
   g, k = cfg.rollout.group_size, args.length_scale
   d = LengthDistribution()
@@ -134,7 +133,7 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
   p, c = dist.sample(np.random.default_rng(0), args.prompts, g, args.max_prompt, args.max_new)
   rows_p = np.repeat(p, g)
   batch = length_batch(np.random.default_rng(1), rows_p, c, args.max_prompt, args.max_new, mcfg.vocab_size)
-  batch = ts.trim_batch(batch, completion_len=int(c.max()))
+  batch = batch.trim(completion_len=int(c.max()))
   pick = lambda arg, default: default if arg < 0 else arg  # the flag, else the config's
   budget, micro = pick(args.token_budget, cfg.train.token_budget), pick(args.micro_batch, cfg.train.micro_batch_size)
   if budget:  # as train.py packs (one device: rows a multiple of 1)
@@ -152,7 +151,7 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
   graphdef, state = nnx.split(model)
   optimizer = ts.make_optimizer(cfg.optim, total_steps=100)
   train_state = ts.init_train_state(state.to_pure_dict(), optimizer)
-  dev_batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+  dev_batch = batch.map_rows(jax.numpy.asarray)
   t = time.perf_counter()
   step = ts.make_train_step(graphdef, scfg, optimizer).lower(train_state, dev_batch, None).compile()
   compile_s = time.perf_counter() - t
@@ -167,7 +166,7 @@ def update(args, cfg, mcfg, model, peak_tflops: float) -> dict:
   step_s, all_s = timed(run, args.repeats)
   lengths = rows_p + c
   tp = throughput.Throughput(mcfg, num_chips=1, peak=("", peak_tflops, ""))
-  executed = executed_positions(batch)
+  executed = batch.executed_positions()
   m = tp.step_metrics(lengths=lengths, executed=executed, passes=1, step_s=step_s, tokens=0, iteration_s=step_s)
   bound_s = plan.update_flops(mcfg, rows_p, c, passes=1, with_ref=cfg.loss.beta > 0) / (peak_tflops * 1e12)
   return {

@@ -17,7 +17,7 @@ Tokenizer: a word-level `tokenizers.Tokenizer` whose vocabulary is "t0" .. "t{V-
 built in-process (no hub access); TRL gets it as a `PreTrainedTokenizerFast`, ours through a
 four-method adapter. Reward (both): `len(completion text) / 1000`, negligible cost.
 
-ict-jax: `ict_jax.rollout.collect` + `train_step.make_train_step` exactly as `ict_jax.train` calls
+ict-jax: `ict_jax.rollout.Collector.collect` + `train_step.make_train_step` exactly as `ict_jax.train` calls
 them, one CPU device, no mesh; `--method ict` (warm-up 0, so the ICT selection is live from the
 first step) or `grpo` (dense); the step's LM head runs over `--chunk-size` (2) completion
 positions at a time: [64, 2, V] float32 blocks of 128 rows (on this 2-core CPU, 2026-12-04 after
@@ -95,7 +95,7 @@ def length_reward(completion: str, gold: object) -> float:
 
 
 class _WordTokenizerAdapter:
-  """What `ict_jax.rollout.collect` needs of a tokenizer, over the word-level tokenizer."""
+  """What `ict_jax.rollout.Collector` needs of a tokenizer, over the word-level tokenizer."""
 
   def __init__(self, tok):
     self._tok = tok
@@ -142,7 +142,7 @@ def run_ours(args) -> dict:
   from ict_jax import train_step as ts
   from ict_jax.config import OptimConfig
   from ict_jax.rewards.pool import RewardPool
-  from ict_jax.rollout import collect
+  from ict_jax.rollout import Collector, Sampling, Scoring
 
   from ict_jax.setup import resolve_kernels
 
@@ -172,25 +172,19 @@ def run_ours(args) -> dict:
   tok = _WordTokenizerAdapter(word_tokenizer(vocab))
   examples = [{"prompt": p, "answer": ""} for p in prompt_texts(args.prompts, args.prompt_len, vocab)]
   base_key = jax.random.key(0)
+  collector = Collector(
+      tok,
+      Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0),
+      Scoring(reward_kind="length"),
+      group_size=args.generations,
+      prompt_style="plain",
+      max_prompt_len=args.prompt_len,
+  )
   times, parts, tokens = [], [], []
   with RewardPool(num_workers=0, rewards={"length": length_reward}) as pool:
     for it in range(args.warmup + args.iterations):
       t0 = time.perf_counter()
-      roll = collect(
-          (graphdef, state.params),
-          examples,
-          tok,
-          pool,
-          rng=jax.random.fold_in(base_key, it),
-          group_size=args.generations,
-          max_new_tokens=args.new_tokens,
-          temperature=1.0,
-          top_p=1.0,
-          top_k=0,
-          prompt_style="plain",
-          max_prompt_len=args.prompt_len,
-          reward_kind="length",
-      )
+      roll = collector.collect((graphdef, state.params), examples, pool, rng=jax.random.fold_in(base_key, it))
       t1 = time.perf_counter()
       state, metrics, _ = step_fn(state, roll.batch(), None)
       metrics = jax.device_get(metrics)

@@ -1,4 +1,4 @@
-"""Step time and compiled temporaries follow the real completion length (`train_step.trim_batch`).
+"""Step time and compiled temporaries follow the real completion length (`TrainBatch.trim`).
 
 One batch of `--batch` rows (G = 8) whose completions are padded to `--max_new` columns, as the
 sampler returns them, with the longest completion `L` real tokens; for each L the step runs on
@@ -11,7 +11,7 @@ of `--repeats` steps (compilation excluded). Model: a small Qwen2 (`--vocab`, `-
 Then, per length distribution (`distributions`: "capped15" and "uncapped", reasoning-like: prompts
 log-normal, median 120, sigma 0.6, clipped to [20, 512], one a group of G = 8; completions
 log-normal, median 450, sigma 0.7, clipped to [16, 2048], 15% / none of them set to the 2048
-cap), today's padded step (`trim_batch`) against the packed one (`packing.pack_batch`, rows of
+cap), today's padded step (`TrainBatch.trim`) against the packed one (`packing.pack_batch`, rows of
 min(token budget, padded width) tokens):
   executed_over_real_flops  over `--flop_batches` batches of the paper's shapes (128 prompts x
       G 8, prompts <= 512, completions <= 2048, Qwen2.5-1.5B, micro-batch `--paper_micro_batch`,
@@ -50,6 +50,7 @@ from flax import nnx  # noqa: E402
 
 from ict_jax import packing  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
+from ict_jax.batch import TrainBatch  # noqa: E402
 from ict_jax.config import OptimConfig  # noqa: E402
 from ict_jax.models.config import PRESETS, Qwen2Config  # noqa: E402
 from ict_jax.models.qwen2 import init_model  # noqa: E402
@@ -96,14 +97,14 @@ def sample_lengths(rng, capped: float, prompts: int, scale: int = 1) -> tuple[np
   return shrink(p), shrink(c)
 
 
-def length_batch(rng, p_len, c_len, max_prompt: int, max_new: int, vocab: int) -> dict:
+def length_batch(rng, p_len, c_len, max_prompt: int, max_new: int, vocab: int) -> TrainBatch:
   """A sampled batch as the rollout returns it: prompts left-padded to max_prompt, completions
   right-padded to max_new, the G rows of a group sharing their prompt."""
   n = len(p_len)
   pmask = (np.arange(max_prompt)[None] >= max_prompt - p_len[:, None]).astype(np.int32)
   prompt = np.repeat(rng.integers(1, vocab, (n // G, max_prompt)), G, 0) * pmask
   cmask = (np.arange(max_new)[None] < c_len[:, None]).astype(np.int32)
-  return dict(
+  return TrainBatch(
       prompt_ids=prompt.astype(np.int32),
       prompt_mask=pmask,
       completion_ids=(rng.integers(1, vocab, cmask.shape) * cmask).astype(np.int32),
@@ -112,22 +113,22 @@ def length_batch(rng, p_len, c_len, max_prompt: int, max_new: int, vocab: int) -
   )
 
 
-def update_flops(cfg: Qwen2Config, batch: dict) -> tuple[float, float, float, float]:
+def update_flops(cfg: Qwen2Config, batch: TrainBatch) -> tuple[float, float, float, float]:
   """(executed, real, executed decoder, real decoder) training FLOPs of one step on `batch`
-  (trimmed; packed when it has the packed keys): `flops_per_token` split into the decoder
+  (trimmed; packed when it has a packed layout): `flops_per_token` split into the decoder
   (attention's causal term at the width it runs on) and the LM head (6 D V a position)."""
   head = 6.0 * cfg.hidden_size * cfg.vocab_size
   decoder = lambda width: cfg.flops_per_token(int(width)) - head
-  n, c = batch["completion_mask"].shape
-  if "packed_ids" in batch:
-    rows, width = batch["packed_ids"].shape
-    head_positions = batch["head_ids"].size
+  n, c = batch.completion_mask.shape
+  if batch.packed is not None:
+    rows, width = batch.packed.ids.shape
+    head_positions = batch.packed.head_ids.size
   else:
-    rows, width = n, batch["prompt_mask"].shape[1] + c
+    rows, width = n, batch.prompt_mask.shape[1] + c
     head_positions = n * c
   executed_decoder = rows * width * decoder(width)
-  c_len = batch["completion_mask"].sum(1)
-  lengths = batch["prompt_mask"].sum(1) + c_len
+  c_len = batch.completion_mask.sum(1)
+  lengths = batch.prompt_mask.sum(1) + c_len
   real_decoder = float(sum(int(s) * decoder(s) for s in lengths))
   return (
       executed_decoder + head_positions * head,
@@ -153,15 +154,15 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
   for _ in range(args.flop_batches):
     p_len, c_len = sample_lengths(rng, capped, PAPER["prompts"])
     full = length_batch(rng, p_len, c_len, PAPER["max_prompt"], PAPER["max_new"], 2)
-    padded = ts.trim_batch(full)
+    padded = full.trim()
     sums["padded"] += update_flops(cfg, padded)
-    shapes["padded"].add(padded["completion_ids"].shape + padded["prompt_ids"].shape)
+    shapes["padded"].add(padded.completion_ids.shape + padded.prompt_ids.shape)
     for name, kwargs in packs.items():
       packed = packing.pack_batch(
           padded, token_budget=budget, group_size=G, block=BLOCK, multiple=args.paper_devices, **kwargs
       )
       sums[name] += update_flops(cfg, packed)
-      shapes[name].add(packed["packed_ids"].shape + packed["head_ids"].shape + (packed[packing.MICRO_BATCH_ROWS],))
+      shapes[name].add(packed.packed.ids.shape + packed.packed.head_ids.shape + (packed.packed.micro_batch_rows,))
   return dict(
       executed_over_real_flops={k: round(v[0] / v[1], 3) for k, v in sums.items()},
       decoder_executed_over_real_flops={k: round(v[2] / v[3], 3) for k, v in sums.items()},
@@ -169,7 +170,7 @@ def flop_ratios(args, capped: float, seed: int) -> dict:
   )
 
 
-def make_batch(args, longest: int, seed: int = 0) -> dict:
+def make_batch(args, longest: int, seed: int = 0) -> TrainBatch:
   """Completions of longest // 2 .. longest real tokens, right-padded to max_new columns."""
   rng = np.random.default_rng(seed)
   n, p = args.batch, args.prompt
@@ -177,7 +178,7 @@ def make_batch(args, longest: int, seed: int = 0) -> dict:
   lengths[0] = longest
   cmask = (np.arange(args.max_new)[None] < lengths[:, None]).astype(np.int32)
   prompt = np.repeat(rng.integers(1, args.vocab, (n // G, p)), G, 0).astype(np.int32)
-  return dict(
+  return TrainBatch(
       prompt_ids=prompt,
       prompt_mask=np.ones((n, p), np.int32),
       completion_ids=(rng.integers(1, args.vocab, cmask.shape) * cmask).astype(np.int32),
@@ -217,7 +218,7 @@ def main(argv=None) -> dict:
       jax.block_until_ready(compiled(state, batch))
       times.append(time.perf_counter() - t0)
     return dict(
-        width=int(batch["completion_ids"].shape[1]),
+        width=int(batch.completion_ids.shape[1]),
         temp_bytes=int(mem.temp_size_in_bytes),
         step_s=round(statistics.median(times[1:]), 4),
     )
@@ -235,7 +236,7 @@ def main(argv=None) -> dict:
   runs = []
   for longest in (int(x) for x in args.lengths.split(",")):
     full = make_batch(args, longest)
-    runs.append(dict(longest=longest, real_tokens=int(full["completion_mask"].sum()), **measure(ts.trim_batch(full))))
+    runs.append(dict(longest=longest, real_tokens=int(full.completion_mask.sum()), **measure(full.trim())))
   untrimmed = dict(longest=runs[0]["longest"], **measure(make_batch(args, runs[0]["longest"])))
 
   distributions = {}
@@ -245,7 +246,7 @@ def main(argv=None) -> dict:
     times = {"padded": [], "packed": [], "packed_tokens": []}
     for _ in range(args.dist_timed):
       p_len, c_len = sample_lengths(rng, capped, args.dist_rows // G, args.dist_scale)
-      padded = ts.trim_batch(length_batch(rng, p_len, c_len, max_prompt, max_new, args.vocab))
+      padded = length_batch(rng, p_len, c_len, max_prompt, max_new, args.vocab).trim()
       times["padded"].append(step_s(padded))
       packed = packing.pack_batch(
           padded, token_budget=max_prompt + max_new, group_size=G, block=max(BLOCK // args.dist_scale, 8)

@@ -60,6 +60,7 @@ def main(argv=None) -> None:
   from flax import nnx
 
   from ict_jax import train_step as ts
+  from ict_jax.batch import TrainBatch
   from ict_jax.config import OptimConfig
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
@@ -90,12 +91,12 @@ def main(argv=None) -> None:
 
   # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
   model = nnx.merge(graphdef, params)
-  b = {k: jnp.asarray(v) for k, v in batch.items()}
-  n, p = b["prompt_ids"].shape
-  c = b["completion_ids"].shape[1]
+  b = TrainBatch(**batch).map_rows(jnp.asarray)
+  n, p = b.prompt_ids.shape
+  c = b.completion_ids.shape[1]
   h = model.hidden_states(
-      jnp.concatenate([b["prompt_ids"], b["completion_ids"]], 1),
-      jnp.concatenate([b["prompt_mask"], b["completion_mask"]], 1),
+      jnp.concatenate([b.prompt_ids, b.completion_ids], 1),
+      jnp.concatenate([b.prompt_mask, b.completion_mask], 1),
   )
   h = jax.block_until_ready(h[:, p - 1 : p + c - 1])  # [N, C, D]
   w, vocab_major = model.head_weight()  # as the step takes it: [V, D] when tied
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
     k = -(-c // n_chunks)
     pad = n_chunks * k - c
     hs = jnp.moveaxis(jnp.pad(h, [(0, 0), (0, pad), (0, 0)]).reshape(n, n_chunks, k, -1), 1, 0)
-    ids = jnp.pad(b["completion_ids"], [(0, 0), (0, pad)])
+    ids = jnp.pad(b.completion_ids, [(0, 0), (0, pad)])
     ids = jnp.moveaxis(ids.reshape(n, n_chunks, k), 1, 0)
 
     def chunk(hc, ic):
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
       Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk
   )
   # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
-  ict_rows = selection.ict_mask(stats0["js"], b["completion_mask"].astype(bool), base.top_fraction)
+  ict_rows = selection.ict_mask(stats0["js"], b.completion_mask.astype(bool), base.top_fraction)
   g_ict = ict_rows.astype(jnp.float32)
   capacity = lm_head.sparse_grad_rows("ict", base.top_fraction, base.entropy_top_fraction, n, c)
 

@@ -168,7 +168,9 @@ def step_config(args, cfg=None, method: str | None = None):
 
 
 def make_batch(args, vocab: int, group_size: int, seed: int = 0) -> dict:
-  """Left-padded prompts (G rollouts share one), right-padded completions, mixed-sign A."""
+  """Left-padded prompts (G rollouts share one), right-padded completions, mixed-sign A: numpy
+  arrays by `TrainBatch` field name (batch.npz, which the torch child reads too; `JaxStep` makes
+  the `TrainBatch`)."""
   import numpy as np
 
   rng = np.random.RandomState(seed)
@@ -214,9 +216,10 @@ class JaxStep:
   def __init__(self, graphdef, params, scfg, optimizer, batch):
     import jax
     from ict_jax import train_step as ts
+    from ict_jax.batch import TrainBatch
 
     self.state = ts.init_train_state(params, optimizer)
-    self.batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+    self.batch = TrainBatch(**batch).map_rows(jax.numpy.asarray)
     jitted = ts.make_train_step(graphdef, scfg, optimizer)
     t = time.perf_counter()
     self.compiled = jitted.lower(self.state, self.batch, None).compile()

@@ -2,7 +2,7 @@
 
     python benchmarks/warm_start_sweep.py level1:3e-3:300:0:150 [LEVEL:LR:STEPS:SEED[:CHECKPOINT...] ...]
 
-Each spec runs one warm-start (`ict_jax.train.warm_start`, the trainer's own) of `chain_config()`
+Each spec runs one warm-start (`ict_jax.build.warm_start`, the trainer's own) of `chain_config()`
 with that data level, learning rate, step count and seed, and at each checkpoint step (and at the
 end) samples 8 completions at temperature 1 for the first 32 problems of the train and the test
 split and prints one JSON line: pass@1, pass@8 and the mean response length of each split, the
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ict_jax import config as config_lib  # noqa: E402
 from ict_jax.eval.run import evaluate  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config  # noqa: E402
-from ict_jax.train import init_params, load_examples, warm_start  # noqa: E402
+from ict_jax.build import init_params, warm_start  # noqa: E402
+from ict_jax.data.splits import load_examples  # noqa: E402
 
 
 def run(level: str, lr: float, steps: int, seed: int, checkpoints=(), workdir: str = "/tmp/warm_start_sweep"):

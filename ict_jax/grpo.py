@@ -199,7 +199,7 @@ def policy_loss_terms(
     token_mask: [B, T] optional selection (bool or 0/1); M = mask * token_mask.
     max_completion_length: T used by "dr_grpo" (static); default mask.shape[1].
     num_rows: the completions among the B rows (default B): a token-budget micro-batch's empty
-      row slots (`packing.SOURCE_ROW` -1, all-zero masks) count in no per-sequence denominator.
+      row slots (`PackedLayout.source_row` -1, all-zero masks) count in no per-sequence denominator.
 
   Per token: ratio = exp(logp - old_logp);
     L = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A) + beta*k3,

@@ -22,7 +22,7 @@ per micro-batch (as verl does), so balancing changes which rows share a threshol
 selection; that is a different (equally arbitrary) micro-batch composition, not an error.
 
 Compiled shapes: the packed rows of a micro-batch are [R, W], W one per (prompt, completion)
-bucket pair as for the padded batch (`train_step.trim_batch`); R (the most rows any micro-batch
+bucket pair as for the padded batch (`TrainBatch.trim`); R (the most rows any micro-batch
 of the step needs) is rounded up to a multiple of the mesh's data x fsdp devices `d`, and R / d to
 one of `STEPS_PER_OCTAVE` = 16 values per power of two (every value up to 32, then 34, 36, .. 64,
 68, ..): at most 16 x log2(micro_batch / d) + 16 values of R, of which a run meets the few near
@@ -37,9 +37,9 @@ paper's lengths needs ~17 rows of 2560 tokens, 24 on 8 devices, 32 on 16). Inste
 micro-batch gets R = T / W packed rows (a multiple of the devices, at least a group's) and as many
 whole groups as fit (`token_micro_batches`: first fit decreasing, then dealt evenly over that many
 micro-batches), verl's dynamic batch size. Its groups' rows take mb row slots (mb = G x the most
-groups a micro-batch holds, bucketed like R), the empty slots after them zero (SOURCE_ROW -1; they
-count in no loss denominator); the step takes mb from the batch (MICRO_BATCH_ROWS, a static
-argument). The micro-batch count M varies with the lengths: compiled shapes per (W, M, mb, C2);
+groups a micro-batch holds, bucketed like R), the empty slots after them zero (source_row -1; they
+count in no loss denominator); the step takes mb from the batch (`PackedLayout.micro_batch_rows`, a static
+field of the layout). The micro-batch count M varies with the lengths: compiled shapes per (W, M, mb, C2);
 on `benchmarks/length.py`'s distributions 20 batches of 1024 rows met 2-6 of them.
 
 The plan reads the masks on the host (numpy), outside jit: one process's whole batch (a
@@ -50,18 +50,8 @@ from __future__ import annotations
 
 import numpy as np
 
-PACKED_KEYS = (
-    "packed_ids",
-    "packed_segments",
-    "packed_positions",
-    "head_index",
-    "head_ids",
-    "head_mask",
-    "head_segments",
-    "unhead_index",
-)
-MICRO_BATCH_ROWS = "micro_batch_rows"  # a Python int: the step's rows a micro-batch (static)
-SOURCE_ROW = "source_row"  # [N] int32, token-budget micro-batches: each slot's input row, -1 empty
+from ict_jax.batch import PackedLayout, TrainBatch
+
 STEPS_PER_OCTAVE = 16
 HEAD_BLOCK = 64  # completion columns of a group a block of the LM head's input holds
 
@@ -218,7 +208,7 @@ def micro_batch_tokens_rows(micro_batch_tokens: int, width: int, group_size: int
 
 
 def pack_batch(
-    batch: dict,
+    batch: TrainBatch,
     *,
     token_budget: int,
     group_size: int,
@@ -227,12 +217,12 @@ def pack_batch(
     multiple: int = 1,
     balance: bool = False,
     micro_batch_tokens: int = 0,
-) -> dict:
+) -> TrainBatch:
   """`batch` (a trimmed padded batch [N, P] / [N, C]) with the packed step's input added
-  (PACKED_KEYS); micro-batch m (rows m*mb .. m*mb + mb - 1, whole groups) owns the m-th equal
+  (`TrainBatch.packed`, a `PackedLayout`); micro-batch m (rows m*mb .. m*mb + mb - 1, whole groups) owns the m-th equal
   share of every packed array's rows, so the step scans them as it scans the padded rows.
 
-  The decoder's input: packed_ids / packed_segments / packed_positions [N / mb * R, W] int32,
+  The decoder's input: ids / segments / positions [N / mb * R, W] int32,
   W = min(token_budget, P + C). The LM head's, [N, C2] each: a block is a group's G rows x
   k = min(block, C) completion columns; the micro-batch's live blocks (a real token in them) are
   dealt round-robin to its mb / G stripes of G rows and laid side by side, so the head's group
@@ -246,32 +236,37 @@ def pack_batch(
 
   balance: first reorder whole groups by `balance_groups` (every per-row array of `batch`), so
   micro-batches hold similar token counts and R, the fullest one's rows, comes down. The result
-  is then the permuted batch, packed: row i is the input's row perm[i]."""
+  is then the permuted batch, packed: row i is the input's row perm[i]. Every array comes back
+  on the host (numpy)."""
+  if batch.packed is not None:
+    raise ValueError("packing: the batch is packed already")
+  if batch.hidden_offset is not None:
+    raise ValueError("packing: TrainBatch.hidden_offset (a padded-row fault seam) has no packed layout")
+  batch = batch.map_rows(np.asarray)
   if micro_batch_tokens:
-    return _pack(*_token_layout(batch, token_budget, group_size, micro_batch_tokens, multiple), group_size, block)
-  if balance and micro_batch_size and micro_batch_size < len(batch["completion_mask"]):
+    *layout, source_row = _token_layout(batch, token_budget, group_size, micro_batch_tokens, multiple)
+    return _pack(*layout, group_size, block, source_row=source_row)
+  if balance and micro_batch_size and micro_batch_size < batch.rows:
     perm = balance_groups(
-        batch["prompt_mask"], batch["completion_mask"], group_size=group_size, micro_batch_size=micro_batch_size
+        batch.prompt_mask, batch.completion_mask, group_size=group_size, micro_batch_size=micro_batch_size
     )
-    batch = {k: np.asarray(v)[perm] for k, v in batch.items()}
-  n, (p, c) = len(batch["completion_mask"]), (np.shape(batch["prompt_mask"])[1], np.shape(batch["completion_mask"])[1])
+    batch = batch.map_rows(lambda v: v[perm])
+  n, (p, c) = batch.rows, (np.shape(batch.prompt_mask)[1], np.shape(batch.completion_mask)[1])
   mb, g = micro_batch_size or n, group_size
   if n % mb or mb % g:
     raise ValueError(f"packing: micro-batch {mb} must divide the batch ({n} rows) and hold whole groups of {g}")
   width = min(token_budget, p + c)
-  plan = pack_plan(
-      batch["prompt_mask"], batch["completion_mask"], token_budget=width, micro_batch_size=mb, multiple=multiple
-  )
+  plan = pack_plan(batch.prompt_mask, batch.completion_mask, token_budget=width, micro_batch_size=mb, multiple=multiple)
   return _pack(batch, width, mb, *plan, group_size, block)
 
 
-def _token_layout(batch: dict, token_budget: int, group_size: int, micro_batch_tokens: int, multiple: int):
+def _token_layout(batch: TrainBatch, token_budget: int, group_size: int, micro_batch_tokens: int, multiple: int):
   """`pack_batch(micro_batch_tokens=T)`'s layout: M micro-batches of R = `micro_batch_tokens_rows`
   packed rows (`token_micro_batches`), each micro-batch's groups in mb row slots (its groups'
-  rows, then empty rows: zero masks, ids and advantages; SOURCE_ROW: the input row, -1 empty), mb = G x the most groups
+  rows, then empty rows: zero masks, ids and advantages; source_row: the input row, -1 empty), mb = G x the most groups
   a micro-batch holds, a multiple of lcm(G, multiple), bucketed like R. -> (batch laid out
-  [M * mb], W, mb, where [M * mb], offset [M * mb], R)."""
-  pmask, cmask = np.asarray(batch["prompt_mask"]) != 0, np.asarray(batch["completion_mask"]) != 0
+  [M * mb], W, mb, where [M * mb], offset [M * mb], R, source_row [M * mb])."""
+  pmask, cmask = np.asarray(batch.prompt_mask) != 0, np.asarray(batch.completion_mask) != 0
   n, g = len(cmask), group_size
   width = min(token_budget, pmask.shape[1] + cmask.shape[1])
   rows = micro_batch_tokens_rows(micro_batch_tokens, width, g, multiple)
@@ -288,8 +283,7 @@ def _token_layout(batch: dict, token_budget: int, group_size: int, micro_batch_t
     src[m * mb : m * mb + len(members)] = members
   real = src >= 0
   take = lambda x: np.where(real.reshape(-1, *[1] * (np.ndim(x) - 1)), np.asarray(x)[np.maximum(src, 0)], 0)
-  laid = {k: take(v).astype(np.asarray(v).dtype) for k, v in batch.items()}
-  laid[SOURCE_ROW] = src.astype(np.int32)
+  laid = batch.map_rows(lambda v: take(v).astype(np.asarray(v).dtype))
   return (
       laid,
       width,
@@ -297,16 +291,19 @@ def _token_layout(batch: dict, token_budget: int, group_size: int, micro_batch_t
       np.where(real, where[np.maximum(src, 0)], 0),
       np.where(real, offset[np.maximum(src, 0)], 0),
       rows,
+      src.astype(np.int32),
   )
 
 
-def _pack(batch: dict, width: int, mb: int, where, offset, rows: int, group_size: int, block: int) -> dict:
-  """The packed arrays of `batch` (PACKED_KEYS) for micro-batches of `mb` rows, sequence i at
+def _pack(
+    batch: TrainBatch, width: int, mb: int, where, offset, rows: int, group_size: int, block: int, source_row=None
+) -> TrainBatch:
+  """The packed arrays of `batch` (its `PackedLayout`) for micro-batches of `mb` rows, sequence i at
   packed row `where[i]` of its micro-batch's `rows`, from token `offset[i]` (see `pack_batch`)."""
-  pmask = np.asarray(batch["prompt_mask"]).astype(bool)
-  cmask = np.asarray(batch["completion_mask"]).astype(bool)
-  cids = np.asarray(batch["completion_ids"])
-  ids = np.concatenate([np.asarray(batch["prompt_ids"]), cids], 1)
+  pmask = np.asarray(batch.prompt_mask).astype(bool)
+  cmask = np.asarray(batch.completion_mask).astype(bool)
+  cids = np.asarray(batch.completion_ids)
+  ids = np.concatenate([np.asarray(batch.prompt_ids), cids], 1)
   mask = np.concatenate([pmask, cmask], 1)
   n, p = pmask.shape
   c = cmask.shape[1]
@@ -360,18 +357,19 @@ def _pack(batch: dict, width: int, mb: int, where, offset, rows: int, group_size
       head_mask[dst, at : at + span] = cmask[src, cols]
       head_segments[dst, at : at + span] = number
       unhead[src, cols] = (dst - m * mb)[:, None] * width_head + at + np.arange(span)[None]
-  return {
-      **batch,
-      MICRO_BATCH_ROWS: mb,
-      "packed_ids": packed_ids,
-      "packed_segments": segments,
-      "packed_positions": positions,
-      "head_index": head_index,
-      "head_ids": head_ids,
-      "head_mask": head_mask,
-      "head_segments": head_segments,
-      "unhead_index": unhead,
-  }
+  layout = PackedLayout(
+      ids=packed_ids,
+      segments=segments,
+      positions=positions,
+      head_index=head_index,
+      head_ids=head_ids,
+      head_mask=head_mask,
+      head_segments=head_segments,
+      unhead_index=unhead,
+      source_row=source_row,
+      micro_batch_rows=mb,
+  )
+  return batch.replace(packed=layout)
 
 
 def _stack_pieces(row_live: np.ndarray, g: int):

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ict_jax import answer_positions, grpo
+from ict_jax.batch import TrainBatch
 from ict_jax.data.prompts import encode_prompts
 from ict_jax.rewards.registry import gold_text
 from ict_jax.sampling import (
@@ -51,9 +52,9 @@ class Rollout:
   stop_pos: np.ndarray  # [N] int32: each row's stop token (-1: none), `answer_positions`
   answer_end: np.ndarray  # [N] int32: first position after the final box (-1: no box)
 
-  def batch(self) -> dict[str, Any]:
+  def batch(self) -> TrainBatch:
     """The train step's inputs."""
-    return dict(
+    return TrainBatch(
         prompt_ids=self.prompt_ids,
         prompt_mask=self.prompt_mask,
         completion_ids=self.completion_ids,
@@ -127,150 +128,269 @@ def _mean_or_nan(x: np.ndarray) -> float:
   return float(x.mean()) if x.size else float("nan")
 
 
-def collect(
-    model_or_parts,
-    examples: Sequence[dict],
-    tokenizer,
-    reward_pool,
-    *,
-    rng,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    prompt_style: str,
-    max_prompt_len: int,
-    reward_kind: str,
-    format_weight: float = 0.0,
-    advantage_scale: str = "group",
-    mask_truncated: bool = False,
-    score_truncated: bool = True,
-    truncated_reward: float = 0.0,
-    mesh=None,
-    rollout_dtype: str | None = None,
-    decode_batch_size: int | str | None = None,
-) -> Rollout:
-  """Sample `group_size` completions per example with the current policy and score them.
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How completions are drawn (`sampling.generate`)."""
 
-  model_or_parts: a Qwen2, (graphdef, params) (e.g. the train state's) or a RolloutPolicy;
-  the first two are copied into `rollout_dtype` (default: the model's compute dtype) and the
-  decoding layout first. decode_batch_size as in `sampling.generate` (an int that no longer
-  divides the rows because over-long prompts were dropped shrinks to their gcd).
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
 
-  The decode sub-batches overlap with the host: while sub-batch j + 1 decodes, sub-batch j's rows
-  are fetched, detokenized and submitted to the reward pool (`RewardPool.submit`, scored in its
-  thread), so the rewards are the same as when scored after all the decoding. stats["sample_s"]
-  covers the rollout copy, generation and fetching this host's rows; stats["reward_s"] the wait
-  for the rewards after that (the scoring decoding did not hide).
 
-  A completion is truncated when it reaches max_new_tokens without a stop token;
-  stats["truncated_rate"] is their share. mask_truncated (TRL's mask_truncated_completions)
-  zeroes their completion mask, so they get no loss and drop out of ICT's group mean; their
-  reward still counts in the group's advantages and in the reward statistics. score_truncated=False
-  gives them `truncated_reward` instead of the verifier's score (in the advantages and
-  reward_mean); stats["reward_truncated"] / ["reward_complete"] are the verifier's mean score of
-  the truncated / the stopped completions either way (NaN when there are none)."""
-  t0 = time.perf_counter()
-  policy = rollout_policy(model_or_parts, dtype=rollout_dtype, mesh=mesh)
-  kept, _, prompt_tokens = encode_prompts(examples, tokenizer, style=prompt_style, max_len=max_prompt_len)
-  skipped = len(examples) - len(kept)  # over-long prompts
-  if not kept:
-    raise ValueError(f"every prompt of this batch is longer than data.max_prompt_len={max_prompt_len}")
-  width = bucket_length(max(len(t) for t in prompt_tokens))  # few compiled shapes
-  p_ids, p_mask = left_pad(prompt_tokens, tokenizer.pad_id, bucket=(width,))
-  n = len(kept) * group_size
-  if isinstance(decode_batch_size, int) and n % decode_batch_size:  # prompts were skipped
-    decode_batch_size = math.gcd(decode_batch_size, n)  # smaller sub-batches: still fits
-  all_golds = [gold_text(reward_kind, ex) for ex in kept for _ in range(group_size)]
-  parts, rows, ids, mask, texts, golds, futures = [], [], [], [], [], [], []  # one entry a sub-batch
-  for part in generate_sub_batches(
-      policy,
-      p_ids,
-      p_mask,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p,
-      top_k=top_k,
-      rng=rng,
-      eos_token_ids=tokenizer.eos_ids,
-      pad_id=tokenizer.pad_id,
-      num_samples=group_size,
-      mesh=mesh,
-      return_logprobs=False,
-      decode_batch_size=decode_batch_size,
-  ):  # sub-batch j + 1 is decoding while j is fetched, detokenized and handed to the reward pool
-    parts.append(part)
-    idx, part_ids = local_rows(part.outputs[0])  # this host's rows (ids and mask share one sharding)
-    _, part_mask = local_rows(part.outputs[1])
-    keep = part.rows[idx] >= 0  # not batch padding
-    rows.append(part.rows[idx][keep])
-    ids.append(part_ids[keep])
-    mask.append(part_mask[keep])
-    texts.append(decode_completions(tokenizer, ids[-1], mask[-1], tokenizer.eos_ids))
-    golds.append([all_golds[i] for i in rows[-1]])
-    kinds = [reward_kind] + (["format"] if format_weight else [])
-    futures.append([reward_pool.submit(kind, texts[-1], golds[-1]) for kind in kinds])
-  c_ids, c_mask = join_sub_batches(parts)
-  sample_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  local, counts = [], np.zeros(2, np.float32)  # timeouts, errors
-  for (scores, rstats), *fmt in ([f.result() for f in fs] for fs in futures):  # fmt: [] or [(scores, stats)]
-    local.append(scores + format_weight * fmt[0][0] if fmt else scores)
-    for _, st in [(scores, rstats), *fmt]:
-      counts += [st.get("timeouts", 0), st.get("errors", 0)]
-  reward_s = time.perf_counter() - t0
-  rows = np.concatenate(rows)
-  order = np.argsort(rows, kind="stable")  # ascending rows, as before the sub-batches were split
-  rows, ids, mask, local = rows[order], *(np.concatenate(x)[order] for x in (ids, mask, local))
-  texts = [t for ts in texts for t in ts]
-  golds = [g for gs in golds for g in gs]
-  texts, golds = [texts[i] for i in order], [golds[i] for i in order]
-  stopped = ((mask != 0) & np.isin(ids, np.asarray(tokenizer.eos_ids, ids.dtype))).any(axis=1)
-  # per row: reward, length, truncated, stop position, answer end; the host's timeout and error
-  # counts ride on its first row
-  per_row = np.zeros((len(rows), 7), np.float32)
-  per_row[:, 0], per_row[:, 1], per_row[:, 2] = local, mask.sum(axis=1), ~stopped
-  per_row[:, 5], per_row[:, 6] = answer_positions.positions(tokenizer, ids, mask, tokenizer.eos_ids)
-  if len(rows):
-    per_row[0, 3:5] = counts
-  whole = gather_rows(rows, per_row, n)
-  timeouts, errors = (int(c) for c in whole[:, 3:5].sum(axis=0))
-  scores, lengths, truncated = whole[:, 0], whole[:, 1], whole[:, 2] > 0
-  rewards = scores if score_truncated else np.where(truncated, np.float32(truncated_reward), scores)
-  if mask_truncated and truncated.any():
-    c_mask = c_mask * (~truncated).astype(c_mask.dtype)[:, None]  # [rows, new]; keeps c_mask's sharding
-  adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group_size, scale=advantage_scale))
-  groups = rewards.reshape(-1, group_size)
-  stats = dict(
-      reward_mean=float(rewards.mean()),
-      reward_std=float(rewards.std()),
-      pass_rate=float((groups.max(axis=1) > 0).mean()),
-      solve_all_rate=float((groups.min(axis=1) > 0).mean()),
-      response_len=float(lengths.mean()),
-      max_response_len=int(lengths.max()),
-      completion_tokens=int(lengths.sum()),
-      truncated_rate=float(truncated.mean()),
-      reward_truncated=_mean_or_nan(scores[truncated]),
-      reward_complete=_mean_or_nan(scores[~truncated]),
-      prompts_skipped=skipped,
-      reward_timeouts=timeouts,
-      reward_errors=errors,
-      sample_s=sample_s,
-      reward_s=reward_s,
-  )
-  return Rollout(
-      np.repeat(p_ids, group_size, 0),
-      np.repeat(p_mask, group_size, 0),
-      c_ids,
-      c_mask,
-      rewards,
-      adv.astype(np.float32),
-      rows,
-      texts,
-      golds,
-      stats,
-      lengths.astype(np.int32),
-      whole[:, 5].astype(np.int32),
-      whole[:, 6].astype(np.int32),
-  )
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """How completions are rewarded and turned into advantages (`Collector.collect`'s docstring)."""
+
+  reward_kind: str  # a RewardPool kind (ict_jax/rewards/registry.py)
+  format_weight: float = 0.0  # weight of the "format" reward added to it
+  advantage_scale: str = "group"  # grpo.group_advantages' scale
+  mask_truncated: bool = False  # TRL's mask_truncated_completions
+  score_truncated: bool = True
+  truncated_reward: float = 0.0
+
+
+# the per-row numbers every host contributes to `gather_rows` (one float32 column each)
+_ROW_COLUMNS = ("reward", "length", "truncated", "timeouts", "errors", "stop_pos", "answer_end")
+
+
+@dataclasses.dataclass
+class _Sampled:
+  """This host's rows of a rollout, as the sub-batches came back, and their pending scores."""
+
+  c_ids: Any  # [N, C] global device array
+  c_mask: Any
+  rows: list  # per sub-batch: [n_j] this host's row indices
+  ids: list  # per sub-batch: [n_j, C] np
+  mask: list
+  texts: list  # per sub-batch: [n_j] str
+  golds: list
+  futures: list  # per sub-batch: [reward future, (format future)]
+
+
+class Collector:
+  """Prompts -> G sampled completions each -> rewards -> group advantages (`collect`: the
+  trainer's rollout), and prompts -> completion texts (`texts`: the evaluator's sampler): the one
+  place that turns prompts into scored completions.
+
+      collector = Collector.from_config(cfg, tokenizer, mesh=mesh, rollout_dtype="bfloat16")
+      roll = collector.collect((graphdef, params), examples, reward_pool, rng=key)
+
+  decode_batch_size as in `sampling.generate` (an int that no longer divides the rows because
+  over-long prompts were dropped shrinks to their gcd)."""
+
+  def __init__(
+      self,
+      tokenizer,
+      sampling: Sampling,
+      scoring: Scoring | None = None,
+      *,
+      group_size: int = 1,
+      prompt_style: str = "plain",
+      max_prompt_len: int = 1 << 30,
+      mesh=None,
+      rollout_dtype: str | None = None,
+      decode_batch_size: int | str | None = None,
+  ):
+    self.tokenizer, self.sampling, self.scoring = tokenizer, sampling, scoring
+    self.group_size, self.prompt_style, self.max_prompt_len = group_size, prompt_style, max_prompt_len
+    self.mesh, self.rollout_dtype, self.decode_batch_size = mesh, rollout_dtype, decode_batch_size
+
+  @classmethod
+  def from_config(cls, cfg, tokenizer, *, mesh=None, rollout_dtype: str | None = None) -> "Collector":
+    """The rollout of a validated `ict_jax.config.Config` (its rollout, data, reward and loss sections)."""
+    from ict_jax.setup import decode_batch_size
+
+    rc = cfg.rollout
+    return cls(
+        tokenizer,
+        Sampling(rc.max_new_tokens, rc.temperature, rc.top_p, rc.top_k),
+        Scoring(
+            reward_kind=cfg.reward.kind,
+            format_weight=cfg.reward.format_weight,
+            advantage_scale=cfg.loss.advantage_scale,
+            mask_truncated=cfg.loss.mask_truncated_completions,
+            score_truncated=cfg.reward.score_truncated,
+            truncated_reward=cfg.reward.truncated_reward,
+        ),
+        group_size=rc.group_size,
+        prompt_style=cfg.data.prompt_style,
+        max_prompt_len=cfg.data.max_prompt_len,
+        mesh=mesh,
+        rollout_dtype=rollout_dtype,
+        decode_batch_size=decode_batch_size(cfg),
+    )
+
+  def policy(self, model_or_parts) -> RolloutPolicy:
+    """The rollout copy: weights in the rollout dtype, laid out for decoding (a RolloutPolicy as is)."""
+    return rollout_policy(model_or_parts, dtype=self.rollout_dtype, mesh=self.mesh)
+
+  def _generate_kw(self) -> dict:
+    s, tok = self.sampling, self.tokenizer
+    return dict(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        eos_token_ids=tok.eos_ids,
+        pad_id=tok.pad_id,
+        mesh=self.mesh,
+    )
+
+  # ---- the evaluator's sampler -----------------------------------------------------------------
+  def texts(self, policy, prompt_ids, num_samples: int, rng, *, batch_size: int, width: int) -> tuple[list[str], int]:
+    """Texts of `num_samples` completions of each prompt (row g * num_samples + j: sample j of
+    prompt g) and their token count. Every call has the same [batch_size, width] prompt shape
+    (short batches padded with copies of their first prompt), so one compile."""
+    from ict_jax.sampling import generate
+
+    real = len(prompt_ids)
+    padded = list(prompt_ids) + [prompt_ids[0]] * (batch_size - real)
+    ids, mask = left_pad(padded, self.tokenizer.pad_id, bucket=(width,))  # [B, width]
+    c_ids, c_mask, _ = generate(policy, ids, mask, rng=rng, num_samples=num_samples, **self._generate_kw())
+    rows = real * num_samples
+    c_ids, c_mask = host_array(c_ids)[:rows], host_array(c_mask)[:rows]  # [real * n, N]
+    return decode_completions(self.tokenizer, c_ids, c_mask, self.tokenizer.eos_ids), int(c_mask.sum())
+
+  # ---- the trainer's rollout -------------------------------------------------------------------
+  def collect(self, model_or_parts, examples: Sequence[dict], reward_pool, *, rng) -> Rollout:
+    """Sample `group_size` completions per example with the current policy and score them.
+
+    model_or_parts: a Qwen2, (graphdef, params) (e.g. the train state's) or a RolloutPolicy;
+    the first two are copied into `rollout_dtype` (default: the model's compute dtype) and the
+    decoding layout first.
+
+    The decode sub-batches overlap with the host: while sub-batch j + 1 decodes, sub-batch j's rows
+    are fetched, detokenized and submitted to the reward pool (`RewardPool.submit`, scored in its
+    thread), so the rewards are the same as when scored after all the decoding. stats["sample_s"]
+    covers the rollout copy, generation and fetching this host's rows; stats["reward_s"] the wait
+    for the rewards after that (the scoring decoding did not hide).
+
+    A completion is truncated when it reaches max_new_tokens without a stop token;
+    stats["truncated_rate"] is their share. mask_truncated (TRL's mask_truncated_completions)
+    zeroes their completion mask, so they get no loss and drop out of ICT's group mean; their
+    reward still counts in the group's advantages and in the reward statistics. score_truncated=False
+    gives them `truncated_reward` instead of the verifier's score (in the advantages and
+    reward_mean); stats["reward_truncated"] / ["reward_complete"] are the verifier's mean score of
+    the truncated / the stopped completions either way (NaN when there are none)."""
+    if self.scoring is None:
+      raise ValueError("Collector.collect: the collector has no Scoring (a sampler for evaluation only)")
+    t0 = time.perf_counter()
+    policy = self.policy(model_or_parts)
+    kept, _, prompt_tokens = encode_prompts(
+        examples, self.tokenizer, style=self.prompt_style, max_len=self.max_prompt_len
+    )
+    if not kept:
+      raise ValueError(f"every prompt of this batch is longer than data.max_prompt_len={self.max_prompt_len}")
+    width = bucket_length(max(len(t) for t in prompt_tokens))  # few compiled shapes
+    p_ids, p_mask = left_pad(prompt_tokens, self.tokenizer.pad_id, bucket=(width,))
+    sampled = self._sample(policy, p_ids, p_mask, kept, reward_pool, rng)
+    sample_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    whole = self._scores(sampled, len(kept) * self.group_size)
+    roll = self._assemble(sampled, whole, p_ids, p_mask, skipped=len(examples) - len(kept))  # over-long prompts
+    roll.stats.update(sample_s=sample_s, reward_s=whole["reward_s"])
+    return roll
+
+  def _sample(self, policy, p_ids, p_mask, kept, reward_pool, rng) -> _Sampled:
+    """Decode in sub-batches; sub-batch j + 1 decodes while j is fetched, detokenized and handed
+    to the reward pool."""
+    g, tok, scoring = self.group_size, self.tokenizer, self.scoring
+    n, dbs = len(kept) * g, self.decode_batch_size
+    if isinstance(dbs, int) and n % dbs:  # prompts were skipped
+      dbs = math.gcd(dbs, n)  # smaller sub-batches: still fits
+    all_golds = [gold_text(scoring.reward_kind, ex) for ex in kept for _ in range(g)]
+    kinds = [scoring.reward_kind] + (["format"] if scoring.format_weight else [])
+    parts, out = [], _Sampled(None, None, [], [], [], [], [], [])
+    for part in generate_sub_batches(
+        policy,
+        p_ids,
+        p_mask,
+        rng=rng,
+        num_samples=g,
+        return_logprobs=False,
+        decode_batch_size=dbs,
+        **self._generate_kw(),
+    ):
+      parts.append(part)
+      idx, part_ids = local_rows(part.outputs[0])  # this host's rows (ids and mask share one sharding)
+      _, part_mask = local_rows(part.outputs[1])
+      keep = part.rows[idx] >= 0  # not batch padding
+      out.rows.append(part.rows[idx][keep])
+      out.ids.append(part_ids[keep])
+      out.mask.append(part_mask[keep])
+      out.texts.append(decode_completions(tok, out.ids[-1], out.mask[-1], tok.eos_ids))
+      out.golds.append([all_golds[i] for i in out.rows[-1]])
+      out.futures.append([reward_pool.submit(kind, out.texts[-1], out.golds[-1]) for kind in kinds])
+    out.c_ids, out.c_mask = join_sub_batches(parts)
+    return out
+
+  def _scores(self, sampled: _Sampled, n: int) -> dict[str, Any]:
+    """Wait for this host's scores, then gather every host's per-row numbers: {column: [N]} the
+    same on every host (`_ROW_COLUMNS`), this host's rows sorted, and the wait in "reward_s"."""
+    t0, fw = time.perf_counter(), self.scoring.format_weight
+    local, counts = [], np.zeros(2, np.float32)  # timeouts, errors
+    for (scores, rstats), *fmt in ([f.result() for f in fs] for fs in sampled.futures):  # fmt: [] or [(scores, stats)]
+      local.append(scores + fw * fmt[0][0] if fmt else scores)
+      for _, st in [(scores, rstats), *fmt]:
+        counts += [st.get("timeouts", 0), st.get("errors", 0)]
+    reward_s = time.perf_counter() - t0
+    rows = np.concatenate(sampled.rows)
+    order = np.argsort(rows, kind="stable")  # ascending rows, as before the sub-batches were split
+    rows, ids, mask, local = rows[order], *(np.concatenate(x)[order] for x in (sampled.ids, sampled.mask, local))
+    sampled.rows, sampled.ids, sampled.mask = rows, ids, mask
+    texts, golds = [t for ts in sampled.texts for t in ts], [g for gs in sampled.golds for g in gs]
+    sampled.texts, sampled.golds = [texts[i] for i in order], [golds[i] for i in order]
+    tok = self.tokenizer
+    stopped = ((mask != 0) & np.isin(ids, np.asarray(tok.eos_ids, ids.dtype))).any(axis=1)
+    column = dict.fromkeys(_ROW_COLUMNS, 0.0)
+    column.update(reward=local, length=mask.sum(axis=1), truncated=~stopped)
+    column["stop_pos"], column["answer_end"] = answer_positions.positions(tok, ids, mask, tok.eos_ids)
+    per_row = np.zeros((len(rows), len(_ROW_COLUMNS)), np.float32)
+    for i, name in enumerate(_ROW_COLUMNS):
+      per_row[:, i] = column[name]
+    if len(rows):  # the host's timeout and error counts ride on its first row
+      per_row[0, _ROW_COLUMNS.index("timeouts") : _ROW_COLUMNS.index("errors") + 1] = counts
+    whole = gather_rows(rows, per_row, n)
+    return {**dict(zip(_ROW_COLUMNS, whole.T)), "reward_s": reward_s}
+
+  def _assemble(self, sampled: _Sampled, whole: dict[str, Any], p_ids, p_mask, *, skipped: int) -> Rollout:
+    """Rewards (truncated ones as `Scoring` says), group advantages and the statistics."""
+    sc, g = self.scoring, self.group_size
+    scores, lengths, truncated = whole["reward"], whole["length"], whole["truncated"] > 0
+    rewards = scores if sc.score_truncated else np.where(truncated, np.float32(sc.truncated_reward), scores)
+    c_mask = sampled.c_mask
+    if sc.mask_truncated and truncated.any():
+      c_mask = c_mask * (~truncated).astype(c_mask.dtype)[:, None]  # [rows, new]; keeps c_mask's sharding
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g, scale=sc.advantage_scale))
+    groups = rewards.reshape(-1, g)
+    stats = dict(
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()),
+        pass_rate=float((groups.max(axis=1) > 0).mean()),
+        solve_all_rate=float((groups.min(axis=1) > 0).mean()),
+        response_len=float(lengths.mean()),
+        max_response_len=int(lengths.max()),
+        completion_tokens=int(lengths.sum()),
+        truncated_rate=float(truncated.mean()),
+        reward_truncated=_mean_or_nan(scores[truncated]),
+        reward_complete=_mean_or_nan(scores[~truncated]),
+        prompts_skipped=skipped,
+        reward_timeouts=int(whole["timeouts"].sum()),
+        reward_errors=int(whole["errors"].sum()),
+    )
+    return Rollout(
+        np.repeat(p_ids, g, 0),
+        np.repeat(p_mask, g, 0),
+        sampled.c_ids,
+        c_mask,
+        rewards,
+        adv.astype(np.float32),
+        sampled.rows,
+        sampled.texts,
+        sampled.golds,
+        stats,
+        lengths.astype(np.int32),
+        whole["stop_pos"].astype(np.int32),
+        whole["answer_end"].astype(np.int32),
+    )

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from ict_jax import answer_positions, selection, sharding
+from ict_jax.batch import TrainBatch
 
 DIR = "tokens"  # <workdir>/tokens/<step:08d>.jsonl
 
@@ -51,7 +52,7 @@ class TokenView:
           reference=step_cfg.reference,
           kl=score == "kl",
       )
-      mask = batch["completion_mask"]
+      mask = batch.completion_mask
       sel, _ = selection.select_tokens(
           "ict",
           mask=mask,
@@ -74,19 +75,21 @@ class TokenView:
       repl = sharding.replicated(mesh)
       self._fn = jax.jit(fn, in_shardings=(None, repl), out_shardings=repl)
 
-  def __call__(self, params, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  def __call__(self, params, batch: TrainBatch) -> dict[str, np.ndarray]:
     """-> per-token arrays [rows, C] of the first `groups` groups, and those rows' prompt and
     completion ids and masks, on the host. Every process calls it: the completion arrays may be
     global device arrays spanning several hosts (gathered here, a collective)."""
     from ict_jax.rollout import host_array
 
     rows = self.groups * self.cfg.group_size
-    sub = {k: host_array(batch[k])[:rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    sub = {k: host_array(getattr(batch, k))[:rows] for k in keys}
+    view = TrainBatch(**sub, advantages=np.zeros(len(sub["completion_ids"]), np.float32))
     if self.mesh is None:
-      out = self._fn(params, sub)
+      out = self._fn(params, view)
     else:
       repl = sharding.replicated(self.mesh)
-      inputs = jax.block_until_ready({k: sharding.put_global(v, repl) for k, v in sub.items()})
+      inputs = jax.block_until_ready(jax.tree.map(lambda v: sharding.put_global(v, repl), view))
       with jax.set_mesh(self.mesh):
         out = self._fn(params, inputs)
     return {**sub, **{k: host_array(v) for k, v in out.items()}}

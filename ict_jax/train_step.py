@@ -34,13 +34,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax import answer_positions, grpo, lm_head, packing, selection
+from ict_jax import answer_positions, grpo, lm_head, selection
+from ict_jax.batch import TrainBatch
 from ict_jax.config import Config, OptimConfig
 from ict_jax.models.axes import constrain
-from ict_jax.sampling import bucket_length
 from ict_jax.sharding import put_global
 
-Batch = dict[str, jax.Array]
+Batch = TrainBatch
 _NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite update
 
 
@@ -149,7 +149,7 @@ def completion_logp_and_stats(
   divided by `temperature` (the sampling distribution). The LM head runs chunk by chunk over C
   (`lm_head.logp_and_stats`: one [N, chunk, V] float32 block live at a time; its backward pass
   recomputes only the rows with a non-zero gradient when there are at most `grad_rows`). A batch
-  with `packing.PACKED_KEYS` runs the decoder on its packed rows and the LM head on the groups'
+  with a `packed` layout (`packing.pack_batch`) runs the decoder on its packed rows and the LM head on the groups'
   live rows of each column block, stacked in stripes of G rows (the group reference reads each
   piece's rows, `head_segments`), and brings the results back to [N, C]."""
   w, vocab_major = model.head_weight()  # [V, D] (tied) or [D, V]
@@ -165,67 +165,31 @@ def completion_logp_and_stats(
       kl=kl,
       kernels=model.cfg.kernels,
   )
-  if "packed_ids" in batch:  # the decoder on packed rows; the head on the groups' live blocks
+  pk = batch.packed
+  if pk is not None:  # the decoder on packed rows; the head on the groups' live blocks
     h = model.hidden_states(  # a packed row holds at most the micro-batch's N sequences
-        batch["packed_ids"],
-        positions=batch["packed_positions"],
-        segment_ids=batch["packed_segments"],
-        max_segments=batch["head_index"].shape[0],
+        pk.ids,
+        positions=pk.positions,
+        segment_ids=pk.segments,
+        max_segments=pk.head_index.shape[0],
     )
-    h = jnp.take(h.reshape(-1, h.shape[-1]), batch["head_index"], axis=0)  # [N, C2, D]
-    logp, stats = head(h, ids=batch["head_ids"], mask=batch["head_mask"], segments=batch["head_segments"])
-    back = lambda x: jnp.take(x.reshape(-1), batch["unhead_index"], axis=0, mode="fill", fill_value=0)
+    h = jnp.take(h.reshape(-1, h.shape[-1]), pk.head_index, axis=0)  # [N, C2, D]
+    logp, stats = head(h, ids=pk.head_ids, mask=pk.head_mask, segments=pk.head_segments)
+    back = lambda x: jnp.take(x.reshape(-1), pk.unhead_index, axis=0, mode="fill", fill_value=0)
     return back(logp), jax.tree.map(back, stats)  # [N, C]; 0 where a whole group is padding
-  prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-  ids, cmask = batch["completion_ids"], batch["completion_mask"]
-  p = prompt_ids.shape[1]
-  c = ids.shape[1]
-  h = model.hidden_states(jnp.concatenate([prompt_ids, ids], 1), jnp.concatenate([prompt_mask, cmask], 1))
+  ids, cmask = batch.completion_ids, batch.completion_mask
+  p, c = batch.prompt_ids.shape[1], ids.shape[1]
+  h = model.hidden_states(jnp.concatenate([batch.prompt_ids, ids], 1), jnp.concatenate([batch.prompt_mask, cmask], 1))
   h = h[:, p - 1 : p + c - 1]  # [N, C, D]
+  if batch.hidden_offset is not None:  # the fault-injection seam (TrainBatch.hidden_offset)
+    h = h + batch.hidden_offset[:, None, None].astype(h.dtype)
   return head(h, ids=ids, mask=cmask)
-
-
-# ---- the batch at its real length -----------------------------------------------------------
-COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_logp")  # [N, C], right-padded
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
-
-
-def trim_batch(batch: Batch, buckets: Sequence[int] | None = None, *, completion_len: int | None = None) -> Batch:
-  """The batch cut to its real length, on the host, before the step (few compiled shapes).
-
-  Completion columns [N, C] -> [N, C'], C' = min(C, sampling.bucket_length(longest completion,
-  buckets)); left-padded prompt columns [N, P] -> [N, P'] likewise from the left. The columns cut
-  hold padding only (mask 0): positions are cumsum(mask) - 1, padding keys are masked out, and
-  every loss, statistic and metric sums over the mask, so the step's results are those of the
-  untrimmed batch (dr_grpo's divisor is `StepConfig.max_completion_length`, not the width). With
-  the default power-of-two buckets a step compiles at most log2(C / 16) + 1 completion widths.
-  logp comes back [N, C']; feed it as old_logp with the same trimmed batch. `completion_len`:
-  the longest completion when the caller knows it (the rollout gathers every row's length), so
-  the completion mask, which may live on other hosts' devices, is not read here; completions
-  are right-padded, so it is the last used column + 1."""
-  pmask = np.asarray(batch["prompt_mask"])
-  c, p = batch["completion_mask"].shape[1], pmask.shape[1]
-  if completion_len is None:
-    used = np.flatnonzero(np.asarray(batch["completion_mask"]).any(axis=0))
-    completion_len = int(used[-1]) + 1 if used.size else 1
-  c_new = min(c, bucket_length(max(int(completion_len), 1), buckets))
-  used = np.flatnonzero(pmask.any(axis=0))
-  p_new = min(p, bucket_length(p - int(used[0]) if used.size else 1, buckets))
-  out = {}
-  for k, x in batch.items():
-    if k in COMPLETION_KEYS:
-      out[k] = x[:, :c_new]
-    elif k in PROMPT_KEYS:
-      out[k] = x[:, p - p_new :]
-    else:
-      out[k] = x
-  return out
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
 def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
-  n, c = batch["completion_ids"].shape
+  n, c = batch.completion_ids.shape
   grad_rows = (
       lm_head.sparse_grad_rows(cfg.method, cfg.top_fraction, cfg.entropy_top_fraction, n, c)
       if cfg.sparse_backward
@@ -241,10 +205,10 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       reference=cfg.reference,
       kl=cfg.method == "ict" and cfg.score == "kl",
   )
-  mask = batch["completion_mask"]
-  adv = batch["advantages"]
+  mask = batch.completion_mask
+  adv = batch.advantages
   sg_logp = jax.lax.stop_gradient(logp)
-  old_logp = batch.get("old_logp", sg_logp)
+  old_logp = sg_logp if batch.old_logp is None else batch.old_logp
   ref_logp = None
   if cfg.beta > 0:
     ref_model = nnx.merge(graphdef, ref_params)
@@ -265,7 +229,7 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       stapo_tau_h_quantile=cfg.stapo_tau_h_quantile,
       dense_loss_type=cfg.loss_type,
       kl=stats.get("kl"),
-      noise=batch.get("score_noise"),
+      noise=batch.score_noise,
       ict_score=cfg.score,
       ict_keep=cfg.keep,
   )
@@ -283,13 +247,15 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       loss_type=loss_type,
       token_mask=token_mask,
       max_completion_length=cfg.max_completion_length or None,
-      num_rows=(batch[packing.SOURCE_ROW] >= 0).sum() if packing.SOURCE_ROW in batch else None,
+      num_rows=None
+      if batch.packed is None or batch.packed.source_row is None
+      else (batch.packed.source_row >= 0).sum(),
   )
   metrics = dict(terms.metrics)
   metrics.update(selection.selection_metrics(stats["js"], mask, token_mask, stats["entropy"], stats["renyi2"]))
-  if "stop_pos" in batch:  # a rollout's batch: where the selection falls (stop token, post-answer)
+  if batch.stop_pos is not None:  # a rollout's batch: where the selection falls (stop token, post-answer)
     metrics.update(
-        answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch["stop_pos"], batch["answer_end"], adv)
+        answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch.stop_pos, batch.answer_end, adv)
     )
   return terms.numerator, (terms.denominator, metrics, sg_logp)
 
@@ -328,7 +294,7 @@ def make_train_step(
   optionally the packed decoder input of `packing.pack_batch` (made with this micro-batch size):
   then the decoder runs on the packed rows, with the same results."""
 
-  def step_fn(state: TrainState, batch: Batch, ref_params=None, micro_batch_rows=None):
+  def step_fn(state: TrainState, batch: TrainBatch, ref_params=None):
     low = [
         (jax.tree_util.keystr(path), x.dtype)
         for path, x in jax.tree_util.tree_leaves_with_path(state.params)
@@ -339,8 +305,8 @@ def make_train_step(
           f"train step: parameters must be float32 master weights (compute runs in "
           f"the model's dtype); {low[0][0]} is {low[0][1]} ({len(low)} such leaves)"
       )
-    n = batch["completion_ids"].shape[0]
-    mb = micro_batch_rows or cfg.micro_batch_size or n  # a token-budget batch names its own
+    n = batch.completion_ids.shape[0]
+    mb = batch.micro_batch_rows or cfg.micro_batch_size or n  # a token-budget batch names its own
     if n % mb or mb % cfg.group_size:
       raise ValueError(
           f"micro_batch_size {mb} must divide the batch ({n} rows) and be a " f"multiple of group_size {cfg.group_size}"
@@ -348,8 +314,8 @@ def make_train_step(
     check_micro_batch(mb, jax.sharding.get_abstract_mesh())
     if cfg.method == "ict" and cfg.score == "random":  # the "random" ablation's scores
       key = jax.random.fold_in(jax.random.key(0), state.step)
-      batch = {**batch, "score_noise": jax.random.uniform(key, batch["completion_mask"].shape)}
-    batch = {k: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
+      batch = batch.replace(score_noise=jax.random.uniform(key, batch.completion_mask.shape))
+    batch = jax.tree.map(lambda v: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)), batch)
     grad_fn = jax.value_and_grad(_microbatch_terms, has_aux=True)
     # [N] -> [N / mb, mb]: micro-batch i is rows i*mb .. i*mb + mb - 1 (whole groups), and each
     # one is spread over every device (not micro-batch i on device i): a device's share of a
@@ -400,20 +366,19 @@ def make_train_step(
   jitted = jax.jit(
       step_fn,
       donate_argnums=(0,) if donate else (),
-      static_argnums=(3,),
       compiler_options=compiler_options,
       **kwargs,
   )
   rows_sharding = None if mesh is None else NamedSharding(mesh, P(("data", "fsdp")))
 
-  def run(state, batch, ref_params=None):
-    batch = dict(batch)
-    micro_batch_rows = batch.pop(packing.MICRO_BATCH_ROWS, None)  # a packed batch's (a Python int)
+  def run(state, batch: TrainBatch, ref_params=None):
+    if not isinstance(batch, TrainBatch):
+      raise TypeError(f"train step: expected an ict_jax.batch.TrainBatch, got {type(batch).__name__}")
     if mesh is None:
-      return jitted(state, batch, ref_params, micro_batch_rows)
-    batch = {k: put_global(v, rows_sharding) for k, v in batch.items()}  # multi-host: global arrays
+      return jitted(state, batch, ref_params)
+    batch = jax.tree.map(lambda v: put_global(v, rows_sharding), batch)  # multi-host: global arrays
     with jax.set_mesh(mesh):
-      return jitted(state, batch, ref_params, micro_batch_rows)
+      return jitted(state, batch, ref_params)
 
   # the jitted step itself: AOT lowering, cost analysis, its cache of compiled shapes
   run.jitted, run.lower, run.trace, run._cache_size = jitted, jitted.lower, jitted.trace, jitted._cache_size

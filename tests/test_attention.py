@@ -24,6 +24,7 @@ from compilers import LIBS_DIR, SKIP_REASON, libtpu_found
 from ict_jax import config as config_lib
 from ict_jax import sampling, setup, sharding
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.models import attention as attn
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
@@ -141,7 +142,7 @@ def _rollout_batch(rows=4, prompt=8, completion=8):
   rng = np.random.RandomState(0)
   pmask = (np.arange(prompt)[None] >= np.array([3, 0, 5, 2])[:, None]).astype(np.int32)  # left-padded
   cmask = (np.arange(completion)[None] < np.array([8, 2, 5, 0])[:, None]).astype(np.int32)  # right-padded
-  return dict(
+  return TrainBatch(
       prompt_ids=jnp.asarray(rng.randint(1, 128, (rows, prompt)) * pmask, jnp.int32),
       prompt_mask=jnp.asarray(pmask),
       completion_ids=jnp.asarray(rng.randint(1, 128, (rows, completion)) * cmask, jnp.int32),

@@ -132,15 +132,15 @@ def test_tpu_default_cache_in_a_bucket_is_written_once_and_read_back():
 def test_workdir_probe_names_the_host(tmp_path, monkeypatch):
   """Two nodes of a SLURM job can run the same pid in one shared workdir: a probe that another
   host has in flight is left alone."""
-  from ict_jax import train
+  from ict_jax import build
 
   monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
-  theirs = Path(train._workdir_probe(str(tmp_path)))
+  theirs = Path(build.workdir_probe(str(tmp_path)))
   theirs.write_text("node-b's")
   monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
-  ours = Path(train._workdir_probe(str(tmp_path)))
+  ours = Path(build.workdir_probe(str(tmp_path)))
   assert "node-a" in ours.name and str(os.getpid()) in ours.name
-  train._check_workdir(str(tmp_path))
+  build.check_workdir(str(tmp_path))
   assert theirs.read_text() == "node-b's" and not ours.exists()
 
 

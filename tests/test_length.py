@@ -12,6 +12,7 @@ from flax import nnx
 
 from ict_jax import sampling
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
 from tiny import tiny_config
@@ -31,7 +32,7 @@ def padded_batch(p_pad: int, c_width: int, seed=0):
   cmask = (np.arange(c_width)[None] < LENGTHS[:, None]).astype(np.int32)
   cids = (rng.integers(1, V, (N, c_width)) * cmask).astype(np.int32)
   adv = np.tile([1.0, -0.5, 0.7, -1.2], N // G).astype(np.float32)
-  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
+  return TrainBatch(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
 
 
 def make_step(method, loss_type):
@@ -56,8 +57,8 @@ def make_step(method, loss_type):
 def test_trimmed_batch_gives_the_padded_batch_results(method, loss_type):
   step, state = make_step(method, loss_type)
   big = padded_batch(p_pad=13, c_width=64)
-  small = ts.trim_batch(big)
-  assert small["completion_ids"].shape == (N, 16) and small["prompt_ids"].shape == (N, 16)
+  small = big.trim()
+  assert small.completion_ids.shape == (N, 16) and small.prompt_ids.shape == (N, 16)
   s_big, m_big, lp_big = step(state, big)
   s_small, m_small, lp_small = step(state, small)
   for k in m_big:
@@ -73,16 +74,16 @@ def test_trimmed_batch_gives_the_padded_batch_results(method, loss_type):
 
 def test_trim_keeps_old_logp_aligned_and_what_is_not_padding():
   big = padded_batch(p_pad=0, c_width=64)
-  big["old_logp"] = np.arange(N * 64, dtype=np.float32).reshape(N, 64)
-  small = ts.trim_batch(big)
-  np.testing.assert_array_equal(small["old_logp"], big["old_logp"][:, :16])
-  np.testing.assert_array_equal(small["prompt_ids"], big["prompt_ids"])  # 6 <= bucket 16
-  np.testing.assert_array_equal(small["advantages"], big["advantages"])
+  big = big.replace(old_logp=np.arange(N * 64, dtype=np.float32).reshape(N, 64))
+  small = big.trim()
+  np.testing.assert_array_equal(small.old_logp, big.old_logp[:, :16])
+  np.testing.assert_array_equal(small.prompt_ids, big.prompt_ids)  # 6 <= bucket 16
+  np.testing.assert_array_equal(small.advantages, big.advantages)
   narrow = padded_batch(p_pad=0, c_width=12)  # never wider than given
-  assert ts.trim_batch(narrow)["completion_ids"].shape == (N, 12)
-  longest = int(np.asarray(big["completion_mask"]).sum(axis=1).max())  # the rollout's gathered max
-  told = ts.trim_batch(big, completion_len=longest)  # the mask is not read
-  assert all(np.array_equal(told[k], small[k]) for k in small)
+  assert narrow.trim().completion_ids.shape == (N, 12)
+  longest = int(np.asarray(big.completion_mask).sum(axis=1).max())  # the rollout's gathered max
+  told = big.trim(completion_len=longest)  # the mask is not read
+  assert jax.tree.all(jax.tree.map(np.array_equal, told, small))
 
 
 def test_few_widths_compile():
@@ -92,13 +93,14 @@ def test_few_widths_compile():
   for longest in range(1, 2049):
     cmask = np.zeros((1, 2048), np.int32)
     cmask[0, :longest] = 1
-    b = dict(
+    b = TrainBatch(
         prompt_ids=np.ones((1, 4), np.int32),
         prompt_mask=np.ones((1, 4), np.int32),
         completion_ids=cmask,
         completion_mask=cmask,
+        advantages=np.zeros(1, np.float32),
     )
-    width = ts.trim_batch(b)["completion_ids"].shape[1]
+    width = b.trim().completion_ids.shape[1]
     assert width >= longest
     widths.add(width)
   assert widths == {16, 32, 64, 128, 256, 512, 1024, 2048}
@@ -106,9 +108,9 @@ def test_few_widths_compile():
   step, state = make_step("ict", "grpo")
   for longest in (3, 9, 16, 17, 30):
     b = padded_batch(p_pad=0, c_width=64)
-    b["completion_mask"][:, longest:] = 0
-    b["completion_mask"][0, :longest] = 1
-    step(state, ts.trim_batch(b))
+    b.completion_mask[:, longest:] = 0
+    b.completion_mask[0, :longest] = 1
+    step(state, b.trim())
   assert step._cache_size() == 2  # widths 16 and 32
 
 

@@ -55,10 +55,10 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     from ict_jax import config as C, sharding
     sharding.maybe_initialize_distributed()
     from ict_jax.rewards.pool import RewardPool
-    from ict_jax.rollout import collect
+    from ict_jax.rollout import Collector, Sampling, Scoring
     from ict_jax.setup import abstract_params, make_mesh, model_config
     from ict_jax.tokenizer import Tokenizer
-    from ict_jax.train import init_params
+    from ict_jax.build import init_params
     cfg = C.validate(C.tiny_config())
     mesh = make_mesh(cfg)
     mcfg = model_config(cfg, "")
@@ -74,9 +74,9 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
 
     examples = [{"prompt": f"{i}+1=", "answer": "slow" if i == 3 else str(i + 1)} for i in range(4)]
     with RewardPool(num_workers=0, timeout_s=0.5, rewards={"answer": reward}) as pool:
-      roll = collect((graphdef, params), examples, Tokenizer(), pool, rng=jax.random.key(0),
-                     group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
-                     prompt_style="plain", max_prompt_len=16, reward_kind="answer", mesh=mesh)
+      collector = Collector(Tokenizer(), Sampling(max_new_tokens=4), Scoring(reward_kind="answer"),
+                            group_size=2, prompt_style="plain", max_prompt_len=16, mesh=mesh)
+      roll = collector.collect((graphdef, params), examples, pool, rng=jax.random.key(0))
     print("RESULT " + json.dumps({"process": jax.process_index(), "scored": len(scored),
                                   "rows": roll.rows.tolist(), "rewards": roll.rewards.tolist(),
                                   "advantages": roll.advantages.tolist(),

@@ -45,10 +45,11 @@ def test_rewards_of_sub_batch_j_are_scored_while_j_plus_1_decodes(monkeypatch):
   monkeypatch.setattr(host, "_generate_jit", lambda *a, **k: (events.append("launch"), launch(*a, **k))[1])
   monkeypatch.setattr(rollout, "local_rows", lambda x: (events.append("fetch"), fetch(x))[1])
   with RewardPool(num_workers=0, rewards=dict(REWARDS, parity=parity)) as pool:
-    roll = rollout.collect(
-        model, examples, tok, RecordingPool(pool, events), rng=jax.random.key(3), group_size=4,
-        prompt_style="plain", max_prompt_len=16, reward_kind="parity", format_weight=0.5, decode_batch_size=2, **kw,
+    collector = rollout.Collector(
+        tok, rollout.Sampling(**kw), rollout.Scoring(reward_kind="parity", format_weight=0.5), group_size=4,
+        prompt_style="plain", max_prompt_len=16, decode_batch_size=2,
     )  # fmt: skip
+    roll = collector.collect(model, examples, RecordingPool(pool, events), rng=jax.random.key(3))
     monkeypatch.undo()
     one = ["fetch", "fetch", "score", "score"]  # its ids and mask fetched, its reward and format score submitted
     assert events == ["launch"] + [e for j in range(8) for e in ["launch"] * (j < 7) + one]
@@ -71,12 +72,12 @@ def test_rewards_of_sub_batch_j_are_scored_while_j_plus_1_decodes(monkeypatch):
 
 
 def test_a_steps_metrics_come_back_in_one_transfer(monkeypatch):
-  """`train.fetch_metrics`: one jax.device_get of the whole tree (the loop read each metric with
+  """`learner.fetch_metrics`: one jax.device_get of the whole tree (the loop read each metric with
   its own blocking read before), replicated metrics of the 8-device mesh and a host number alike,
   and no other read (the guard raises on an implicit transfer where the platform has them)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from ict_jax import sharding, train
+  from ict_jax import learner, sharding
 
   mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
   x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("data")))
@@ -87,7 +88,7 @@ def test_a_steps_metrics_come_back_in_one_transfer(monkeypatch):
   calls, device_get = [], jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda tree: (calls.append(tree), device_get(tree))[1])
   with jax.transfer_guard_device_to_host("disallow"):
-    got = train.fetch_metrics({**metrics, "learning_rate": 0.5})
+    got = learner.fetch_metrics({**metrics, "learning_rate": 0.5})
   assert len(calls) == 1
   assert got == {"loss": 28.0, "max": 7.0, "count": 5.0, "learning_rate": 0.5}
   assert all(type(v) is float for v in got.values())

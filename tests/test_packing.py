@@ -18,6 +18,7 @@ from flax import nnx
 from ict_jax import config as config_lib
 from ict_jax import packing, selection, sharding
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models import attention
 from ict_jax.models.qwen2 import init_model
@@ -40,7 +41,7 @@ def make_batch(seed=0):
   cids = (rng.integers(1, V, (N, C)) * cmask).astype(np.int32)
   adv = np.round(rng.normal(0, 1, N), 2).astype(np.float32)
   adv[::2], adv[1::2] = np.abs(adv[::2]) + 0.1, -np.abs(adv[1::2]) - 0.1
-  return dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
+  return TrainBatch(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, advantages=adv)
 
 
 @functools.cache
@@ -98,13 +99,13 @@ def test_packed_step_equals_padded_step(method, mb):
   step = compiled_step(method, mb)
   want_state, want_m, want_logp = step(state, batch)
   pk = packed(batch, mb)
-  assert pk["packed_ids"].shape[1] == PROMPT + C and pk["packed_ids"].size <= N * (PROMPT + C)
-  assert pk["head_ids"].size <= N * C
+  assert pk.packed.ids.shape[1] == PROMPT + C and pk.packed.ids.size <= N * (PROMPT + C)
+  assert pk.packed.head_ids.size <= N * C
   got_state, got_m, got_logp = step(state, pk)  # the same step function, a packed batch
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
   assert 0 < float(want_m["selected_frac"]) <= 1 and float(want_m["loss"]) != 0
-  mask = batch["completion_mask"] > 0
+  mask = batch.completion_mask > 0
   np.testing.assert_allclose(np.asarray(got_logp)[mask], np.asarray(want_logp)[mask], rtol=1e-5, atol=1e-5)
   mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mu(got_state)), jax.tree.leaves(mu(want_state))):
@@ -150,15 +151,18 @@ def test_balanced_step_equals_padded_step_on_the_permuted_batch():
   _, _, state, _ = mesh_and_state()
   want_batch = make_batch()
   order = np.concatenate([np.arange(G) + g * G for g in (0, 2, 1, 3)])
-  tokens = lambda b: (b["prompt_mask"].sum(1) + b["completion_mask"].sum(1)).reshape(2, -1).sum(1).tolist()
-  shuffled = {k: v[order] for k, v in want_batch.items()}
+  tokens = lambda b: (b.prompt_mask.sum(1) + b.completion_mask.sum(1)).reshape(2, -1).sum(1).tolist()
+  shuffled = want_batch.map_rows(lambda v: v[order])
   assert tokens(shuffled) == [135, 99] and tokens(want_batch) == [107, 127]
   rows = MESH_SHAPE[0] * MESH_SHAPE[1]
   pk = packing.pack_batch(
       shuffled, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=2 * G, multiple=rows, balance=True
   )
-  for k, v in want_batch.items():
-    np.testing.assert_array_equal(pk[k], v, err_msg=k)
+  jax.tree_util.tree_map_with_path(  # every array of want_batch, and no other but the layout
+      lambda path, a, b: np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path)),
+      pk.replace(packed=None),
+      want_batch,
+  )
   step = compiled_step("entropy", 2 * G)
   want_state, want_m, _ = step(state, want_batch)
   got_state, got_m, _ = step(state, pk)
@@ -198,11 +202,11 @@ def test_packed_selection_masks_equal_padded():
   net = nnx.merge(graphdef, model()[1])
   batch = make_batch(1)
   pk = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
-  pk = {k: jnp.asarray(v) for k, v in pk.items() if k != packing.MICRO_BATCH_ROWS}
+  pk = pk.map_rows(jnp.asarray)
   stats = jax.jit(lambda b: ts.completion_logp_and_stats(net, b, temperature=1.0, group_size=G, chunk_size=8))
-  lp_pad, st_pad = stats({k: jnp.asarray(v) for k, v in batch.items()})
+  lp_pad, st_pad = stats(batch.map_rows(jnp.asarray))
   lp_pk, st_pk = stats(pk)
-  mask = jnp.asarray(batch["completion_mask"])
+  mask = jnp.asarray(batch.completion_mask)
 
   @functools.partial(jax.jit, static_argnums=(0, 3))
   def select(method, lp, st, rows):  # the selection the step makes on the micro-batch `rows`
@@ -213,7 +217,7 @@ def test_packed_selection_masks_equal_padded():
         u=st["js"][rows],
         entropy=st["entropy"][rows],
         token_prob=jnp.exp(lp[rows]),
-        advantages=jnp.asarray(batch["advantages"])[rows],
+        advantages=jnp.asarray(batch.advantages)[rows],
         ict_top_fraction=0.2,
         entropy_top_fraction=0.2,
         stapo_tau_p=0.3,
@@ -227,7 +231,7 @@ def test_packed_selection_masks_equal_padded():
           net, b, temperature=1.0, group_size=G, chunk_size=8, reference="others_mean"
       )[1]["js"]
   )
-  want_js, got_js = np.asarray(others({k: jnp.asarray(v) for k, v in batch.items()})), np.asarray(others(pk))
+  want_js, got_js = np.asarray(others(batch.map_rows(jnp.asarray))), np.asarray(others(pk))
   np.testing.assert_allclose(got_js[mask > 0], want_js[mask > 0], rtol=1e-4, atol=1e-6)
   assert (want_js[mask > 0] > 0).mean() > 0.5 and not np.allclose(want_js, np.asarray(st_pad["js"]))
   for method in METHODS:
@@ -240,37 +244,37 @@ def test_packed_selection_masks_equal_padded():
 def test_plan_keeps_micro_batches_apart_and_shapes_bounded():
   batch = make_batch()
   out = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8, micro_batch_size=2 * G, multiple=4)
-  rows = out["packed_ids"].shape[0] // 2
+  rows = out.packed.ids.shape[0] // 2
   assert rows % 4 == 0
-  lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
-  seg, pos = out["packed_segments"], out["packed_positions"]
+  lengths = batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)
+  seg, pos = out.packed.segments, out.packed.positions
   for m in range(2):  # each micro-batch's rows hold its own sequences' tokens, each once
     block = slice(m * rows, (m + 1) * rows)
     assert (seg[block] > 0).sum() == lengths[m * 2 * G : (m + 1) * 2 * G].sum()
     real = pos[block][seg[block] > 0]
     assert sorted(np.bincount(real)[:1]) == [2 * G]  # one position 0 a sequence
-  assert out["head_index"].max() < rows * (PROMPT + C)
+  assert out.packed.head_index.max() < rows * (PROMPT + C)
   whole = packing.pack_batch(batch, token_budget=BUDGET, group_size=G, block=8)
-  assert whole["packed_ids"].shape[0] < N  # fewer decoder rows
+  assert whole.packed.ids.shape[0] < N  # fewer decoder rows
   # the head's columns: a (group, block of 8) pair's live rows are a piece, stacked best fit in
   # slots of G = 4 rows; micro-batch 0's pieces have 4, 4, 3 and 1 rows: 3 slots ([4], [4], [3 + 1])
   # over its 2 stripes, 2 blocks of 8 columns each; micro-batch 1's 4, 4, 3, 2, 2, 1: 4 slots, 2
   # blocks; the whole batch's 7 slots in 4 stripes: 2 (side by side, whole groups: 2, 3 and 3 blocks)
-  assert out["head_ids"].shape == whole["head_ids"].shape == (N, 16)
-  seg = out["head_segments"].reshape(N // G, G, 2, 8)[..., 0]  # [stripe, row, slot]: one column each
+  assert out.packed.head_ids.shape == whole.packed.head_ids.shape == (N, 16)
+  seg = out.packed.head_segments.reshape(N // G, G, 2, 8)[..., 0]  # [stripe, row, slot]: one column each
   pieces_a_slot = [len(set(seg[i, :, j]) - {0}) for i in range(N // G) for j in range(2)]
   assert sorted(pieces_a_slot) == [0, 1, 1, 1, 1, 2, 2, 2]  # [4] x 4, [3 + 1] x 2, [2 + 2], one empty
-  short = dict(batch, completion_mask=batch["completion_mask"] * (np.arange(C) < 8))  # 8 columns...
-  short["completion_mask"][0] = batch["completion_mask"][0]  # ...but one row of 23: 3 + 1 + 1 + 1 blocks
-  assert packing.pack_batch(short, token_budget=BUDGET, group_size=G, block=8)["head_ids"].shape == (N, 16)
+  short = batch.replace(completion_mask=batch.completion_mask * (np.arange(C) < 8))  # 8 columns...
+  short.completion_mask[0] = batch.completion_mask[0]  # ...but one row of 23: 3 + 1 + 1 + 1 blocks
+  assert packing.pack_batch(short, token_budget=BUDGET, group_size=G, block=8).packed.head_ids.shape == (N, 16)
   # each real completion token sits once in the head's input, and comes back to its column
   for m in range(2):
     rows_m = slice(m * 2 * G, (m + 1) * 2 * G)
-    flat_ids = out["head_ids"][rows_m].reshape(-1)
-    assert out["head_mask"][rows_m].sum() == batch["completion_mask"][rows_m].sum()
-    live = out["unhead_index"][rows_m] < flat_ids.size
-    np.testing.assert_array_equal(flat_ids[out["unhead_index"][rows_m][live]], batch["completion_ids"][rows_m][live])
-    assert live[batch["completion_mask"][rows_m] > 0].all()
+    flat_ids = out.packed.head_ids[rows_m].reshape(-1)
+    assert out.packed.head_mask[rows_m].sum() == batch.completion_mask[rows_m].sum()
+    live = out.packed.unhead_index[rows_m] < flat_ids.size
+    np.testing.assert_array_equal(flat_ids[out.packed.unhead_index[rows_m][live]], batch.completion_ids[rows_m][live])
+    assert live[batch.completion_mask[rows_m] > 0].all()
   # the bucket ladder: multiples of 4, 16 values a power of two, never below the rows needed
   ladder = {packing.packed_rows_bucket(r, 4) for r in range(1, 1025)}
   assert all(packing.packed_rows_bucket(r, 4) >= r for r in range(1, 1025)) and not any(x % 4 for x in ladder)
@@ -318,7 +322,7 @@ def test_token_micro_batches_hold_whole_groups_in_their_rows():
   """`token_micro_batches`: every group in one micro-batch, every packed row within its width,
   sequences never overlapping, and no more micro-batches than first fit decreasing opens; a group
   that cannot fit one micro-batch is one error."""
-  lengths = make_batch()["prompt_mask"].sum(1) + LENGTHS
+  lengths = make_batch().prompt_mask.sum(1) + LENGTHS
   width, rows = PROMPT + C, packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, G, 4)
   assert rows == 4 and packing.micro_batch_tokens_rows(TOKENS, PROMPT + C, 8, 4) == 8  # a group fits
   micro, where, offset, rows = packing.token_micro_batches(lengths, group_size=G, width=width, rows=rows, multiple=4)
@@ -354,15 +358,15 @@ def test_token_micro_batch_step_equals_padded_step():
   _, _, state, _ = mesh_and_state()
   batch = make_batch()
   pk = token_packed()
-  src, mb = pk[packing.SOURCE_ROW], pk[packing.MICRO_BATCH_ROWS]
+  src, mb = pk.packed.source_row, pk.packed.micro_batch_rows
   assert len(src) > N and (src < 0).any() and sorted(src[src >= 0]) == list(range(N))
-  assert pk["packed_ids"].shape == (len(src) // mb * 4, PROMPT + C)
+  assert pk.packed.ids.shape == (len(src) // mb * 4, PROMPT + C)
   step = compiled_step("ict", 2 * G)  # its micro_batch_size is the packed batch's here
   want_state, want_m, want_logp = step(state, batch)
   got_state, got_m, got_logp = step(state, pk)
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
-  mask = batch["completion_mask"][src[src >= 0]] > 0
+  mask = batch.completion_mask[src[src >= 0]] > 0
   got = np.asarray(got_logp)[src >= 0][mask]
   np.testing.assert_allclose(got, np.asarray(want_logp)[src[src >= 0]][mask], rtol=1e-5, atol=1e-5)
   mu = lambda s: optax.tree_utils.tree_get(s.opt_state, "mu")
@@ -375,13 +379,13 @@ def test_token_micro_batch_entropy_step_equals_its_padded_layout():
   the same slots (the packed keys dropped, micro-batches of the packed batch's rows)."""
   _, _, state, _ = mesh_and_state()
   pk = token_packed()
-  laid = {k: v for k, v in pk.items() if k not in packing.PACKED_KEYS}  # keeps MICRO_BATCH_ROWS
-  step = compiled_step("entropy", 2 * G)
+  laid = pk.replace(packed=None)  # the padded step on these slots: micro-batches of pk's rows
+  step = compiled_step("entropy", pk.packed.micro_batch_rows)
   _, want_m, want_logp = step(state, laid)
   _, got_m, got_logp = step(state, pk)
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=2e-5, atol=1e-6, err_msg=k)
-  mask = pk["completion_mask"] > 0
+  mask = pk.completion_mask > 0
   np.testing.assert_allclose(np.asarray(got_logp)[mask], np.asarray(want_logp)[mask], rtol=1e-5, atol=1e-5)
   assert 0 < float(want_m["selected_frac"]) < 1
 

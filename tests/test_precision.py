@@ -17,6 +17,7 @@ from flax import nnx
 
 from ict_jax import config as config_lib
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
 from tiny import tiny_config
@@ -33,7 +34,7 @@ def batch():
   cmask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
   prompt = np.repeat(rng.integers(1, V, (N // G, P)), G, 0).astype(np.int32)
   adv = np.tile([1.0, -0.5, 0.7, -1.2], N // G).astype(np.float32)
-  return dict(
+  return TrainBatch(
       prompt_ids=prompt,
       prompt_mask=np.ones((N, P), np.int32),
       completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),

@@ -16,6 +16,7 @@ from flax import nnx
 
 from ict_jax import sharding
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
@@ -41,7 +42,7 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 def batch():
   rng = np.random.default_rng(0)
   cmask = (np.arange(C)[None] < rng.integers(1, C + 1, N)[:, None]).astype(np.int32)
-  return dict(
+  return TrainBatch(
       prompt_ids=np.repeat(rng.integers(1, V, (N // G, P)), G, 0).astype(np.int32),
       prompt_mask=np.ones((N, P), np.int32),
       completion_ids=(rng.integers(1, V, (N, C)) * cmask).astype(np.int32),
@@ -69,7 +70,7 @@ def compiled_text(mesh_shape, method="ict", micro_batch=N, tied=False, sparse_ba
       state_sharding=state_sharding,
       donate=False,
   )
-  b = {k: sharding.put_global(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in batch().items()}
+  b = batch().map_rows(lambda v: sharding.put_global(v, sharding.batch_sharding(mesh, v.ndim)))
   with jax.set_mesh(mesh):
     return step.jitted.lower(state, b, None).compile().as_text()
 

@@ -162,21 +162,20 @@ def test_truncated_completions_masked_as_trl_or_rescored():
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import Qwen2
   from ict_jax.rewards.pool import RewardPool
-  from ict_jax.rollout import collect
+  from ict_jax.rollout import Collector, Sampling, Scoring
 
   from flax import nnx
 
   tok = task_vocab.build(["1+2=3;\\boxed{3}"])
   model = Qwen2(Qwen2Config.preset("tiny", vocab_size=128), rngs=nnx.Rngs(jax.random.key(0)))
   examples = [{"prompt": "1+2=", "answer": "3"}] * 4
-  kw = dict(
-      group_size=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, prompt_style="plain",
-      max_prompt_len=16, reward_kind="answer",
-  )  # fmt: skip
+  kw = dict(group_size=4, prompt_style="plain", max_prompt_len=16)
+  sampling = Sampling(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0)
+  collector = lambda **scoring: Collector(tok, sampling, Scoring(reward_kind="answer", **scoring), **kw)
   with RewardPool(num_workers=0) as pool:
-    rolls = [collect(model, examples, tok, pool, rng=jax.random.key(3), mask_truncated=m, **kw) for m in (False, True)]
-    penalised = collect(
-        model, examples, tok, pool, rng=jax.random.key(3), score_truncated=False, truncated_reward=-0.5, **kw
+    rolls = [collector(mask_truncated=m).collect(model, examples, pool, rng=jax.random.key(3)) for m in (False, True)]
+    penalised = collector(score_truncated=False, truncated_reward=-0.5).collect(
+        model, examples, pool, rng=jax.random.key(3)
     )
   ids, mask = np.asarray(rolls[0].completion_ids), np.asarray(rolls[0].completion_mask)
   truncated = ~((mask > 0) & np.isin(ids, tok.eos_ids)).any(axis=1)

@@ -269,7 +269,7 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
   from ict_jax import Tokenizer, load_pretrained
   from ict_jax.data.iterator import PromptIterator
   from ict_jax.rewards import RewardPool
-  from ict_jax.rollout import collect
+  from ict_jax.rollout import Collector, Sampling, Scoring
 
   torch.manual_seed(0)
   hf = transformers.Qwen2ForCausalLM(
@@ -291,23 +291,19 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
   out = train(c, workdir, init_from_hf=hf_dir, progress=False)
   assert out[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
   cfg = config_lib.validate(c)
-  src = __import__("ict_jax.train", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
+  src = __import__("ict_jax.data.splits", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
   examples = next(PromptIterator(src, cfg.rollout.prompts_per_step, seed=cfg.train.seed))
   with RewardPool(num_workers=0) as pool:
-    roll = collect(
-        load_pretrained(hf_dir),
-        examples,
+    collector = Collector(
         Tokenizer(),
-        pool,
-        rng=jax.random.fold_in(jax.random.key(cfg.train.seed), 0),
+        Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, top_p=1.0, top_k=0),
+        Scoring(reward_kind="answer"),
         group_size=cfg.rollout.group_size,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=1.0,
-        top_k=0,
         prompt_style="plain",
         max_prompt_len=cfg.data.max_prompt_len,
-        reward_kind="answer",
+    )
+    roll = collector.collect(
+        load_pretrained(hf_dir), examples, pool, rng=jax.random.fold_in(jax.random.key(cfg.train.seed), 0)
     )
   logged = read_log(workdir, "samples")
   assert [s["completion"] for s in logged] == roll.completions[: len(logged)]
@@ -374,26 +370,24 @@ def test_out_of_device_memory_names_the_setting_to_lower(where, setting, tmp_pat
   """XLA's RESOURCE_EXHAUSTED in the rollout or the train step (faked: the CPU has memory to
   spare) becomes one OutOfDeviceMemory that names the config setting to lower; `main` prints it
   as one line and exits 1. Any other runtime error passes through unchanged."""
-  import ict_jax.train as tr
+  from ict_jax import learner as learner_lib
 
   oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes.")
 
   def boom(*args, **kwargs):
     raise oom
 
-  if where == "rollout":
-    monkeypatch.setattr(tr, "collect", boom)
-  else:
-    monkeypatch.setattr(tr.ts, "make_train_step", lambda *a, **k: boom)
+  # the seams: the learner's rollout (sampling and scoring) and update (the jitted step)
+  monkeypatch.setattr(learner_lib.Learner, "rollout" if where == "rollout" else "update", boom)
   cfg = _quick(**{"warm_start.sft_steps": 0, "train.steps": 1})
-  with pytest.raises(tr.OutOfDeviceMemory, match=setting) as info:
+  with pytest.raises(learner_lib.OutOfDeviceMemory, match=setting) as info:
     train(cfg, str(tmp_path / "oom"), progress=False)
   assert info.value.__cause__ is oom
   assert str(info.value).startswith(f"the {where} ran out of device memory: lower {setting}")
   assert "RESOURCE_EXHAUSTED" in str(info.value) and "ict_jax.aot" in str(info.value)
 
   other = RuntimeError("INTERNAL: something else")
-  monkeypatch.setattr(tr, "collect", lambda *a, **k: (_ for _ in ()).throw(other))
+  monkeypatch.setattr(learner_lib.Learner, "rollout", lambda *a, **k: (_ for _ in ()).throw(other))
   with pytest.raises(RuntimeError) as info:
     train(cfg, str(tmp_path / "other"), progress=False)
   assert info.value is other

@@ -26,6 +26,7 @@ from scipy.spatial.distance import jensenshannon
 
 from ict_jax import grpo, selection, sharding
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
 from tiny import COMPILE_OPTIONS, tiny_config
@@ -79,7 +80,7 @@ def make_batch(seed=0):
   adv = np.round(rng.normal(0, 1, N), 2).astype(np.float32)
   adv[::2] = np.abs(adv[::2]) + 0.1  # both signs in every group
   adv[1::2] = -np.abs(adv[1::2]) - 0.1
-  return dict(
+  return TrainBatch(
       prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=cids, completion_mask=cmask, advantages=adv
   )
 
@@ -169,9 +170,9 @@ class Reference:
   def __call__(self, params, batch, method, loss_type, *, select=True, old_logp=None, ref_logp=None, beta=0.0):
     """Loss, metrics, gradient, logp and stats; select=False: the dense (warm-up) mask."""
     logp, logits = self.forward(params, batch)
-    mask = batch["completion_mask"].astype(bool)
+    mask = batch.completion_mask.astype(bool)
     logp_all, entropy, renyi2, js = np_stats(logits, mask)
-    adv = batch["advantages"]
+    adv = batch.advantages
     token_mask, lt = mask, loss_type
     if method != "grpo" and select:
       lt = selection.loss_type_for(method)
@@ -184,7 +185,7 @@ class Reference:
       assert kept.min() - dropped.max() > 1e-4, "near-tie at the entropy threshold"
       assert token_mask.sum() == math.ceil(Fraction(1, 5) * mask.sum())
     elif method == "stapo":
-      ids = batch["completion_ids"][..., None]
+      ids = batch.completion_ids[..., None]
       prob = np.exp(np.take_along_axis(logp_all, ids, -1)[..., 0])
       tau_h = np.quantile(entropy[mask], 0.8)
       spurious = (adv[:, None] > 0) & (prob < 0.002) & (entropy < tau_h) & mask
@@ -217,7 +218,7 @@ class Reference:
 
 
 def model_inputs(batch):
-  return {k: jnp.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+  return {k: jnp.asarray(getattr(batch, k)) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
 
 
 # ----------------------------------------------------------------------------- compiled steps
@@ -390,7 +391,7 @@ def test_step_that_trains_no_token_reports_no_token_statistics(steps, batch):
   """Every completion masked out (as loss.mask_truncated_completions does when all are
   truncated): the step counts 0 trained tokens and its token means are NaN, not 0; the loss and
   the gradient are 0."""
-  empty = dict(batch, completion_mask=np.zeros_like(batch["completion_mask"]))
+  empty = batch.replace(completion_mask=np.zeros_like(batch.completion_mask))
   for s0 in (state_at(0), state_at(2)):  # ICT's dense warm-up, then its selection
     state, metrics, _ = steps("ict")(s0, empty)
     m = {k: float(v) for k, v in metrics.items()}
@@ -403,8 +404,8 @@ def test_step_that_trains_no_token_reports_no_token_statistics(steps, batch):
 def test_non_finite_update_is_skipped(steps, batch):
   step = steps("grpo/grpo/mb=2G")
   s0 = state_at(0)
-  bad = dict(batch, advantages=batch["advantages"].copy())
-  bad["advantages"][2] = np.nan  # one row of the first micro-batch
+  bad = batch.replace(advantages=batch.advantages.copy())
+  bad.advantages[2] = np.nan  # one row of the first micro-batch
   s1, m1, _ = step(s0, bad)
   assert int(m1["skipped"]) == 1 and int(m1["total_skipped"]) == 1
   assert not np.isfinite(float(m1["loss"]))
@@ -428,23 +429,23 @@ def test_non_finite_update_is_skipped(steps, batch):
 def test_old_logp_and_kl_penalty(reference, batch):
   """num_iterations > 1 (old_logp given) and beta > 0 with a frozen reference policy."""
   rng = np.random.default_rng(3)
-  mask = batch["completion_mask"].astype(bool)
+  mask = batch.completion_mask.astype(bool)
   params = model_and_params()[1]
   logp0, _ = reference.forward(params, batch)
   # ratios 1.65, 1.11, 0.90, 0.61: two outside the clip range, none near its edges
   delta = rng.choice([-0.5, -0.1, 0.1, 0.5], size=(N, C)).astype(np.float32)
-  with_old = dict(batch, old_logp=(logp0 + delta).astype(np.float32))
+  with_old = batch.replace(old_logp=(logp0 + delta).astype(np.float32))
   cfg = step_config("grpo", "grpo", beta=BETA)
   step = compile_step(cfg)
 
   # ref == policy: KL 0; old_logp != logp: ratio = exp(-delta)
   state, metrics, logp = step(state_at(0), with_old, params)
-  ref = reference(params, batch, "grpo", "grpo", old_logp=with_old["old_logp"], ref_logp=logp0, beta=BETA)
+  ref = reference(params, batch, "grpo", "grpo", old_logp=with_old.old_logp, ref_logp=logp0, beta=BETA)
   check_against_reference(metrics, state, logp, ref)
   assert abs(float(metrics["kl"])) < 1e-6
   ratio = np.exp(-delta.astype(np.float64))
   np.testing.assert_allclose(float(metrics["ratio_mean"]), ratio[mask].mean(), rtol=1e-4)
-  adv = batch["advantages"][:, None]
+  adv = batch.advantages[:, None]
   high = ((ratio > 1.2) & (adv > 0))[mask].mean()
   low = ((ratio < 0.8) & (adv < 0))[mask].mean()
   assert high > 0 and low > 0
@@ -456,7 +457,7 @@ def test_old_logp_and_kl_penalty(reference, batch):
   moved = jax.tree.map(lambda x: x, params)
   moved["embed"]["embedding"] = params["embed"]["embedding"] * 1.3
   logp1, _ = reference.forward(moved, batch)
-  on_policy = dict(batch, old_logp=logp1)
+  on_policy = batch.replace(old_logp=logp1)
   state, metrics, logp = step(state_at(0, moved), on_policy, params)
   d = logp0.astype(np.float64) - logp1
   kl = (np.exp(d) - d - 1)[mask].mean()
@@ -477,10 +478,10 @@ def test_chunked_logp_and_stats_equal_unchunked(chunk, reference, batch):
 
   logp, stats = cheap_jit(fn)(params, batch)
   ref_logp, logits = reference.forward(params, batch)
-  mask = batch["completion_mask"].astype(bool)
+  mask = batch.completion_mask.astype(bool)
   logp_all, entropy, renyi2, js = np_stats(logits, mask)
   np.testing.assert_allclose(np.asarray(logp), ref_logp, atol=2e-5)
-  gathered = np.take_along_axis(logp_all, batch["completion_ids"][..., None], -1)[..., 0]
+  gathered = np.take_along_axis(logp_all, batch.completion_ids[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(logp), gathered, atol=2e-5)
   np.testing.assert_allclose(np.asarray(stats["entropy"]), entropy, atol=2e-5)
   np.testing.assert_allclose(np.asarray(stats["renyi2"]), renyi2, atol=2e-5)
@@ -565,11 +566,11 @@ def test_ict_ablations_in_the_compiled_step(score, keep, fraction, reference_, b
   # a rollout's batch: even rows stop at their last token, odd ones are truncated; answers end mid-way
   stop_pos = np.where(np.arange(N) % 2 == 0, LENGTHS - 1, -1).astype(np.int32)
   answer_end = (LENGTHS // 2).astype(np.int32)
-  batch = {**batch, "stop_pos": stop_pos, "answer_end": answer_end}
+  batch = batch.replace(stop_pos=stop_pos, answer_end=answer_end)
   state, metrics, _ = step(state_at(2), batch)
   post = sum(n - n // 2 - (i % 2 == 0) for i, n in enumerate(LENGTHS))  # positions >= end, not the stop
   assert float(metrics["post_answer_frac"]) == pytest.approx(post / LENGTHS.sum(), rel=1e-6)
-  assert float(metrics["stop_advantage"]) == pytest.approx(batch["advantages"][::2].mean(), rel=1e-5)
+  assert float(metrics["stop_advantage"]) == pytest.approx(batch.advantages[::2].mean(), rel=1e-5)
   shares = ("selected_stop_share", "selected_post_answer_share", "stop_selected_rate")
   assert all(0 <= float(metrics[k]) <= 1 for k in shares) and float(metrics["stop_entropy"]) > 0
   k = np.array([max(1, math.ceil(Fraction(str(fraction)) * n)) for n in LENGTHS])

@@ -10,7 +10,7 @@ the shapes the trainer feeds: rows = prompts_per_step x group_size, prompt_ids/p
 [rows, P] (P = the bucket of data.max_prompt_len), completion_ids/completion_mask [rows, C]
 (C = rollout.max_new_tokens unless --completion_len), advantages [rows]; with
 `train.token_budget` (packed rows), that batch packed as train.py packs it at its largest (every
-sequence at full length: the most micro-batches, the widest LM head; `step.packed_batch_shapes`),
+sequence at full length: the most micro-batches, the widest LM head; `step.packed_train_batch`),
 the packing's sizes in the report's shapes["packed"]. The state, its
 shardings and the jitted step come from the trainer's own functions (`setup`, `train_step`),
 so what compiles here is what runs there. Then it compiles for the target's devices:
@@ -82,7 +82,7 @@ from ict_jax.aot.measure import (  # noqa: E402
 from ict_jax.aot.plan import DecodeCosts, StepBound, step_bound  # noqa: E402
 from ict_jax.aot.report import format_report  # noqa: E402
 from ict_jax.aot.sampler import compile_decode_step, compile_sampler, decode_cache  # noqa: E402
-from ict_jax.aot.step import compile_train_step, train_batch_shapes  # noqa: E402
+from ict_jax.aot.step import compile_train_step, train_batch  # noqa: E402
 from ict_jax.aot.targets import GPU_MEM_FRACTION, GiB, TARGETS, AotError, Target, target_devices  # noqa: E402
 from ict_jax.aot.cli import PARTS, main  # noqa: E402
 
@@ -110,5 +110,5 @@ __all__ = [
     "measure",
     "step_bound",
     "target_devices",
-    "train_batch_shapes",
+    "train_batch",
 ]

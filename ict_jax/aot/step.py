@@ -9,18 +9,19 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import packing
 from ict_jax import train_step as ts
+from ict_jax.batch import TrainBatch
 from ict_jax.aot.measure import Report, measure
 from ict_jax.aot.targets import AotError, Target, target_devices
 from ict_jax.config import Config, ConfigError, check_packing_attention
 from ict_jax.models.attention import compute_capability
 from ict_jax.sampling import bucket_length
-from ict_jax.setup import abstract_params, make_mesh, model_config
+from ict_jax.build import build_model
+from ict_jax.setup import make_mesh, model_config
 
 
 def _without_missing_model_path(cfg: Config) -> tuple[Config, str]:
@@ -89,31 +90,22 @@ def _cudnn_tracing(mcfg):
       setattr(fused, name, probe)
 
 
-def train_batch_shapes(cfg: Config, prompt_len: int, completion_len: int) -> dict[str, tuple]:
-  """{name: (shape, dtype)} of one step's batch as `Rollout.batch()` builds it."""
+def train_batch(cfg: Config, prompt_len: int, completion_len: int, sharding=None) -> TrainBatch:
+  """One step's batch as the rollout builds it (`TrainBatch.abstract`: shapes, no arrays)."""
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-  shapes = dict(
-      prompt_ids=((rows, prompt_len), jnp.int32),
-      prompt_mask=((rows, prompt_len), jnp.int32),
-      completion_ids=((rows, completion_len), jnp.int32),
-      completion_mask=((rows, completion_len), jnp.int32),
-      advantages=((rows,), jnp.float32),
-      stop_pos=((rows,), jnp.int32),
-      answer_end=((rows,), jnp.int32),
-  )
-  if cfg.train.num_iterations > 1:  # the second pass of a batch also carries old log-probs
-    shapes["old_logp"] = ((rows, completion_len), jnp.float32)
-  return shapes
+  # the second pass of a batch also carries old log-probs
+  return TrainBatch.abstract(rows, prompt_len, completion_len, old_logp=cfg.train.num_iterations > 1, sharding=sharding)
 
 
-def packed_batch_shapes(cfg: Config, prompt_len: int, completion_len: int, multiple: int) -> tuple[dict, int, dict]:
-  """With `train.token_budget`: ({name: (shape, dtype)}, rows a micro-batch, the packing's sizes)
-  of one step's batch as train.py packs it (`packing.pack_batch`, whole groups balanced, rows a
-  multiple of `multiple` = data x fsdp), at its largest: every prompt and completion at full
-  length, so the most micro-batches and every head stripe full (the widest head). The step scans
-  the micro-batches, so its peak memory is a micro-batch's; shorter batches pack into fewer."""
-  shapes = train_batch_shapes(cfg, prompt_len, completion_len)
-  full = {k: np.ones(shape, np.dtype(dtype)) for k, (shape, dtype) in shapes.items()}
+def packed_train_batch(
+    cfg: Config, prompt_len: int, completion_len: int, multiple: int, sharding=None
+) -> tuple[TrainBatch, dict]:
+  """With `train.token_budget`: (the abstract packed batch, the packing's sizes) of one step's
+  batch as train.py packs it (`packing.pack_batch`, whole groups balanced, rows a multiple of
+  `multiple` = data x fsdp), at its largest: every prompt and completion at full length, so the
+  most micro-batches and every head stripe full (the widest head). The step scans the
+  micro-batches, so its peak memory is a micro-batch's; shorter batches pack into fewer."""
+  full = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), train_batch(cfg, prompt_len, completion_len))
   packed = packing.pack_batch(
       full,
       token_budget=cfg.train.token_budget,
@@ -123,19 +115,16 @@ def packed_batch_shapes(cfg: Config, prompt_len: int, completion_len: int, multi
       balance=True,
       micro_batch_tokens=cfg.train.micro_batch_tokens,
   )
-  rows = packed.pop(packing.MICRO_BATCH_ROWS, None)
-  out = {k: (np.shape(v), np.asarray(v).dtype) for k, v in packed.items()}
-  n = out["completion_ids"][0][0]
-  mb = rows or cfg.train.micro_batch_size or n
+  n, mb, layout = packed.rows, packed.micro_batch_rows, packed.packed
   sizes = dict(
       token_budget=cfg.train.token_budget,
       micro_batch_tokens=cfg.train.micro_batch_tokens,
-      width=out["packed_ids"][0][1],
+      width=layout.ids.shape[1],
       micro_batches=n // mb,
-      packed_rows_per_micro_batch=out["packed_ids"][0][0] // (n // mb),
-      head_width=out["head_ids"][0][1],
+      packed_rows_per_micro_batch=layout.ids.shape[0] // (n // mb),
+      head_width=layout.head_ids.shape[1],
   )
-  return out, rows, sizes
+  return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding), packed), sizes
 
 
 @dataclasses.dataclass
@@ -189,11 +178,10 @@ def _setup(cfg: Config, target: Target) -> _Setup:
     except ConfigError as e:
       raise AotError(f"--target {target.name}: {e}") from None
   note = "; ".join(n for n in (note, _cudnn_note(mcfg)) if n)
-  graphdef, params, params_sharding = abstract_params(mcfg, mesh)
-  optimizer = ts.make_optimizer(cfg.optim, cfg.train.steps * cfg.train.num_iterations)
-  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
-  state = ts.abstract_train_state(optimizer, params, state_sharding)
-  return _Setup(cfg, mesh, mcfg, note, graphdef, params, optimizer, state_sharding, state)
+  model = build_model(cfg, mesh, mcfg)  # the trainer's own layout of the model and its update
+  return _Setup(
+      cfg, mesh, mcfg, note, model.graphdef, model.params, model.optimizer, model.state_sharding, model.abstract_state()
+  )
 
 
 def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, completion_len: int = 0) -> Report:
@@ -208,17 +196,16 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   mb = cfg.train.micro_batch_size or rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-  shapes, packed_mb, packed = train_batch_shapes(cfg, prompt_len, completion_len), None, None
+  batch, packed = train_batch(cfg, prompt_len, completion_len, rows_sharding), None
   if cfg.train.token_budget:  # the packed step train.py runs, at its largest batch
-    shapes, packed_mb, packed = packed_batch_shapes(cfg, prompt_len, completion_len, shards)
-    mb = packed_mb or mb
-  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding) for k, (shape, dtype) in shapes.items()}
+    batch, packed = packed_train_batch(cfg, prompt_len, completion_len, shards, rows_sharding)
+    mb = batch.micro_batch_rows or mb
   ref = params if cfg.loss.beta > 0 else None
   step = ts.make_train_step(
       graphdef, ts.StepConfig.from_config(cfg), optimizer, mesh=mesh, state_sharding=state_sharding
   )
   with jax.set_mesh(mesh), _cudnn_tracing(mcfg):
-    lowered = step.jitted.lower(state, batch, ref, packed_mb)
+    lowered = step.jitted.lower(state, batch, ref)
   lower = (
       f"--config.train.micro_batch_tokens (now {cfg.train.micro_batch_tokens})"
       if cfg.train.token_budget and cfg.train.micro_batch_tokens

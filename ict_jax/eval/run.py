@@ -54,9 +54,9 @@ def default_instruction(answer_type: str) -> str:
 
 
 class ModelSampler:
-  """Samples a `Qwen2` with `ict_jax.sampling.generate`; every call has the same [batch_size, width]
-  prompt shape (short batches are padded with copies of their first prompt), so one compile. The
-  rollout copy of the weights (cast and laid out for decoding) is made once here, not per batch."""
+  """A model's `Sampler` for `evaluate`: the rollout's `Collector.texts` (ict_jax/rollout.py) over
+  one rollout copy of the weights (cast and laid out for decoding once here, not per batch); every
+  call has the same [batch_size, width] prompt shape, so one compile."""
 
   def __init__(
       self,
@@ -71,34 +71,57 @@ class ModelSampler:
       top_k: int,
       mesh,
   ):
+    from ict_jax.rollout import Collector, Sampling
     from ict_jax.sampling import as_rollout_policy
 
+    self.collector = Collector(tokenizer, Sampling(max_new_tokens, temperature, top_p, top_k), mesh=mesh)
     self.policy = as_rollout_policy(model, mesh=mesh)
-    self.tokenizer, self.batch_size, self.width = tokenizer, batch_size, width
-    self.kw = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_token_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id,
-        mesh=mesh,
-    )
+    self.batch_size, self.width = batch_size, width
     self.completion_tokens = 0
 
   def __call__(self, prompt_ids, num_samples, rng):
-    from ict_jax.rollout import decode_completions, host_array
-    from ict_jax.sampling import generate
-    from ict_jax.tokenizer import left_pad
+    texts, tokens = self.collector.texts(
+        self.policy, prompt_ids, num_samples, rng, batch_size=self.batch_size, width=self.width
+    )
+    self.completion_tokens += tokens
+    return texts
 
-    real = len(prompt_ids)
-    padded = list(prompt_ids) + [prompt_ids[0]] * (self.batch_size - real)
-    ids, mask = left_pad(padded, self.tokenizer.pad_id, bucket=(self.width,))  # [B, width]
-    c_ids, c_mask, _ = generate(self.policy, ids, mask, rng=rng, num_samples=num_samples, **self.kw)
-    rows = real * num_samples
-    c_ids, c_mask = host_array(c_ids)[:rows], host_array(c_mask)[:rows]  # [real * n, N]
-    self.completion_tokens += int(c_mask.sum())
-    return decode_completions(self.tokenizer, c_ids, c_mask, self.tokenizer.eos_ids)
+
+def _check_args(answer_type: str, ks, n: int, batch_size, examples, model, sampler) -> tuple[int, ...]:
+  if answer_type not in ANSWER_TYPES:
+    raise ValueError(f"evaluate: unknown answer_type {answer_type!r}; expected one of {sorted(ANSWER_TYPES)}")
+  ks = check_ks(ks, n)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
+  if not examples:
+    raise ValueError("evaluate: no examples")
+  if model is None and sampler is None:
+    raise ValueError("evaluate: give a model or a sampler")
+  return ks
+
+
+def _sample_and_check(sampler, tokens, kept, kind: str, n: int, batch_size: int, key, pool, bar):
+  """Every problem's `n` completions, checked -> (completions [problems][n], correct [problems, n],
+  the pool's {"timeouts", "errors"} counts)."""
+  completions: list[list[str]] = []
+  correct = np.zeros((len(kept), n), bool)  # [problems, n]
+  stats = {"timeouts": 0, "errors": 0}
+  for b, start in enumerate(range(0, len(kept), batch_size)):
+    stop = min(start + batch_size, len(kept))
+    texts = list(sampler(tokens[start:stop], n, jax.random.fold_in(key, b)))
+    if len(texts) != (stop - start) * n:
+      raise ValueError(
+          f"evaluate: the sampler returned {len(texts)} completions for " f"{stop - start} prompts x {n} samples"
+      )
+    golds = [gold_text(kind, kept[g]) for g in range(start, stop) for _ in range(n)]
+    rewards, rstats = pool.score_batch(kind, texts, golds)
+    correct[start:stop] = (np.asarray(rewards) > 0.5).reshape(stop - start, n)
+    for key_ in stats:
+      stats[key_] += int(rstats.get(key_, 0))
+    completions.extend(texts[g * n : (g + 1) * n] for g in range(stop - start))
+    bar.update(stop - start)
+    bar.set_postfix(pass1=f"{correct[:stop].mean():.3f}", refresh=False)
+  return completions, correct, stats
 
 
 def evaluate(
@@ -137,15 +160,7 @@ def evaluate(
   "mean_correct", "mean_response_tokens", "reward_timeouts", "reward_errors", "seconds",
   "per_problem": [{"id", "prompt", "gold", "completions", "correct", "num_correct"}]}``.
   """
-  if answer_type not in ANSWER_TYPES:
-    raise ValueError(f"evaluate: unknown answer_type {answer_type!r}; expected one of {sorted(ANSWER_TYPES)}")
-  ks = check_ks(ks, n)
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-    raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
-  if not examples:
-    raise ValueError("evaluate: no examples")
-  if model is None and sampler is None:
-    raise ValueError("evaluate: give a model or a sampler")
+  ks = _check_args(answer_type, ks, n, batch_size, examples, model, sampler)
   instruction = default_instruction(answer_type) if instruction is None else instruction
   key = jax.random.key(int(rng)) if isinstance(rng, (int, np.integer)) else rng
   t0 = time.perf_counter()
@@ -181,31 +196,14 @@ def evaluate(
         mesh=mesh,
     )
   from ict_jax.rewards.pool import RewardPool
-
-  pool = reward_pool if reward_pool is not None else RewardPool(num_workers=0, timeout_s=10.0)
-  kind = ANSWER_TYPES[answer_type]
   from tqdm.auto import tqdm
 
+  pool = reward_pool if reward_pool is not None else RewardPool(num_workers=0, timeout_s=10.0)
   bar = tqdm(total=len(kept), desc=desc, unit="problem", disable=not progress, dynamic_ncols=True)
-  completions: list[list[str]] = []
-  correct = np.zeros((len(kept), n), bool)  # [problems, n]
-  stats = {"timeouts": 0, "errors": 0}
   try:
-    for b, start in enumerate(range(0, len(kept), batch_size)):
-      stop = min(start + batch_size, len(kept))
-      texts = list(sampler(tokens[start:stop], n, jax.random.fold_in(key, b)))
-      if len(texts) != (stop - start) * n:
-        raise ValueError(
-            f"evaluate: the sampler returned {len(texts)} completions for " f"{stop - start} prompts x {n} samples"
-        )
-      golds = [gold_text(kind, kept[g]) for g in range(start, stop) for _ in range(n)]
-      rewards, rstats = pool.score_batch(kind, texts, golds)
-      correct[start:stop] = (np.asarray(rewards) > 0.5).reshape(stop - start, n)
-      for key_ in stats:
-        stats[key_] += int(rstats.get(key_, 0))
-      completions.extend(texts[g * n : (g + 1) * n] for g in range(stop - start))
-      bar.update(stop - start)
-      bar.set_postfix(pass1=f"{correct[:stop].mean():.3f}", refresh=False)
+    completions, correct, stats = _sample_and_check(
+        sampler, tokens, kept, ANSWER_TYPES[answer_type], n, batch_size, key, pool, bar
+    )
   finally:
     bar.close()
     if reward_pool is None:
