@@ -156,7 +156,19 @@ def _join_notes(note: str, more: str) -> str:
   return "; ".join(n for n in (note, more) if n)
 
 
-def _decode_batch_size(cfg: Config, mcfg, target: Target, mesh, *, rows, prompt_len, new_len, dtype, free, note):
+def _decode_batch_size(
+    cfg: Config,
+    mcfg,
+    target: Target,
+    mesh,
+    *,
+    rows: int,
+    prompt_len: int,
+    new_len: int,
+    dtype: str,
+    free: int,
+    note: str,
+) -> tuple[int, str]:
   """(the rows the sampler decodes at once, the note): `rollout.decode_batch_size` resolved as the
   trainer resolves it, "auto" sized from `free`, the HBM a chip leaves free next to the train state
   and the rollout copy. When not even one row a chip fits, one row a chip is compiled (to report
@@ -274,7 +286,17 @@ def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeSt
   )
 
 
-def _shapes(cfg: Config, mcfg, mesh, ro: _Rollout, dtype: str, policy_bytes, weights_read, step, note) -> dict:
+def _shapes(
+    cfg: Config,
+    mcfg,
+    mesh,
+    ro: _Rollout,
+    dtype: str,
+    policy_bytes: int,
+    weights_read: int,
+    step: _DecodeStepCosts,
+    note: str,
+) -> dict:
   """The report's `shapes`: the rollout's rows, columns and sub-batches, the mesh, the model, the
   bytes of the rollout policy, of the weights a step reads and of the KV caches, and the note."""
   return dict(
