@@ -1,16 +1,15 @@
-"""launch/tpu_pod.sh and launch/gpu_slurm.sbatch, without Google Cloud or SLURM.
+"""launch/tpu_pod.sh without Google Cloud, and both launchers' bash syntax and shellcheck.
 
-Every run puts fake `gcloud`, `git`, `ssh`, `scp`, `srun` and `curl` first on PATH: each records
-that it was called and fails, so a dry run that ran anything is caught. The commands printed
-by the dry run are parsed back with `shlex` (what a shell would hand to gcloud), and the remote
-scripts inside them are executed in a sandbox HOME with a fake venv python that records its
-argv and environment. The SLURM script is also run for real against fake `scontrol`/`srun`.
+Every run puts fake `gcloud`, `git`, `ssh`, `scp`, `srun` and `curl` first on PATH
+(tests/launch_fakes.py): each records that it was called and fails, so a dry run that ran anything
+is caught. The commands printed by the dry run are parsed back with `shlex` (what a shell would hand
+to gcloud), and the remote scripts inside them are executed in a sandbox HOME with a fake venv
+python that records its argv and environment. launch/gpu_slurm.sbatch: tests/test_launch_slurm.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -21,38 +20,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TPU = REPO / "launch" / "tpu_pod.sh"
-SLURM = REPO / "launch" / "gpu_slurm.sbatch"
+from launch_fakes import REPO, SLURM, TPU, fakes, no_calls, write_exe  # noqa: F401  pylint: disable=unused-import
+
 README = REPO / "launch" / "README.md"
-
-FAILING = ("gcloud", "git", "ssh", "scp", "srun", "sbatch", "curl")
-
-
-def _write_exe(path: Path, text: str) -> None:
-  path.write_text(text)
-  path.chmod(0o755)
-
-
-@pytest.fixture
-def fakes(tmp_path):
-  """A bin dir of loudly failing fakes; `calls` is where they record themselves."""
-  bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
-  calls = tmp_path / "calls.log"
-  for name in FAILING:
-    _write_exe(
-        bin_dir / name,
-        f'#!/bin/sh\necho "FAKE {name} CALLED: $*" >> "{calls}"\n'
-        f'echo "fake {name} must not run in a test" >&2\nexit 97\n',
-    )
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "XLA_"))}
-  env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-  return dict(bin=bin_dir, calls=calls, env=env, tmp=tmp_path)
-
-
-def _no_calls(fakes) -> None:
-  assert not fakes["calls"].exists(), fakes["calls"].read_text()
 
 
 # ------------------------------------------------------------------------------------ TPU
@@ -106,7 +76,7 @@ def jax_pin() -> str:
 def test_tpu_dry_run_prints_every_step_in_order(fakes):
   res = run_tpu(fakes, "--project", "my-proj", "--spot", "--dry-run", extra=PASSTHROUGH)
   assert res.returncode == 0, res.stderr
-  _no_calls(fakes)
+  no_calls(fakes)
   cmds = commands(res.stdout)
   for c in cmds:
     if c[0] == "gcloud":
@@ -148,7 +118,7 @@ def _sandbox_home(tmp: Path) -> Path:
   (home / "ict-jax").mkdir(parents=True)
   venv_bin = home / "ict-jax-venv" / "bin"
   venv_bin.mkdir(parents=True)
-  _write_exe(
+  write_exe(
       venv_bin / "python",
       # the run is backgrounded: write then rename, so a file the test sees is complete
       '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/argv.part"\nmv "$HOME/argv.part" "$HOME/argv"\n'
@@ -198,7 +168,7 @@ def test_tpu_remote_scripts_run_train_with_exact_args_and_log(fakes):
   assert child_env["JAX_COMPILATION_CACHE_DIR"] == "gs://bkt/runs/r1/jax_cache"
   pid = int((home / "ict-jax-logs" / "train.pid").read_text())
   assert pid > 0
-  _no_calls(fakes)
+  no_calls(fakes)
 
   # tail follows the very log the run writes
   logs = list((home / "ict-jax-logs").glob("train-*.log"))
@@ -241,7 +211,7 @@ def test_tpu_compilation_cache_reaches_the_trainer(fakes, accel, workdir, flag, 
 def test_tpu_relative_compilation_cache_is_refused(fakes):
   res = run_tpu(fakes, "--dry-run", "--compilation-cache", "cache")
   assert res.returncode == 2 and "--compilation-cache 'cache': give an absolute path" in res.stderr
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 def test_tpu_remote_guard_protects_a_live_run_and_stop_ends_it(fakes):
@@ -271,7 +241,7 @@ def test_tpu_remote_guard_protects_a_live_run_and_stop_ends_it(fakes):
     if live.poll() is None:
       live.kill()
       live.wait()
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 def test_tpu_repo_clone_replaces_archive_and_scp(fakes):
@@ -290,7 +260,7 @@ def test_tpu_repo_clone_replaces_archive_and_scp(fakes):
       "https://example.com/ict-jax.git",
       "$HOME/ict-jax",
   ]
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +287,7 @@ def test_tpu_runtime_version_default_and_multi_host_warning(fakes, accel, versio
   res = run_tpu(fakes, "--dry-run", "--version", "tpu-custom-1", flags=flags)
   (create,) = gcloud_tpu(commands(res.stdout), "create")
   assert option(create, "--version") == "tpu-custom-1"
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 @pytest.mark.parametrize("missing", sorted(BASE))
@@ -327,7 +297,7 @@ def test_tpu_missing_required_flag_is_named(fakes, missing):
   assert res.returncode != 0
   assert f"{missing} is required" in res.stderr
   assert not commands(res.stdout)
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 @pytest.mark.parametrize(
@@ -345,7 +315,7 @@ def test_tpu_bad_flags_fail_clearly(fakes, args, message):
   res = run_tpu(fakes, "--dry-run", *args)
   assert res.returncode != 0 and message in res.stderr, res.stderr
   assert not commands(res.stdout)
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 @pytest.mark.parametrize(
@@ -360,7 +330,7 @@ def test_tpu_bad_flags_fail_clearly(fakes, args, message):
 def test_tpu_bad_values_fail_clearly(fakes, key, value, message):
   res = run_tpu(fakes, "--dry-run", flags=dict(BASE, **{key: value}))
   assert res.returncode != 0 and message in res.stderr, res.stderr
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 def test_tpu_equals_form_and_missing_config_warning(fakes):
@@ -391,7 +361,7 @@ def test_tpu_help_lists_every_flag(fakes):
       "--help",
   ]:
     assert flag in res.stdout, flag
-  _no_calls(fakes)
+  no_calls(fakes)
 
 
 @pytest.mark.parametrize("exists", [True, False], ids=["reuse", "create"])
@@ -408,7 +378,7 @@ def test_tpu_real_mode_runs_what_dry_run_prints(fakes, exists):
       "  print('READY')\n"
   )
   for name in ("gcloud", "git"):
-    _write_exe(fakes["bin"] / name, recorder)
+    write_exe(fakes["bin"] / name, recorder)
   env = dict(fakes["env"], FAKE_TPU_EXISTS="1" if exists else "0", TMPDIR=str(fakes["tmp"]))
   flags = dict(BASE, **{"--config": "requirements.txt"})  # any file in the repository
   argv = ["bash", str(TPU)] + [x for kv in flags.items() for x in kv] + ["--", *PASSTHROUGH]
@@ -450,183 +420,7 @@ def test_readme_tpu_commands_are_valid(fakes):
     res = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=fakes["env"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, (cmd, res.stderr)
     assert commands(res.stdout), cmd
-  _no_calls(fakes)
-
-
-# ------------------------------------------------------------------------------------ SLURM
-
-
-@pytest.fixture
-def slurm(fakes):
-  """A fake repo root (REPO_DIR), fake scontrol, and SLURM variables for 4 nodes."""
-  repo = fakes["tmp"] / "repo"
-  (repo / "ict_jax").mkdir(parents=True)
-  (repo / "ict_jax" / "__init__.py").write_text("")
-  (repo / "configs").mkdir()
-  (repo / "configs" / "c.py").write_text("")
-  _write_exe(
-      fakes["bin"] / "scontrol",
-      '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
-      'case "$3" in\n  "gpu-[07-10]") printf "gpu-07\\ngpu-08\\ngpu-09\\ngpu-10\\n" ;;\n'
-      '  *) echo "fake scontrol: unknown nodelist $3" >&2; exit 1 ;;\nesac\n',
-  )
-  env = dict(
-      fakes["env"],
-      SLURM_JOB_NODELIST="gpu-[07-10]",
-      SLURM_NNODES="4",
-      SLURM_PROCID="2",
-      SLURM_JOB_ID="4242",
-      SLURM_JOB_NAME="ict",
-      SLURM_SUBMIT_DIR=str(repo),
-      CONFIG="configs/c.py",
-      WORKDIR="/shared/runs/r 1",
-  )
-  return dict(fakes, repo=repo, env=env)
-
-
-def run_slurm(slurm, *args, **env):
-  full = dict(slurm["env"], **env)
-  return subprocess.run(
-      ["bash", str(SLURM), *args], cwd=slurm["tmp"], env=full, capture_output=True, text=True, timeout=60
-  )
-
-
-def parse_dry_run(stdout: str):
-  env, srun, task = {}, None, None
-  for line in stdout.splitlines():
-    if line.startswith("+ "):
-      srun = shlex.split(line[2:])
-    elif line.startswith("task "):
-      task = line
-    elif "=" in line:
-      key, value = line.split("=", 1)
-      (env[key],) = shlex.split(value)
-  return env, srun, task
-
-
-def test_slurm_dry_run_env_and_srun(slurm):
-  res = run_slurm(slurm, "--config.ict.method=ict", "--config.note=a b", DRY_RUN="1")
-  assert res.returncode == 0, res.stderr
-  _no_calls(slurm)
-  env, srun, task = parse_dry_run(res.stdout)
-  host, port = env["JAX_COORDINATOR_ADDRESS"].split(":")
-  assert host == "gpu-07" and 1024 < int(port) < 65536
-  assert env["JAX_NUM_PROCESSES"] == "4"
-  assert task == "task SLURM_PROCID=2: JAX_PROCESS_ID=2"
-  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"].split()
-  assert env["JAX_PLATFORMS"] == "cuda"  # a CUDA plugin that fails is an error, not a CPU run
-  assert env["JAX_COMPILATION_CACHE_DIR"] == os.path.expanduser("~/.cache/ict_jax/jax_cache")
-  assert srun[0] == "srun" and "--ntasks-per-node=1" in srun and "--nodes=4" in srun
-  i = srun.index("-m")
-  assert srun[i - 1 :] == [
-      "python",
-      "-m",
-      "ict_jax.train",
-      "--config",
-      "configs/c.py",
-      "--workdir",
-      "/shared/runs/r 1",
-      "--config.ict.method=ict",
-      "--config.note=a b",
-  ]
-
-
-def test_slurm_overrides(slurm):
-  res = run_slurm(
-      slurm, DRY_RUN="1", JAX_COORDINATOR_PORT="4321", XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false"
-  )
-  env, _, _ = parse_dry_run(res.stdout)
-  assert env["JAX_COORDINATOR_ADDRESS"] == "gpu-07:4321"
-  assert env["XLA_FLAGS"].split()[-1] == "--xla_gpu_enable_latency_hiding_scheduler=false"
-  env, _, _ = parse_dry_run(run_slurm(slurm, DRY_RUN="1", JAX_COMPILATION_CACHE_DIR="/shared/jax cache").stdout)
-  assert env["JAX_COMPILATION_CACHE_DIR"] == "/shared/jax cache"
-  ports = {
-      parse_dry_run(run_slurm(slurm, DRY_RUN="1", SLURM_JOB_ID=j).stdout)[0]["JAX_COORDINATOR_ADDRESS"]
-      for j in ("100", "101")
-  }
-  assert len(ports) == 2  # jobs sharing a head node get different ports
-
-
-def test_slurm_default_workdir_and_plain_nodelist_without_scontrol(slurm):
-  (slurm["bin"] / "scontrol").unlink()
-  env = {k: v for k, v in slurm["env"].items() if k != "WORKDIR"}
-  res = subprocess.run(
-      ["bash", str(SLURM)],
-      cwd=slurm["tmp"],
-      capture_output=True,
-      text=True,
-      env=dict(env, DRY_RUN="1", SLURM_JOB_NODELIST="n1,n2", SLURM_NNODES="2"),
-  )
-  assert res.returncode == 0, res.stderr
-  env_out, srun, _ = parse_dry_run(res.stdout)
-  assert env_out["JAX_COORDINATOR_ADDRESS"].startswith("n1:")
-  assert srun[srun.index("--workdir") + 1] == f"{slurm['repo']}/runs/ict-4242"
-
-
-@pytest.mark.parametrize(
-    "env,message",
-    [
-        ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set"),
-        ({"SLURM_NNODES": "3"}, "lists 4 hosts but SLURM_NNODES=3"),
-        ({"CONFIG": "configs/missing.py"}, "CONFIG=configs/missing.py"),
-        ({"SLURM_SUBMIT_DIR": "/"}, "is not the ict-jax repository root"),
-    ],
-)
-def test_slurm_errors(slurm, env, message):
-  res = run_slurm(slurm, DRY_RUN="1", **env)
-  assert res.returncode != 0 and message in res.stderr, res.stderr
-  _no_calls(slurm)
-
-
-def test_slurm_real_path_with_fake_srun_starts_one_process_per_node(slurm):
-  """Not a dry run: fake srun runs the task command once per rank; fake python records."""
-  out = slurm["tmp"] / "tasks"
-  out.mkdir()
-  _write_exe(
-      slurm["bin"] / "srun",
-      '#!/bin/bash\nwhile [[ $1 == --* ]]; do echo "$1" >> "$FAKE_OUT/srun-options"; shift; done\n'
-      'for ((r = 0; r < SLURM_NNODES; r++)); do SLURM_PROCID=$r "$@" || exit $?; done\n',
-  )
-  _write_exe(
-      slurm["bin"] / "python",
-      '#!/bin/bash\nd="$FAKE_OUT/rank-$SLURM_PROCID"; mkdir -p "$d"\n'
-      'printf "%s\\0" "$@" > "$d/argv"; env -0 > "$d/env"; echo "cwd=$PWD" > "$d/cwd"\n',
-  )
-  res = run_slurm(slurm, "--config.x=1", FAKE_OUT=str(out))
-  assert res.returncode == 0, res.stderr
-  assert "coordinator gpu-07:" in res.stdout
-  ranks = sorted(p.name for p in out.glob("rank-*"))
-  assert ranks == ["rank-0", "rank-1", "rank-2", "rank-3"]
-  for r in range(4):
-    d = out / f"rank-{r}"
-    env = dict(kv.split("=", 1) for kv in (d / "env").read_bytes().decode().split("\0") if kv)
-    assert env["JAX_PROCESS_ID"] == str(r)
-    assert env["JAX_NUM_PROCESSES"] == "4"
-    assert env["JAX_COORDINATOR_ADDRESS"].startswith("gpu-07:")
-    assert env["JAX_PLATFORMS"] == "cuda"
-    assert env["JAX_COMPILATION_CACHE_DIR"] == os.path.expanduser("~/.cache/ict_jax/jax_cache")
-    argv = (d / "argv").read_bytes().decode().split("\0")[:-1]
-    assert argv == ["-m", "ict_jax.train", "--config", "configs/c.py", "--workdir", "/shared/runs/r 1", "--config.x=1"]
-    assert (d / "cwd").read_text().strip() == f"cwd={slurm['repo']}"
-  assert "--ntasks-per-node=1" in (out / "srun-options").read_text().split()
-
-
-def test_slurm_xla_flags_are_known_to_the_installed_jaxlib(slurm):
-  env, _, _ = parse_dry_run(run_slurm(slurm, DRY_RUN="1").stdout)
-  probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
-  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  base["JAX_PLATFORMS"] = "cpu"
-  ok = subprocess.run(probe, env=dict(base, XLA_FLAGS=env["XLA_FLAGS"]), capture_output=True, text=True, timeout=120)
-  assert ok.returncode == 0, ok.stderr[-2000:]
-  # the probe can fail: XLA aborts on a flag it does not know
-  bad = subprocess.run(
-      probe,
-      env=dict(base, XLA_FLAGS="--xla_gpu_no_such_flag_for_test=true"),
-      capture_output=True,
-      text=True,
-      timeout=120,
-  )
-  assert bad.returncode != 0 and "xla_gpu_no_such_flag_for_test" in bad.stderr
+  no_calls(fakes)
 
 
 # ------------------------------------------------------------------------------------ lint

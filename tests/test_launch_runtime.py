@@ -1,8 +1,8 @@
 """What the launchers hand the trainer, checked against the trainer itself: the pinned platform
 ends a run on a machine without it, the persistent compilation cache makes a restart load its
 programs instead of compiling them, the workdir probe names its host, and launch/README.md's
-memory arithmetic is the models' parameter counts at 16 B each (tests/test_launch.py checks the
-scripts themselves)."""
+memory arithmetic is the models' parameter counts at 16 B each (tests/test_launch.py and
+tests/test_launch_slurm.py check the scripts themselves)."""
 
 from __future__ import annotations
 

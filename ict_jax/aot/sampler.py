@@ -4,6 +4,7 @@ decode step alone, one compile a decode phase, for the bytes a step reads (`comp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -150,6 +151,179 @@ def pallas_grid_steps(jaxpr) -> int:
   return total
 
 
+def _join_notes(note: str, more: str) -> str:
+  """The report's note and one more remark, "; "-separated (either may be empty)."""
+  return "; ".join(n for n in (note, more) if n)
+
+
+def _decode_batch_size(
+    cfg: Config,
+    mcfg,
+    target: Target,
+    mesh,
+    *,
+    rows: int,
+    prompt_len: int,
+    new_len: int,
+    dtype: str,
+    free: int,
+    note: str,
+) -> tuple[int, str]:
+  """(the rows the sampler decodes at once, the note): `rollout.decode_batch_size` resolved as the
+  trainer resolves it, "auto" sized from `free`, the HBM a chip leaves free next to the train state
+  and the rollout copy. When not even one row a chip fits, one row a chip is compiled (to report
+  not fitting) and the note says so; a setting that cannot be resolved is an `AotError`."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  dbs = setup_lib.decode_batch_size(cfg)
+  group = cfg.rollout.group_size
+  try:
+    if dbs == "auto":
+      row_bytes = sampling.decode_row_bytes(mcfg, new_len, mesh, dtype)
+      prompt_bytes = sampling.kv_bytes(mcfg, prompt_len, mesh, dtype)
+      try:
+        if free <= 0:
+          raise ValueError("no memory is free")
+        sub = sampling.auto_decode_batch_size(
+            rows, shards, row_bytes, free, group_size=group, prompt_bytes=prompt_bytes
+        )
+      except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
+        sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
+        note = _join_notes(note, f"decode_batch_size=auto: not one row a chip fits the free HBM; compiled {sub}")
+    else:
+      sub = sampling.resolve_decode_batch_size(
+          dbs, rows, cfg=mcfg, prompt_len=prompt_len, new_len=new_len, group_size=group, mesh=mesh, dtype=dtype
+      )
+  except ValueError as e:
+    raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
+  return sub, note
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+  """The rollout `compile_sampler` compiles: its rows, their columns, and how they are decoded."""
+
+  rows: int  # prompts_per_step x group_size
+  group: int  # rollout.group_size
+  prompt_len: int  # prompt columns (bucketed)
+  new_len: int  # completion columns (bucketed)
+  sub: int  # rows decoded at once (rollout.decode_batch_size resolved)
+  layout: sampling.DecodeLayout  # as `generate` lays the rows out
+  phases: tuple[int, ...]  # the decode phases' read bounds (`sampling.decode_phases`)
+
+
+@dataclasses.dataclass
+class _DecodeStepCosts:
+  """The decode step's costs a chip, one list entry a decode phase (`Report.decode_phase_*`): its
+  `cost_analysis()` bytes (None where the compiler gives no cost analysis), its FLOPs (the decode
+  matmuls' where it gives none), its minimum bytes, its Pallas grid steps (an entry a phase
+  compiled); the report's error (the first phase whose step alone failed to compile); the bytes
+  of a sub-batch's prompt cache and of its prompt + completion caches."""
+
+  bytes: list[float | None]
+  flops: list[float]
+  min_bytes: list[int]
+  grid_steps: list[int]
+  error: str
+  prompt_kv_bytes: int
+  kv_cache_bytes: int
+
+
+def _decode_step_costs(
+    policy, mcfg, mesh, target: Target, ro: _Rollout, sample_kw: dict, dtype: str, opts, *, weights_read, error
+) -> _DecodeStepCosts:
+  """The decode step alone compiled once a decode phase (`compile_decode_step`, reading the slots
+  that phase reads) for its costs: cost_analysis counts a loop body once, so the whole program's
+  figure is not per step; this is the body as its own program, its cache donated (updated in
+  place). A phase's minimum: weights_read + the prompt cache + the completion slots it reads."""
+  cache = decode_cache(mcfg, mesh, ro.layout.rows, ro.new_len, dtype)
+  prompt_cache = decode_cache(mcfg, mesh, ro.layout.prompts, ro.prompt_len, dtype)
+  prompt_kv = bytes_per_device(prompt_cache)
+  out = _DecodeStepCosts([], [], [], [], error, prompt_kv, bytes_per_device(cache) + prompt_kv)
+  matmul_flops = ro.layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
+  for bound in ro.phases:
+    costs = None
+    if not out.bytes or out.bytes[-1] is not None:  # no cost analysis in one phase: none in any
+      try:
+        compiled, trace = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts, traced=True)
+        costs = compiled.cost_analysis()
+        out.grid_steps.append(pallas_grid_steps(trace.jaxpr.jaxpr))
+      except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
+        out.error = out.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    out.bytes.append(float(costs["bytes accessed"]) if costs and costs.get("bytes accessed") else None)
+    out.flops.append(float(costs["flops"]) if costs and costs.get("flops") else matmul_flops)
+    out.min_bytes.append(
+        weights_read + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, ro.layout.rows, bound, dtype))
+    )
+  return out
+
+
+def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeStepCosts, weights_read: int, **kw):
+  """`plan.step_bound` of the rollout as compiled, a phase without cost analysis at its minimum
+  bytes; kw: the length distribution (`lengths`, `batches`, `seed`)."""
+  costs = plan.DecodeCosts(
+      rows=ro.rows,
+      group_size=ro.group,
+      decode_batch_size=ro.sub,
+      prompt_len=ro.prompt_len,
+      completion_len=ro.new_len,
+      phases=tuple(ro.phases),
+      phase_bytes=tuple(b if b is not None else m for b, m in zip(step.bytes, step.min_bytes)),
+      phase_flops=tuple(step.flops),
+      weights_read_bytes=weights_read,
+      prompt_kv_bytes=step.prompt_kv_bytes,
+  )
+  return plan.step_bound(
+      mcfg,
+      costs,
+      chips=target.chips,
+      peak_tflops=target.peak_tflops,
+      hbm_tb_s=target.hbm_tb_s,
+      train_steps=cfg.train.steps,
+      passes=cfg.train.num_iterations,
+      with_ref=cfg.loss.beta > 0,
+      **kw,
+  )
+
+
+def _shapes(
+    cfg: Config,
+    mcfg,
+    mesh,
+    ro: _Rollout,
+    dtype: str,
+    policy_bytes: int,
+    weights_read: int,
+    step: _DecodeStepCosts,
+    note: str,
+) -> dict:
+  """The report's `shapes`: the rollout's rows, columns and sub-batches, the mesh, the model, the
+  bytes of the rollout policy, of the weights a step reads and of the KV caches, and the note."""
+  return dict(
+      rows=ro.rows,
+      decode_batch_size=ro.sub,
+      sub_batches=ro.layout.sub_batches,
+      rows_per_device=ro.layout.rows // (mesh.shape["data"] * mesh.shape["fsdp"]),
+      prompts_per_sub_batch=ro.layout.prompts,
+      samples_per_prompt=ro.layout.samples,
+      decode_phases=list(ro.phases),
+      prompt_len=ro.prompt_len,
+      completion_len=ro.new_len,
+      mesh=dict(mesh.shape),
+      model=cfg.model.path or cfg.model.preset,
+      num_params=mcfg.num_params(),
+      dtype=dtype,
+      param_dtype=dtype,
+      attention=mcfg.attention,  # the prefill's
+      decode_attention=mcfg.decode_attention,
+      rollout_policy_bytes=policy_bytes,
+      rollout_weights_read_bytes=weights_read,  # a step's share of the minimum
+      kv_cache_bytes=step.kv_cache_bytes,
+      prompt_kv_cache_bytes=step.prompt_kv_bytes,
+      note=note,
+  )
+
+
 def compile_sampler(
     cfg: Config,
     target: Target,
@@ -183,29 +357,10 @@ def compile_sampler(
   # it gathers one row a token (a tied one is the LM head, read whole)
   weights_read = policy_bytes - (0 if mcfg.tie_word_embeddings else bytes_per_device(policy.state["embed"]))
   free = target.usable_hbm - resident - policy_bytes
-  dbs = setup_lib.decode_batch_size(cfg)
+  sub, note = _decode_batch_size(
+      cfg, mcfg, target, mesh, rows=rows, prompt_len=prompt_len, new_len=new_len, dtype=dtype, free=free, note=note
+  )
   group = cfg.rollout.group_size
-  try:
-    if dbs == "auto":
-      row_bytes = sampling.decode_row_bytes(mcfg, new_len, mesh, dtype)
-      prompt_bytes = sampling.kv_bytes(mcfg, prompt_len, mesh, dtype)
-      try:
-        if free <= 0:
-          raise ValueError("no memory is free")
-        sub = sampling.auto_decode_batch_size(
-            rows, shards, row_bytes, free, group_size=group, prompt_bytes=prompt_bytes
-        )
-      except ValueError:  # not even one row a chip fits: compile one row a chip, report not fitting
-        sub = min(d for d in range(shards, rows + 1) if rows % d == 0)
-        note = "; ".join(
-            n for n in (note, f"decode_batch_size=auto: not one row a chip fits the free HBM; compiled {sub}") if n
-        )
-    else:
-      sub = sampling.resolve_decode_batch_size(
-          dbs, rows, cfg=mcfg, prompt_len=prompt_len, new_len=new_len, group_size=group, mesh=mesh, dtype=dtype
-      )
-  except ValueError as e:
-    raise AotError(f"--target {target.name}: config.rollout.{' '.join(str(e).split())}") from None
   layout = sampling.decode_layout(rows, group, sub, shards)  # as `generate` lays the rows out
   greedy = cfg.rollout.temperature == 0
   sample_kw = dict(greedy=greedy, top_k=min(cfg.rollout.top_k, mcfg.vocab_size), use_top_p=cfg.rollout.top_p < 1.0)
@@ -223,90 +378,24 @@ def compile_sampler(
   report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
   phases = sampling.decode_phases(new_len)
   report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
-  # the decode step alone: cost_analysis counts a loop body once, so the whole program's figure
-  # is not per step; this is the body as its own program, its cache donated (updated in place),
-  # once a decode phase (the slots it reads)
-  cache = decode_cache(mcfg, mesh, layout.rows, new_len, dtype)
-  prompt_cache = decode_cache(mcfg, mesh, layout.prompts, prompt_len, dtype)
-  prompt_kv = bytes_per_device(prompt_cache)
-  kv_cache_bytes = bytes_per_device(cache) + prompt_kv
-  phase_bytes, phase_flops, phase_min, phase_grid = [], [], [], []
+  ro = _Rollout(rows, group, prompt_len, new_len, sub, layout, phases)
   opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
   report.decode_bytes_options = opts
-  matmul_flops = layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
-  for bound in phases:
-    costs = None
-    if not phase_bytes or phase_bytes[-1] is not None:  # no cost analysis in one phase: none in any
-      try:
-        compiled, trace = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts, traced=True)
-        costs = compiled.cost_analysis()
-        phase_grid.append(pallas_grid_steps(trace.jaxpr.jaxpr))
-      except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
-        report.error = report.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
-    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-    phase_bytes.append(float(costs["bytes accessed"]) if costs and costs.get("bytes accessed") else None)
-    phase_flops.append(float(costs["flops"]) if costs and costs.get("flops") else matmul_flops)
-    phase_min.append(weights_read + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, layout.rows, bound, dtype)))
-  if phase_bytes[-1] is None and not report.error:  # the CUDA plugin's compile-only executables
-    note = "; ".join(
-        n
-        for n in (note, "decode step bytes: this compiler gives no cost analysis (the step bound uses the minimum)")
-        if n
+  step = _decode_step_costs(
+      policy, mcfg, mesh, target, ro, sample_kw, dtype, opts, weights_read=weights_read, error=report.error
+  )
+  report.error = step.error
+  if step.bytes[-1] is None and not report.error:  # the CUDA plugin's compile-only executables
+    note = _join_notes(
+        note, "decode step bytes: this compiler gives no cost analysis (the step bound uses the minimum)"
     )
-  report.decode_phase_bytes, report.decode_phase_flops, report.decode_phase_min_bytes = (
-      phase_bytes,
-      phase_flops,
-      phase_min,
+  report.decode_phase_bytes, report.decode_phase_flops = step.bytes, step.flops
+  report.decode_phase_min_bytes = step.min_bytes
+  report.decode_phase_grid_steps = step.grid_steps if len(step.grid_steps) == len(phases) else None
+  report.decode_step_bytes = step.bytes[-1]  # the last phase reads every slot
+  report.decode_step_min_bytes = weights_read + step.kv_cache_bytes
+  report.step_bound = _step_bound(
+      cfg, mcfg, target, ro, step, weights_read, lengths=lengths, batches=length_batches, seed=length_seed
   )
-  report.decode_phase_grid_steps = phase_grid if len(phase_grid) == len(phases) else None
-  report.decode_step_bytes = phase_bytes[-1]  # the last phase reads every slot
-  report.decode_step_min_bytes = weights_read + kv_cache_bytes
-  costs = plan.DecodeCosts(
-      rows=rows,
-      group_size=group,
-      decode_batch_size=sub,
-      prompt_len=prompt_len,
-      completion_len=new_len,
-      phases=tuple(phases),
-      phase_bytes=tuple(b if b is not None else m for b, m in zip(phase_bytes, phase_min)),
-      phase_flops=tuple(phase_flops),
-      weights_read_bytes=weights_read,
-      prompt_kv_bytes=prompt_kv,
-  )
-  report.step_bound = plan.step_bound(
-      mcfg,
-      costs,
-      chips=target.chips,
-      peak_tflops=target.peak_tflops,
-      hbm_tb_s=target.hbm_tb_s,
-      train_steps=cfg.train.steps,
-      passes=cfg.train.num_iterations,
-      with_ref=cfg.loss.beta > 0,
-      lengths=lengths,
-      batches=length_batches,
-      seed=length_seed,
-  )
-  report.shapes = dict(
-      rows=rows,
-      decode_batch_size=sub,
-      sub_batches=layout.sub_batches,
-      rows_per_device=layout.rows // shards,
-      prompts_per_sub_batch=layout.prompts,
-      samples_per_prompt=layout.samples,
-      decode_phases=list(phases),
-      prompt_len=prompt_len,
-      completion_len=new_len,
-      mesh=dict(mesh.shape),
-      model=cfg.model.path or cfg.model.preset,
-      num_params=mcfg.num_params(),
-      dtype=dtype,
-      param_dtype=dtype,
-      attention=mcfg.attention,  # the prefill's
-      decode_attention=mcfg.decode_attention,
-      rollout_policy_bytes=policy_bytes,
-      rollout_weights_read_bytes=weights_read,  # a step's share of the minimum
-      kv_cache_bytes=kv_cache_bytes,
-      prompt_kv_cache_bytes=prompt_kv,
-      note=note,
-  )
+  report.shapes = _shapes(cfg, mcfg, mesh, ro, dtype, policy_bytes, weights_read, step, note)
   return report
