@@ -155,37 +155,37 @@ def test_load_param_equals_full_restore(ckpt, run):
   flat = _flat(full["state"].params)
   for path in ("layers/attn/q_proj/kernel", "embed/embedding", "final_norm/scale"):
     want = np.asarray(flat[path])
-    got = ins.load_param(ckpt, path)
+    got = ckpt.load_param(path)
     assert len(got.sharding.device_set) == 1
     np.testing.assert_array_equal(np.asarray(got), want)
-  layer1 = ins.load_param(ckpt, "layers/1/attn/q_proj/kernel")  # one layer's slice of the stack
+  layer1 = ckpt.load_param("layers/1/attn/q_proj/kernel")  # one layer's slice of the stack
   np.testing.assert_array_equal(np.asarray(layer1), np.asarray(flat["layers/attn/q_proj/kernel"])[1])
-  ref = ins.load_param(ckpt, "layers/1/mlp/up_proj/kernel", item="ref_params")
+  ref = ckpt.load_param("layers/1/mlp/up_proj/kernel", item="ref_params")
   np.testing.assert_array_equal(np.asarray(ref), run["params"][1]["layers"]["mlp"]["up_proj"]["kernel"][1])
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2), (1, 8, 1)])
 def test_load_param_onto_mesh(ckpt, run, shape):
   mesh = sharding.make_mesh(shape)
-  x = ins.load_param(ckpt, "layers/0/attn/q_proj/kernel", mesh=mesh, step=1)  # (embed, heads, head_dim)
+  x = ckpt.load_param("layers/0/attn/q_proj/kernel", mesh=mesh, step=1)  # (embed, heads, head_dim)
   fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
   spec = P("fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None, None)
   assert x.sharding == NamedSharding(mesh, spec)
   assert x.addressable_shards[0].data.shape == (64 // fsdp, 4 // tensor, 16)
   want = run["params"][1]["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]
   np.testing.assert_array_equal(np.asarray(x), want[0])
-  stack = ins.load_param(ckpt, "layers/attn/q_proj/kernel", mesh=mesh, step=1)
+  stack = ckpt.load_param("layers/attn/q_proj/kernel", mesh=mesh, step=1)
   assert stack.sharding == NamedSharding(mesh, P(None, *spec))
   np.testing.assert_array_equal(np.asarray(stack), want)
 
 
 def test_errors_name_what_exists(ckpt, tmp_path):
   with pytest.raises(CheckpointError, match=r"available steps: \[1, 2\]"):
-    ins.load_param(ckpt, "embed/embedding", step=7)
+    ckpt.load_param("embed/embedding", step=7)
   with pytest.raises(KeyError, match="did you mean.*layers/attn/q_proj/kernel"):
-    ins.load_param(ckpt, "layers/attn/q_proj/kernal")
+    ckpt.load_param("layers/attn/q_proj/kernal")
   with pytest.raises(KeyError, match="no params tensor 'layers/2/attn/q_proj/kernel'"):
-    ins.load_param(ckpt, "layers/2/attn/q_proj/kernel")  # 2 layers: 0 and 1
+    ckpt.load_param("layers/2/attn/q_proj/kernel")  # 2 layers: 0 and 1
   with pytest.raises(CheckpointError, match="does not exist"):
     ins.open_checkpoint(tmp_path / "nowhere")
   (tmp_path / "empty").mkdir()
@@ -242,7 +242,7 @@ def test_to_hf_round_trip_with_transformers(ckpt, run, tmp_path):
   ids = np.array([[9707, 0, 220, 16, 488, 220, 16, 284, 220, 17]], np.int64)
   with torch.no_grad():
     want = hf(torch.tensor(ids)).logits.numpy()
-  model = ins.restore_model(ckpt, step=2)
+  model = ckpt.restore_model(step=2)
   got = np.asarray(model(jnp.asarray(ids, jnp.int32)))
   chex.assert_trees_all_close(got, want, atol=2e-4, rtol=1e-4)
   # and the exported weights are the saved ones (layer 1 scaled at step 2)
