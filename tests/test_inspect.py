@@ -38,7 +38,8 @@ def _params_of(mcfg):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """-> dict(workdir, mesh, mcfg, params {step: host numpy pure dict}, optimizer, shardings)."""
+  """-> dict(workdir, cfg (the validated run config), mesh, mcfg, params {step: host numpy pure dict},
+  optimizer, shardings)."""
   workdir = str(tmp_path_factory.mktemp("run"))
   cfg = config_lib.tiny_config()
   cfg.loss.beta = 0.04  # the trainer then saves a frozen "ref_params" copy too
@@ -63,7 +64,15 @@ def run(tmp_path_factory):
           force=True,
       )
       host[step] = jax.tree.map(lambda x: np.asarray(x, np.float64), p)
-  return dict(workdir=workdir, mesh=mesh, mcfg=mcfg, params=host, optimizer=optimizer, params_sharding=params_sharding)
+  return dict(
+      workdir=workdir,
+      cfg=run_cfg,
+      mesh=mesh,
+      mcfg=mcfg,
+      params=host,
+      optimizer=optimizer,
+      params_sharding=params_sharding,
+  )
 
 
 @pytest.fixture()
@@ -179,6 +188,51 @@ def test_load_param_onto_mesh(ckpt, run, shape):
   np.testing.assert_array_equal(np.asarray(stack), want)
 
 
+def _read_everything(ckpt, mesh, order):
+  """The public reading methods of a fresh `Checkpoint`, called in `order` -> {name: result}."""
+  calls = {
+      "slice": lambda: ckpt.load_param("layers/1/mlp/gate_proj/kernel", mesh=mesh, step=1),
+      "stack": lambda: ckpt.load_param("layers/mlp/gate_proj/kernel", mesh=mesh),
+      "restore": lambda: ckpt.restore(["embed/embedding", "layers/attn/q_proj/kernel"], mesh=mesh, item="ref_params"),
+      "params": lambda: ckpt.load_params(1, mesh=mesh),
+      "model": lambda: nnx.to_pure_dict(nnx.state(ckpt.restore_model(mesh=mesh), nnx.Param)),
+      "model_config": lambda: ckpt.model_config,
+      "logical_axes": lambda: ckpt.logical_axes,
+  }
+  return {name: calls[name]() for name in order}
+
+
+def test_public_methods_give_the_same_results_in_either_order(run):
+  """Nothing a method needs is left behind by another: a mesh read first (which once filled the
+  axes a layer slice then used) or last, the results, values and placements, are the same."""
+  mesh = run["mesh"]
+  order = ["slice", "stack", "restore", "params", "model", "model_config", "logical_axes"]
+  with ins.open_checkpoint(run["workdir"]) as c:
+    forward = _read_everything(c, mesh, order)
+  with ins.open_checkpoint(run["workdir"]) as c:
+    backward = _read_everything(c, mesh, order[::-1])
+  assert forward["model_config"] == backward["model_config"] == run["mcfg"]
+  assert forward["logical_axes"] == backward["logical_axes"] == ins.param_axes(run["mcfg"])
+  for name in ("slice", "stack", "restore", "params", "model"):
+    a, b = _flat(forward[name]), _flat(backward[name])
+    assert a.keys() == b.keys(), name
+    for path, x in a.items():
+      assert x.sharding == b[path].sharding, (name, path)
+      assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh, (name, path)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(b[path]), err_msg=f"{name} {path}")
+  np.testing.assert_array_equal(
+      np.asarray(forward["slice"]), run["params"][1]["layers"]["mlp"]["gate_proj"]["kernel"][1]
+  )
+  np.testing.assert_array_equal(
+      np.asarray(forward["model"]["embed"]["embedding"]), run["params"][2]["embed"]["embedding"]
+  )
+  with ins.open_checkpoint(run["workdir"]) as c:  # a stored tensor's slice is load_param's, not restore's
+    with pytest.raises(KeyError, match="one layer's slice of the stored 'layers/attn/q_proj/kernel'"):
+      c.restore(["layers/0/attn/q_proj/kernel"])
+    with pytest.raises(KeyError, match="did you mean"):
+      c.restore(["embed/embeding"])
+
+
 def test_errors_name_what_exists(ckpt, tmp_path):
   with pytest.raises(CheckpointError, match=r"available steps: \[1, 2\]"):
     ckpt.load_param("embed/embedding", step=7)
@@ -231,6 +285,62 @@ def test_diff_across_steps(ckpt, run):
   assert d.layer_relative["layers/0"] == d.layer_relative["embed"] == 0.0
   # the update measured from the other side is relative to step 2's (larger) norm
   assert ins.diff(ckpt, 2, 1).layer_relative["layers/1"] == pytest.approx((SCALE - 1) / SCALE, rel=1e-5)
+
+
+# ---- the run's model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+  """A `model.vocab="task"` run: its task_vocab.json and one checkpoint of the tiny preset with
+  the vocabulary's 128 embedding rows, meta with the run config (no config.json) -> (workdir, cfg, tok)."""
+  from ict_jax import task_vocab
+
+  workdir = str(tmp_path_factory.mktemp("task_run"))
+  cfg = config_lib.validate(config_lib.chain_config())
+  tok = task_vocab.build(["3+1+4=", "3+1=4,4+4=8;\\boxed{8}"])
+  tok.save(workdir)
+  mcfg = Qwen2Config.preset("tiny", vocab_size=task_vocab.model_vocab_size(tok.vocab_size))
+  with Checkpointer(workdir, async_save=False) as ck:
+    ck.save(
+        1, {"state": {"params": _params_of(mcfg)}}, {"data_position": 0, "config": config_lib.to_dict(cfg)}, force=True
+    )
+  return workdir, cfg, tok
+
+
+def test_model_config_from_checkpoint_is_setup_model_config(run, task_run, tmp_path):
+  """The one rule (the trainer's): the saved config through `setup.model_config`, a task
+  vocabulary's rows from the workdir's task_vocab.json; the reader's model is it, shape-checked."""
+  import shutil
+
+  from ict_jax import setup
+  from ict_jax.config import ConfigError
+
+  mesh = run["mesh"]
+  qwen = setup.model_config_from_checkpoint(run["workdir"], mesh=mesh)  # the config from the meta
+  assert (
+      qwen
+      == setup.model_config(run["cfg"], "", mesh)
+      == setup.model_config_from_checkpoint(run["workdir"], step=1, mesh=mesh)
+  )
+  assert qwen.vocab_size == 151936
+  with ins.open_checkpoint(run["workdir"]) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(run["workdir"]) == run["mcfg"]
+
+  workdir, cfg, tok = task_run
+  task = setup.model_config_from_checkpoint(workdir, mesh=mesh)
+  assert task == setup.model_config(cfg, "", mesh, tok) and task.vocab_size == 128
+  assert setup.model_config_from_checkpoint(workdir, config=cfg, mesh=mesh, tokenizer=tok) == task
+  with ins.open_checkpoint(workdir) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(workdir)
+    assert c.model_config.rope_theta == 10000.0  # the tiny preset's, not a Qwen default
+    assert c.load_params()["embed"]["embedding"].shape == (128, 64)
+  # the checkpoints copied without their task_vocab.json: the rule cannot size the model; the
+  # reader still reads it, the run's preset with the saved embedding's rows
+  elsewhere = tmp_path / "copy"
+  shutil.copytree(os.path.join(workdir, "checkpoints"), elsewhere / "checkpoints")
+  with pytest.raises(ConfigError, match="model.vocab='task'.*has no task_vocab.json"):
+    setup.model_config_from_checkpoint(elsewhere)
+  with ins.open_checkpoint(elsewhere) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(workdir)
 
 
 # ---- Hugging Face export ---------------------------------------------------------------------------
