@@ -249,6 +249,17 @@ class CheckpointReader:
     finally:
       absl_log.setLevel(level)
 
+  @classmethod
+  def of_workdir(cls, workdir: str | os.PathLike) -> "CheckpointReader":
+    """The reader of a training workdir's `checkpoints/` (a `CheckpointError` naming the workdir
+    when it has none)."""
+    directory = resolve_path(workdir) / "checkpoints"
+    if not directory.exists():
+      raise CheckpointError(
+          f"{os.fspath(directory)!r} does not exist: no checkpoints in workdir {os.fspath(workdir)!r}"
+      )
+    return cls(directory)
+
   @property
   def steps(self) -> list[int]:
     """Every committed step, oldest first (re-read from the directory on each call)."""

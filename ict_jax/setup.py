@@ -1,17 +1,23 @@
-"""Building the run's pieces from a validated `Config`: the mesh, the model config, the abstract
-parameters with their shardings. Shared by `train.py` and `eval/` (nothing may import train.py).
+"""Building the run's pieces from a validated `Config`: the mesh, the model config (of a config,
+or of a saved run: `model_config_from_checkpoint`), the abstract parameters with their shardings.
+Shared by `train.py`, `eval/` and `inspect/` (nothing may import train.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
+from ict_jax import config as config_lib
 from ict_jax import sharding, task_vocab
+from ict_jax.checkpoint import CheckpointReader
 from ict_jax.config import Config, ConfigError
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.hf import read_config
@@ -101,6 +107,66 @@ def model_config(cfg: Config, hf_dir: str, mesh: Mesh | None = None, tokenizer=N
       kw["vocab_size"] = task_vocab.model_vocab_size(tokenizer.vocab_size)
     return Qwen2Config.preset(cfg.model.preset, **kw)
   except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def read_run_config(workdir: str | os.PathLike, step: int | None = None) -> Config:
+  """The validated training config of a workdir: its config.json, else the `config` in the meta
+  of checkpoint `step` (default: the latest)."""
+  path = epath.Path(workdir) / "config.json"
+  if path.exists():
+    try:
+      raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from None
+    source = os.fspath(path)
+  else:
+    with CheckpointReader.of_workdir(workdir) as reader:
+      step = reader.pick_step(step)
+      meta = reader.meta(step)
+    if "config" not in meta:
+      raise ConfigError(f"{os.fspath(path)} is missing and checkpoint {step}'s meta has no 'config'")
+    raw, source = meta["config"], f"{os.fspath(workdir)}/checkpoints/{step}/meta"
+  try:
+    return config_lib.from_dict(raw)
+  except ConfigError as e:
+    raise ConfigError(f"{source}: {e}") from None
+
+
+def model_config_from_checkpoint(
+    workdir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    config: Config | None = None,
+    hf_dir: str | None = None,
+    mesh: Mesh | None = None,
+    tokenizer=None,
+) -> Qwen2Config:
+  """The model of the run in `workdir`, the one rule for a training run (`train.py`, at a start
+  and at a resume), evaluation (`eval/loading.py`) and inspection (`inspect/reader.py`):
+  `model_config(cfg, hf_dir, mesh, tokenizer)` with
+    cfg        `config`, default the saved one (`read_run_config(workdir, step)`);
+    hf_dir     default `cfg.model.path` (train.py passes `--init_from_hf` when given);
+    tokenizer  default, where it sizes the model (`model.vocab="task"`, no Hugging Face folder),
+               the workdir's task_vocab.json, which `make_tokenizer` reads there at a resume.
+  Nothing is read from `workdir` when `config` is given and the tokenizer is given or not needed."""
+  cfg = config if config is not None else read_run_config(workdir, step)
+  hf_dir = cfg.model.path if hf_dir is None else hf_dir
+  if tokenizer is None and cfg.model.vocab == "task" and not hf_dir:
+    tokenizer = _saved_task_vocab(workdir)
+  return model_config(cfg, hf_dir, mesh, tokenizer)
+
+
+def _saved_task_vocab(workdir: str | os.PathLike) -> task_vocab.TaskTokenizer:
+  path = task_vocab.find([os.fspath(workdir)])
+  if path is None:
+    raise ConfigError(
+        f"config.model.vocab='task': {os.fspath(workdir)} has no {task_vocab.FILENAME} (the run's "
+        "vocabulary, which sizes the embedding)"
+    )
+  try:
+    return task_vocab.TaskTokenizer.load(path)
+  except ValueError as e:
     raise ConfigError(str(e)) from None
 
 

@@ -458,7 +458,7 @@ def test_cli_workdir_after_one_training_step(tmp_path, ab_model_dir, capsys):
   assert "no checkpoint for step 5" in capsys.readouterr().err
 
   # without config.json the config comes from the checkpoint's meta
-  from ict_jax.eval.loading import read_run_config
+  from ict_jax.setup import read_run_config
 
   saved = read_run_config(str(workdir))
   (workdir / "config.json").unlink()

@@ -38,7 +38,8 @@ def _params_of(mcfg):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """-> dict(workdir, mesh, mcfg, params {step: host numpy pure dict}, optimizer, shardings)."""
+  """-> dict(workdir, cfg (the validated run config), mesh, mcfg, params {step: host numpy pure dict},
+  optimizer, shardings)."""
   workdir = str(tmp_path_factory.mktemp("run"))
   cfg = config_lib.tiny_config()
   cfg.loss.beta = 0.04  # the trainer then saves a frozen "ref_params" copy too
@@ -63,7 +64,15 @@ def run(tmp_path_factory):
           force=True,
       )
       host[step] = jax.tree.map(lambda x: np.asarray(x, np.float64), p)
-  return dict(workdir=workdir, mesh=mesh, mcfg=mcfg, params=host, optimizer=optimizer, params_sharding=params_sharding)
+  return dict(
+      workdir=workdir,
+      cfg=run_cfg,
+      mesh=mesh,
+      mcfg=mcfg,
+      params=host,
+      optimizer=optimizer,
+      params_sharding=params_sharding,
+  )
 
 
 @pytest.fixture()
@@ -155,37 +164,82 @@ def test_load_param_equals_full_restore(ckpt, run):
   flat = _flat(full["state"].params)
   for path in ("layers/attn/q_proj/kernel", "embed/embedding", "final_norm/scale"):
     want = np.asarray(flat[path])
-    got = ins.load_param(ckpt, path)
+    got = ckpt.load_param(path)
     assert len(got.sharding.device_set) == 1
     np.testing.assert_array_equal(np.asarray(got), want)
-  layer1 = ins.load_param(ckpt, "layers/1/attn/q_proj/kernel")  # one layer's slice of the stack
+  layer1 = ckpt.load_param("layers/1/attn/q_proj/kernel")  # one layer's slice of the stack
   np.testing.assert_array_equal(np.asarray(layer1), np.asarray(flat["layers/attn/q_proj/kernel"])[1])
-  ref = ins.load_param(ckpt, "layers/1/mlp/up_proj/kernel", item="ref_params")
+  ref = ckpt.load_param("layers/1/mlp/up_proj/kernel", item="ref_params")
   np.testing.assert_array_equal(np.asarray(ref), run["params"][1]["layers"]["mlp"]["up_proj"]["kernel"][1])
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2), (1, 8, 1)])
 def test_load_param_onto_mesh(ckpt, run, shape):
   mesh = sharding.make_mesh(shape)
-  x = ins.load_param(ckpt, "layers/0/attn/q_proj/kernel", mesh=mesh, step=1)  # (embed, heads, head_dim)
+  x = ckpt.load_param("layers/0/attn/q_proj/kernel", mesh=mesh, step=1)  # (embed, heads, head_dim)
   fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
   spec = P("fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None, None)
   assert x.sharding == NamedSharding(mesh, spec)
   assert x.addressable_shards[0].data.shape == (64 // fsdp, 4 // tensor, 16)
   want = run["params"][1]["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]
   np.testing.assert_array_equal(np.asarray(x), want[0])
-  stack = ins.load_param(ckpt, "layers/attn/q_proj/kernel", mesh=mesh, step=1)
+  stack = ckpt.load_param("layers/attn/q_proj/kernel", mesh=mesh, step=1)
   assert stack.sharding == NamedSharding(mesh, P(None, *spec))
   np.testing.assert_array_equal(np.asarray(stack), want)
 
 
+def _read_everything(ckpt, mesh, order):
+  """The public reading methods of a fresh `Checkpoint`, called in `order` -> {name: result}."""
+  calls = {
+      "slice": lambda: ckpt.load_param("layers/1/mlp/gate_proj/kernel", mesh=mesh, step=1),
+      "stack": lambda: ckpt.load_param("layers/mlp/gate_proj/kernel", mesh=mesh),
+      "restore": lambda: ckpt.restore(["embed/embedding", "layers/attn/q_proj/kernel"], mesh=mesh, item="ref_params"),
+      "params": lambda: ckpt.load_params(1, mesh=mesh),
+      "model": lambda: nnx.to_pure_dict(nnx.state(ckpt.restore_model(mesh=mesh), nnx.Param)),
+      "model_config": lambda: ckpt.model_config,
+      "logical_axes": lambda: ckpt.logical_axes,
+  }
+  return {name: calls[name]() for name in order}
+
+
+def test_public_methods_give_the_same_results_in_either_order(run):
+  """Nothing a method needs is left behind by another: a mesh read first (which once filled the
+  axes a layer slice then used) or last, the results, values and placements, are the same."""
+  mesh = run["mesh"]
+  order = ["slice", "stack", "restore", "params", "model", "model_config", "logical_axes"]
+  with ins.open_checkpoint(run["workdir"]) as c:
+    forward = _read_everything(c, mesh, order)
+  with ins.open_checkpoint(run["workdir"]) as c:
+    backward = _read_everything(c, mesh, order[::-1])
+  assert forward["model_config"] == backward["model_config"] == run["mcfg"]
+  assert forward["logical_axes"] == backward["logical_axes"] == ins.param_axes(run["mcfg"])
+  for name in ("slice", "stack", "restore", "params", "model"):
+    a, b = _flat(forward[name]), _flat(backward[name])
+    assert a.keys() == b.keys(), name
+    for path, x in a.items():
+      assert x.sharding == b[path].sharding, (name, path)
+      assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh, (name, path)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(b[path]), err_msg=f"{name} {path}")
+  np.testing.assert_array_equal(
+      np.asarray(forward["slice"]), run["params"][1]["layers"]["mlp"]["gate_proj"]["kernel"][1]
+  )
+  np.testing.assert_array_equal(
+      np.asarray(forward["model"]["embed"]["embedding"]), run["params"][2]["embed"]["embedding"]
+  )
+  with ins.open_checkpoint(run["workdir"]) as c:  # a stored tensor's slice is load_param's, not restore's
+    with pytest.raises(KeyError, match="one layer's slice of the stored 'layers/attn/q_proj/kernel'"):
+      c.restore(["layers/0/attn/q_proj/kernel"])
+    with pytest.raises(KeyError, match="did you mean"):
+      c.restore(["embed/embeding"])
+
+
 def test_errors_name_what_exists(ckpt, tmp_path):
   with pytest.raises(CheckpointError, match=r"available steps: \[1, 2\]"):
-    ins.load_param(ckpt, "embed/embedding", step=7)
+    ckpt.load_param("embed/embedding", step=7)
   with pytest.raises(KeyError, match="did you mean.*layers/attn/q_proj/kernel"):
-    ins.load_param(ckpt, "layers/attn/q_proj/kernal")
+    ckpt.load_param("layers/attn/q_proj/kernal")
   with pytest.raises(KeyError, match="no params tensor 'layers/2/attn/q_proj/kernel'"):
-    ins.load_param(ckpt, "layers/2/attn/q_proj/kernel")  # 2 layers: 0 and 1
+    ckpt.load_param("layers/2/attn/q_proj/kernel")  # 2 layers: 0 and 1
   with pytest.raises(CheckpointError, match="does not exist"):
     ins.open_checkpoint(tmp_path / "nowhere")
   (tmp_path / "empty").mkdir()
@@ -233,6 +287,62 @@ def test_diff_across_steps(ckpt, run):
   assert ins.diff(ckpt, 2, 1).layer_relative["layers/1"] == pytest.approx((SCALE - 1) / SCALE, rel=1e-5)
 
 
+# ---- the run's model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+  """A `model.vocab="task"` run: its task_vocab.json and one checkpoint of the tiny preset with
+  the vocabulary's 128 embedding rows, meta with the run config (no config.json) -> (workdir, cfg, tok)."""
+  from ict_jax import task_vocab
+
+  workdir = str(tmp_path_factory.mktemp("task_run"))
+  cfg = config_lib.validate(config_lib.chain_config())
+  tok = task_vocab.build(["3+1+4=", "3+1=4,4+4=8;\\boxed{8}"])
+  tok.save(workdir)
+  mcfg = Qwen2Config.preset("tiny", vocab_size=task_vocab.model_vocab_size(tok.vocab_size))
+  with Checkpointer(workdir, async_save=False) as ck:
+    ck.save(
+        1, {"state": {"params": _params_of(mcfg)}}, {"data_position": 0, "config": config_lib.to_dict(cfg)}, force=True
+    )
+  return workdir, cfg, tok
+
+
+def test_model_config_from_checkpoint_is_setup_model_config(run, task_run, tmp_path):
+  """The one rule (the trainer's): the saved config through `setup.model_config`, a task
+  vocabulary's rows from the workdir's task_vocab.json; the reader's model is it, shape-checked."""
+  import shutil
+
+  from ict_jax import setup
+  from ict_jax.config import ConfigError
+
+  mesh = run["mesh"]
+  qwen = setup.model_config_from_checkpoint(run["workdir"], mesh=mesh)  # the config from the meta
+  assert (
+      qwen
+      == setup.model_config(run["cfg"], "", mesh)
+      == setup.model_config_from_checkpoint(run["workdir"], step=1, mesh=mesh)
+  )
+  assert qwen.vocab_size == 151936
+  with ins.open_checkpoint(run["workdir"]) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(run["workdir"]) == run["mcfg"]
+
+  workdir, cfg, tok = task_run
+  task = setup.model_config_from_checkpoint(workdir, mesh=mesh)
+  assert task == setup.model_config(cfg, "", mesh, tok) and task.vocab_size == 128
+  assert setup.model_config_from_checkpoint(workdir, config=cfg, mesh=mesh, tokenizer=tok) == task
+  with ins.open_checkpoint(workdir) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(workdir)
+    assert c.model_config.rope_theta == 10000.0  # the tiny preset's, not a Qwen default
+    assert c.load_params()["embed"]["embedding"].shape == (128, 64)
+  # the checkpoints copied without their task_vocab.json: the rule cannot size the model; the
+  # reader still reads it, the run's preset with the saved embedding's rows
+  elsewhere = tmp_path / "copy"
+  shutil.copytree(os.path.join(workdir, "checkpoints"), elsewhere / "checkpoints")
+  with pytest.raises(ConfigError, match="model.vocab='task'.*has no task_vocab.json"):
+    setup.model_config_from_checkpoint(elsewhere)
+  with ins.open_checkpoint(elsewhere) as c:
+    assert c.model_config == setup.model_config_from_checkpoint(workdir)
+
+
 # ---- Hugging Face export ---------------------------------------------------------------------------
 def test_to_hf_round_trip_with_transformers(ckpt, run, tmp_path):
   torch = pytest.importorskip("torch")
@@ -242,7 +352,7 @@ def test_to_hf_round_trip_with_transformers(ckpt, run, tmp_path):
   ids = np.array([[9707, 0, 220, 16, 488, 220, 16, 284, 220, 17]], np.int64)
   with torch.no_grad():
     want = hf(torch.tensor(ids)).logits.numpy()
-  model = ins.restore_model(ckpt, step=2)
+  model = ckpt.restore_model(step=2)
   got = np.asarray(model(jnp.asarray(ids, jnp.int32)))
   chex.assert_trees_all_close(got, want, atol=2e-4, rtol=1e-4)
   # and the exported weights are the saved ones (layer 1 scaled at step 2)

@@ -111,6 +111,11 @@ def test_run_saves_its_vocabulary_and_a_128_row_model(chain_run, full):
   with ci.open_checkpoint(workdir) as ckpt:
     assert ckpt.tensors()["embed/embedding"].shape[0] == 128
     assert ckpt.model_config.rope_theta == 10000.0  # the tiny preset's, not a Qwen default
+    # the model of the saved run is the trainer's: its config and task_vocab.json through setup.model_config
+    from ict_jax import setup
+
+    run_model = setup.model_config(config_lib.validate(_chain()), "", None, tok)
+    assert setup.model_config_from_checkpoint(workdir) == run_model == ckpt.model_config
   assert [r["step"] for r in rows] == [1, 2]
   samples = read_log(workdir, "samples")
   assert all(isinstance(s["completion"], str) for s in samples)

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   import jax
-  from ict_jax import sharding
+  from ict_jax import setup, sharding
   from ict_jax.eval import loading
   from ict_jax.eval.run import evaluate_benchmarks, load_benchmarks, markdown_table, summary, write_results
   from ict_jax.rewards.pool import RewardPool
@@ -159,7 +159,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
       storage.check_backend(path, what)  # gs:// without gcsfs: one line, before anything is read
   storage.check_data_dir(a.data_dir, "--data_dir")
   sharding.maybe_initialize_distributed()
-  cfg = loading.read_run_config(a.workdir, a.step) if a.workdir else None
+  cfg = setup.read_run_config(a.workdir, a.step) if a.workdir else None
   if cfg is not None:
     prompt_style = a.prompt_style or cfg.data.prompt_style
     max_new_tokens = a.max_new_tokens or cfg.rollout.max_new_tokens

@@ -1,7 +1,8 @@
 """The model to evaluate: a Hugging Face folder, or a training workdir's checkpoint.
 
 A workdir is read without writing to it: its `config.json` (the trainer's full config; the
-checkpoint's `meta["config"]` when the file is missing) gives the architecture and dtypes, and
+checkpoint's `meta["config"]` when the file is missing: `setup.read_run_config`) gives the
+architecture and dtypes (`setup.model_config_from_checkpoint`, the trainer's rule), and
 only `state.params` of `checkpoints/<step>/` is restored (Orbax partial restore: the optimizer
 moments are never read), each parameter straight into its sharding on the mesh.
 """
@@ -9,19 +10,16 @@ moments are never read), each parameter straight into its sharding on the mesh.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any
 
 import jax.numpy as jnp
-from etils import epath
 from flax import nnx
 
-from ict_jax import config as config_lib
-from ict_jax import setup, task_vocab
-from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
-from ict_jax.config import Config, ConfigError
+from ict_jax import setup
+from ict_jax.checkpoint import CheckpointError, CheckpointReader
+from ict_jax.config import Config
 
 log = logging.getLogger("ict_jax.eval")
 
@@ -46,49 +44,19 @@ def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
   return LoadedModel(model, os.path.basename(os.path.normpath(hf_dir)) or hf_dir, None, None)
 
 
-def _reader(workdir: str) -> CheckpointReader:
-  directory = resolve_path(workdir) / "checkpoints"
-  if not directory.exists():
-    raise CheckpointError(f"{os.fspath(directory)!r} does not exist: no checkpoints in workdir {workdir!r}")
-  return CheckpointReader(directory)
-
-
-def read_run_config(workdir: str, step: int | None = None) -> Config:
-  """The validated training config of a workdir: its config.json, else the `config` in the meta
-  of checkpoint `step` (default: the latest)."""
-  path = epath.Path(workdir) / "config.json"
-  if path.exists():
-    try:
-      raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from None
-    source = os.fspath(path)
-  else:
-    with _reader(workdir) as reader:
-      step = reader.pick_step(step)
-      meta = reader.meta(step)
-    if "config" not in meta:
-      raise ConfigError(f"{os.fspath(path)} is missing and checkpoint {step}'s meta has no 'config'")
-    raw, source = meta["config"], f"{workdir}/checkpoints/{step}/meta"
-  try:
-    return config_lib.from_dict(raw)
-  except ConfigError as e:
-    raise ConfigError(f"{source}: {e}") from None
-
-
 def load_workdir(
     workdir: str, *, step: int | None = None, mesh=None, dtype: str | None = None, config: Config | None = None
 ) -> tuple[LoadedModel, Any]:
   """-> (the model at `step` (default: the latest), the mesh it lives on).
 
-  `config` defaults to `read_run_config(workdir, step)`; `mesh` to the run's `config.mesh` over
-  this machine's devices; `dtype` overrides the compute dtype (parameters keep the dtype they
-  were saved in)."""
-  with _reader(workdir) as reader:
+  `config` defaults to `setup.read_run_config(workdir, step)`; `mesh` to the run's `config.mesh`
+  over this machine's devices; the model is `setup.model_config_from_checkpoint`'s; `dtype`
+  overrides the compute dtype (parameters keep the dtype they were saved in)."""
+  with CheckpointReader.of_workdir(workdir) as reader:
     step = reader.pick_step(step)
-    cfg = config if config is not None else read_run_config(workdir, step)
+    cfg = config if config is not None else setup.read_run_config(workdir, step)
     mesh = mesh if mesh is not None else setup.make_mesh(cfg)
-    mcfg = setup.model_config(cfg, cfg.model.path, mesh, task_vocab.load_tokenizer(os.fspath(workdir)))
+    mcfg = setup.model_config_from_checkpoint(workdir, config=cfg, mesh=mesh)
     if dtype is not None:
       mcfg = mcfg.replace(dtype=jnp.dtype(dtype).name)
     graphdef, abstract, _ = setup.abstract_params(mcfg, mesh)

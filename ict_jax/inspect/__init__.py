@@ -3,8 +3,10 @@
     ckpt = open_checkpoint("runs/default")          # or ".../checkpoints/40", or step=40
     ckpt.show()                                     # treescope in a notebook, text elsewhere
     ckpt.tree()                                     # {"layers": {"attn": {"q_proj": {"kernel": TensorInfo}}}}
-    x = load_param(ckpt, "layers/attn/q_proj/kernel", mesh=mesh)     # one tensor [L, D, N, H]
-    x0 = load_param(ckpt, "layers/0/attn/q_proj/kernel")              # layer 0's slice [D, N, H]
+    x = ckpt.load_param("layers/attn/q_proj/kernel", mesh=mesh)     # one tensor [L, D, N, H]
+    x0 = ckpt.load_param("layers/0/attn/q_proj/kernel")              # layer 0's slice [D, N, H]
+    model = ckpt.restore_model(40)                  # the Qwen2 module (ckpt.load_params(): its dict)
+    ckpt.model_config                               # setup.model_config_from_checkpoint, shape-checked
     param_stats(ckpt).layer_norms                   # {"embed": ..., "layers/0": ..., ...}
     diff(ckpt, 20, 40).layer_relative               # ||theta_40 - theta_20|| / ||theta_20|| per layer
     to_hf(ckpt, "/tmp/hf")                          # a folder transformers.from_pretrained loads
@@ -23,11 +25,8 @@ from ict_jax.inspect.reader import (
     Checkpoint,
     TensorInfo,
     layer_group,
-    load_param,
-    load_params,
     open_checkpoint,
     param_axes,
-    restore_model,
 )
 from ict_jax.inspect.stats import ParamDiff, ParamStats, diff, param_stats
 
@@ -37,9 +36,6 @@ __all__ = [
     "ParamStats",
     "ParamDiff",
     "open_checkpoint",
-    "load_param",
-    "load_params",
-    "restore_model",
     "param_stats",
     "diff",
     "to_hf",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ict_jax.inspect.reader import Checkpoint, restore_model
+from ict_jax.inspect.reader import Checkpoint
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -29,8 +29,8 @@ def to_hf(
   from ict_jax.models.hf import save_pretrained
 
   storage.check_backend(out_dir, "the export folder")
-  model = restore_model(ckpt, step, mesh=mesh, item=item)
-  vocab = task_vocab.find([os.fspath(ckpt.directory.parent)])
+  model = ckpt.restore_model(step, mesh=mesh, item=item)
+  vocab = task_vocab.find([os.fspath(ckpt.workdir)])
   with contextlib.ExitStack() as stack:
     # a bucket: safetensors writes local files, so the folder is made locally and copied up
     url = storage.is_url(out_dir)

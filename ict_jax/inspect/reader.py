@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
+from etils import epath
 
 from ict_jax.checkpoint import CheckpointError, CheckpointReader, resolve_path
 
@@ -180,16 +182,19 @@ def _in_notebook() -> bool:
 
 # ---- the checkpoint ------------------------------------------------------------------------------
 class Checkpoint:
-  """A read-only view of `<workdir>/checkpoints/` with one selected step (`.step`)."""
+  """A read-only view of `<workdir>/checkpoints/` with one selected step (`.step`).
+
+  Every method reads what it needs itself: `model_config` and `logical_axes` are computed on
+  first use and kept (cached properties), `meta(step)` and `tensors(step)` remember what they
+  read, so no result depends on which method was called first."""
 
   def __init__(self, directory: str | os.PathLike, step: int | None = None, *, model_config=None):
     self._reader = CheckpointReader(directory)
     self.directory = self._reader.directory
     self.step = self._reader.pick_step(step)
-    self._model_config = model_config
-    self._axes: dict[str, tuple] | None = None
-    self._tensors: dict[int, dict[str, TensorInfo]] = {}
-    self._meta: dict[int, dict] = {}
+    self._given_model_config = model_config  # None: `model_config` infers it
+    self._tensors: dict[int, dict[str, TensorInfo]] = {}  # tensors(step)'s metadata, by step
+    self._meta: dict[int, dict] = {}  # meta(step), by step
 
   # ---- steps and metadata --------------------------------------------------------------------
   @property
@@ -197,16 +202,22 @@ class Checkpoint:
     """Every committed step, oldest first (re-read from the directory on each call)."""
     return self._reader.steps
 
-  def _check_step(self, step: int | None) -> int:
+  @property
+  def workdir(self) -> epath.Path:
+    """The folder holding `checkpoints/`: the run's workdir (config.json, task_vocab.json)."""
+    return self.directory.parent
+
+  def pick_step(self, step: int | None = None) -> int:
+    """`step` if it is committed (else a `CheckpointError` listing the steps); None: `.step`."""
     return self.step if step is None else self._reader.pick_step(step)
 
   def at(self, step: int) -> "Checkpoint":
     """The same checkpoint directory with another step selected."""
-    return Checkpoint(self.directory, self._check_step(step), model_config=self._model_config)
+    return Checkpoint(self.directory, self.pick_step(step), model_config=self._given_model_config)
 
   def meta(self, step: int | None = None) -> dict:
     """The step's JSON item: data_position, step, seed, config."""
-    step = self._check_step(step)
+    step = self.pick_step(step)
     if step not in self._meta:
       self._meta[step] = self._reader.meta(step)
     return self._meta[step]
@@ -233,7 +244,7 @@ class Checkpoint:
   def tensors(self, step: int | None = None, *, item: str | None = "params") -> dict[str, TensorInfo]:
     """{path: TensorInfo} of `item` ("params", "ref_params", or None for the whole saved tree,
     optimizer state included), from Orbax metadata only."""
-    step = self._check_step(step)
+    step = self.pick_step(step)
     if step not in self._tensors:
       tree = self._reader.state_metadata(step)
       if tree is None:
@@ -272,18 +283,85 @@ class Checkpoint:
   def nbytes(self, step: int | None = None, *, item: str | None = "params") -> int:
     return sum(t.nbytes for t in self.tensors(step, item=item).values())
 
-  @property
+  @functools.cached_property
   def model_config(self):
-    """The `Qwen2Config` of the saved parameters (see `_resolve_model_config`)."""
-    if self._model_config is None:
-      self._model_config = _resolve_model_config(
-          self.tensors(), self.config, os.fspath(self.directory / str(self.step))
-      )
-    return self._model_config
+    """The `Qwen2Config` of the saved parameters: the one given to the constructor, else the
+    run's (`setup.model_config_from_checkpoint`) checked against the saved shapes (see
+    `_resolve_model_config`)."""
+    if self._given_model_config is not None:
+      return self._given_model_config
+    return _resolve_model_config(self.tensors(), self.config, self.workdir, os.fspath(self.directory / str(self.step)))
+
+  @functools.cached_property
+  def logical_axes(self) -> dict[str, tuple]:
+    """{param path: logical axis names} of `model_config` (the placement `mesh=` reads into)."""
+    return param_axes(self.model_config)
+
+  # ---- reading tensors -----------------------------------------------------------------------
+  def restore(
+      self, paths: Iterable[str] | None = None, *, step: int | None = None, mesh=None, item: str = "params"
+  ) -> dict[str, jax.Array]:
+    """{path: array} of the saved tensors `paths` of `item` (default: all of them), read by Orbax
+    partial restore and nothing else. Without `mesh` each lands on the first local device; with
+    one, in the `NamedSharding` of its logical axes (`models.axes.logical_to_spec`), each device
+    reading only its shard."""
+    import orbax.checkpoint as ocp
+
+    step = self.pick_step(step)
+    tensors = self.tensors(step, item=item)
+    infos = list(tensors.values()) if paths is None else [self._stored(tensors, p, step, item) for p in paths]
+    axes = None if mesh is None else self.logical_axes
+    prefix = _ITEMS[item]
+    flat_target, flat_args = {}, {}
+    for info in infos:
+      sharding = _placement(info, mesh, axes)
+      flat_target[info.path] = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+      flat_args[info.path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=info.shape, dtype=info.dtype)
+    wrap = lambda t: _nest({"/".join(prefix) + "/" + p: v for p, v in t.items()})
+    restored = self._reader.restore_state(step, wrap(flat_target), wrap(flat_args))
+    return {p: _get(restored, prefix + _split(p)) for p in flat_target}
+
+  def load_param(self, path: str, mesh=None, *, step: int | None = None, item: str = "params") -> jax.Array:
+    """One tensor (e.g. "layers/attn/q_proj/kernel", all layers [L, D, N, H]), read alone by
+    `restore`; "layers/3/attn/q_proj/kernel" is layer 3's slice [D, N, H] of it (the stacked
+    tensor is read, then sliced into the placement of the slice's logical axes on `mesh`)."""
+    step = self.pick_step(step)
+    info, layer = _lookup(self.tensors(step, item=item), path, self._missing(step, item))
+    x = self.restore([info.path], step=step, mesh=mesh, item=item)[info.path]
+    if layer is None:
+      return x
+    out = x.sharding
+    if mesh is not None:
+      from ict_jax.models.axes import logical_to_spec
+
+      names = self.logical_axes[info.path][1:]
+      out = jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape[1:], dict(mesh.shape)))
+    return jax.jit(lambda x: x[layer], out_shardings=out)(x)
+
+  def load_params(self, step: int | None = None, *, mesh=None, item: str = "params") -> dict:
+    """The whole parameter pure dict (the model's `nnx.to_pure_dict`), without the optimizer state."""
+    return _nest(self.restore(step=step, mesh=mesh, item=item))
+
+  def restore_model(self, step: int | None = None, *, mesh=None, item: str = "params"):
+    """The `Qwen2` model (nnx) of `model_config` holding the step's parameters."""
+    from flax import nnx
+    from ict_jax.models.qwen2 import abstract_model
+
+    graphdef, _ = nnx.split(abstract_model(self.model_config))
+    return nnx.merge(graphdef, self.load_params(step, mesh=mesh, item=item))
+
+  def _missing(self, step: int, item: str) -> str:
+    return f"{os.fspath(self.directory / str(step))}: no {item} tensor"
+
+  def _stored(self, tensors: Mapping[str, TensorInfo], path: str, step: int, item: str) -> TensorInfo:
+    info, layer = _lookup(tensors, path, self._missing(step, item))
+    if layer is not None:
+      raise KeyError(f"{path!r} is one layer's slice of the stored {info.path!r}: read it with load_param")
+    return info
 
   # ---- rendering -----------------------------------------------------------------------------
   def header(self, step: int | None = None) -> str:
-    step = self._check_step(step)
+    step = self.pick_step(step)
     params = self.tensors(step)
     meshes = {json.dumps(t.mesh) for t in params.values() if t.mesh}
     mesh = (
@@ -391,36 +469,27 @@ def _shape_dims(params: Mapping[str, TensorInfo], where: str) -> dict:
   )
 
 
-def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
-  """The run's model (its HF folder's config.json or preset, via `setup.model_config`) when it
-  matches the saved shapes; else the preset with those shapes; else the shapes with Qwen2.5's
-  defaults (rope_theta 1e6), with a warning. Parameter dtype: the saved one."""
+def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, workdir: str | os.PathLike, where: str):
+  """The run's model (`setup.model_config_from_checkpoint`: its Hugging Face folder's config.json
+  or preset, a task vocabulary's rows from `workdir`'s task_vocab.json) when it matches the saved
+  shapes; else the preset with those shapes; else the shapes with Qwen2.5's defaults (rope_theta
+  1e6), with a warning. Parameter dtype: the saved one."""
   from ict_jax.models.config import PRESETS, Qwen2Config
 
   dims = _shape_dims(params, where)
   pdt = np.dtype(params["embed/embedding"].dtype).name
   dtype = cfg.model.dtype if cfg is not None else pdt
   matches = lambda c: all(getattr(c, k) == v for k, v in dims.items())
-  if cfg is not None:
-    from ict_jax import setup
-    from ict_jax.config import ConfigError
-
-    try:
-      if cfg.model.vocab == "task" and not cfg.model.path:  # the preset, its rows sized by task_vocab.json
-        qwen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab="qwen"))
-        run = setup.model_config(qwen, "").replace(vocab_size=dims["vocab_size"])
-      else:
-        run = setup.model_config(cfg, cfg.model.path)
-      if matches(run):
-        return run.replace(param_dtype=pdt)
-      log.warning(
-          "%s: the run's model (%s) does not match the saved shapes %s",
-          where,
-          cfg.model.path or f"preset {cfg.model.preset!r}",
-          dims,
-      )
-    except ConfigError as e:
-      log.warning("%s: the run's model cannot be read (%s); using the saved shapes", where, e)
+  run = None if cfg is None else _run_model_config(cfg, workdir, dims["vocab_size"], where)
+  if run is not None:
+    if matches(run):
+      return run.replace(param_dtype=pdt)
+    log.warning(
+        "%s: the run's model (%s) does not match the saved shapes %s",
+        where,
+        cfg.model.path or f"preset {cfg.model.preset!r}",
+        dims,
+    )
   for preset in PRESETS.values():
     if matches(preset):
       return preset.replace(dtype=dtype, param_dtype=pdt)
@@ -431,6 +500,28 @@ def _resolve_model_config(params: Mapping[str, TensorInfo], cfg, where: str):
       dims,
   )
   return Qwen2Config(**dims, dtype=dtype, param_dtype=pdt)
+
+
+def _run_model_config(cfg, workdir: str | os.PathLike, vocab_rows: int, where: str):
+  """`setup.model_config_from_checkpoint` of the run; None, with a warning, when it cannot be
+  read. A task-vocabulary run's checkpoints whose workdir's task_vocab.json is missing or
+  unreadable (the checkpoints copied elsewhere) get the run's preset with the saved embedding's
+  `vocab_rows`."""
+  from ict_jax import setup
+  from ict_jax.config import ConfigError
+
+  try:
+    return setup.model_config_from_checkpoint(workdir, config=cfg)
+  except ConfigError as e:
+    error = e
+  if cfg.model.vocab == "task" and not cfg.model.path:
+    qwen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab="qwen"))
+    try:
+      return setup.model_config(qwen, "").replace(vocab_size=vocab_rows)
+    except ConfigError as e:
+      error = e
+  log.warning("%s: the run's model cannot be read (%s); using the saved shapes", where, error)
+  return None
 
 
 def param_axes(model_config) -> dict[str, tuple]:
@@ -454,29 +545,9 @@ def _placement(info: TensorInfo, mesh, axes: Mapping[str, tuple] | None):
   return jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape, dict(mesh.shape)))
 
 
-def _restore(ckpt: Checkpoint, step: int, item: str, infos: list[TensorInfo], mesh) -> dict[str, jax.Array]:
-  """Partial restore of exactly `infos` (paths relative to `item`) -> {path: array}."""
-  import orbax.checkpoint as ocp
-
-  axes = None
-  if mesh is not None:
-    if ckpt._axes is None:
-      ckpt._axes = param_axes(ckpt.model_config)
-    axes = ckpt._axes
-  prefix = _ITEMS[item]
-  flat_target, flat_args = {}, {}
-  for info in infos:
-    sharding = _placement(info, mesh, axes)
-    flat_target[info.path] = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
-    flat_args[info.path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=info.shape, dtype=info.dtype)
-  wrap = lambda t: _nest({"/".join(prefix) + "/" + p: v for p, v in t.items()})
-  restored = ckpt._reader.restore_state(step, wrap(flat_target), wrap(flat_args))
-  return {p: _get(restored, prefix + _split(p)) for p in flat_target}
-
-
-def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> tuple[TensorInfo, int | None]:
-  """-> (the stored tensor, layer index or None): "layers/3/x" names layer 3 of stacked "layers/x"."""
-  tensors = ckpt.tensors(step, item=item)
+def _lookup(tensors: Mapping[str, TensorInfo], path: str, missing: str) -> tuple[TensorInfo, int | None]:
+  """-> (the stored tensor, layer index or None): "layers/3/x" names layer 3 of stacked "layers/x".
+  An unknown path: a KeyError, `missing` and the path, naming the closest stored ones."""
   path = path.strip("/")
   if path in tensors:
     return tensors[path], None
@@ -487,49 +558,15 @@ def _lookup(ckpt: Checkpoint, step: int, item: str, path: str) -> tuple[TensorIn
       return stacked, int(parts[1])
   close = difflib.get_close_matches(path, list(tensors), n=3)
   raise KeyError(
-      f"{os.fspath(ckpt.directory / str(step))}: no {item} tensor {path!r}"
+      f"{missing} {path!r}"
       + (f"; did you mean {close}?" if close else f"; {len(tensors)} tensors, e.g. {list(tensors)[:3]}")
   )
 
 
-def load_param(ckpt: Checkpoint, path: str, mesh=None, *, step: int | None = None, item: str = "params") -> jax.Array:
-  """One tensor (e.g. "layers/attn/q_proj/kernel", all layers [L, D, N, H]), read alone by Orbax
-  partial restore; "layers/3/attn/q_proj/kernel" is layer 3's slice [D, N, H] of it (the stacked
-  tensor is read, then sliced).
-
-  Without `mesh` it lands on the first local device; with one, in the `NamedSharding` of its
-  logical axes (`models.axes.logical_to_spec`), each device reading only its shard."""
-  step = ckpt._check_step(step)
-  info, layer = _lookup(ckpt, step, item, path)
-  x = _restore(ckpt, step, item, [info], mesh)[info.path]
-  if layer is None:
-    return x
-  out = x.sharding
-  if mesh is not None:
-    from ict_jax.models.axes import logical_to_spec
-
-    names = ckpt._axes[info.path][1:]
-    out = jax.sharding.NamedSharding(mesh, logical_to_spec(names, info.shape[1:], dict(mesh.shape)))
-  return jax.jit(lambda x: x[layer], out_shardings=out)(x)
-
-
-def _groups(ckpt: Checkpoint, step: int, item: str) -> dict[str, list[TensorInfo]]:
-  groups: dict[str, list[TensorInfo]] = {}
+def read_groups(ckpt: Checkpoint, step: int, item: str) -> list[list[str]]:
+  """The stored paths of `item`, in groups read together and in model order: each stacked tensor
+  alone, the rest by layer group (what `stats` holds in memory at a time)."""
+  groups: dict[str, list[str]] = {}
   for info in ckpt.tensors(step, item=item).values():
-    groups.setdefault(_read_group(info.path), []).append(info)
-  return {g: groups[g] for g in sorted(groups, key=_group_sort_key)}
-
-
-def load_params(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> dict:
-  """The whole parameter pure dict (the model's `nnx.to_pure_dict`), without the optimizer state."""
-  step = ckpt._check_step(step)
-  return _nest(_restore(ckpt, step, item, list(ckpt.tensors(step, item=item).values()), mesh))
-
-
-def restore_model(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params"):
-  """The `Qwen2` model (nnx) holding the step's parameters."""
-  from flax import nnx
-  from ict_jax.models.qwen2 import abstract_model
-
-  graphdef, _ = nnx.split(abstract_model(ckpt.model_config))
-  return nnx.merge(graphdef, load_params(ckpt, step, mesh=mesh, item=item))
+    groups.setdefault(_read_group(info.path), []).append(info.path)
+  return [groups[g] for g in sorted(groups, key=_group_sort_key)]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ict_jax.inspect.reader import Checkpoint, _group_sort_key, _groups, _restore, _stacked, layer_group
+from ict_jax.inspect.reader import Checkpoint, _group_sort_key, _stacked, layer_group, read_groups
 
 
 # ---- norms -----------------------------------------------------------------------------------------
@@ -71,10 +71,10 @@ class ParamStats:
 
 def param_stats(ckpt: Checkpoint, step: int | None = None, *, mesh=None, item: str = "params") -> ParamStats:
   """Per-tensor and per-layer L2 norms, reading one stacked tensor at a time."""
-  step = ckpt._check_step(step)
+  step = ckpt.pick_step(step)
   sumsq: dict[str, np.ndarray] = {}
-  for infos in _groups(ckpt, step, item).values():
-    sumsq.update(_host_sums(_sumsq(_restore(ckpt, step, item, infos, mesh))))
+  for paths in read_groups(ckpt, step, item):
+    sumsq.update(_host_sums(_sumsq(ckpt.restore(paths, step=step, mesh=mesh, item=item))))
   return ParamStats(step, _tensor_norms(sumsq), _layer_norms(sumsq))
 
 
@@ -111,7 +111,7 @@ class ParamDiff:
 def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "params") -> ParamDiff:
   """Per-tensor and per-layer update size between two steps, reading one stacked tensor of each
   at a time."""
-  step_a, step_b = ckpt._check_step(step_a), ckpt._check_step(step_b)
+  step_a, step_b = ckpt.pick_step(step_a), ckpt.pick_step(step_b)
   ta, tb = ckpt.tensors(step_a, item=item), ckpt.tensors(step_b, item=item)
   mismatch = sorted(
       p
@@ -124,9 +124,9 @@ def diff(ckpt: Checkpoint, step_a: int, step_b: int, *, mesh=None, item: str = "
         f"{mismatch[:4]} (missing, or another shape/dtype)"
     )
   delta, base = {}, {}
-  for infos in _groups(ckpt, step_a, item).values():
-    a = _restore(ckpt, step_a, item, infos, mesh)
-    b = _restore(ckpt, step_b, item, infos, mesh)
+  for paths in read_groups(ckpt, step_a, item):
+    a = ckpt.restore(paths, step=step_a, mesh=mesh, item=item)
+    b = ckpt.restore(paths, step=step_b, mesh=mesh, item=item)
     delta.update(_host_sums(_diff_sumsq(a, b)))
     base.update(_host_sums(_sumsq(a)))
   return ParamDiff(step_a, step_b, _tensor_norms(delta), _tensor_norms(base), _layer_norms(delta), _layer_norms(base))
