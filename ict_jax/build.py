@@ -31,7 +31,8 @@ from ict_jax.data.splits import fitting_prompts, load_examples
 from ict_jax.logs import import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import Qwen2
-from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config, resolve_decode_attention
+from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint
+from ict_jax.setup import resolve_decode_attention
 from ict_jax.setup import rollout_dtype as resolve_rollout_dtype
 from ict_jax.task_vocab import TaskTokenizer
 
@@ -135,7 +136,8 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "") -> Run:
   if isinstance(tok, TaskTokenizer):
     log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
   train_src = fitting_prompts(cfg, tok, train_src)
-  mcfg = model_config(cfg, hf_dir, mesh, tok)
+  # the one rule from a run to its model (eval and the checkpoint reader use it on a saved run)
+  mcfg = model_config_from_checkpoint(workdir, config=cfg, hf_dir=hf_dir, mesh=mesh, tokenizer=tok)
   if cfg.train.token_budget:
     config_lib.check_packing_attention(mcfg.attention, mesh.local_devices)  # "auto" resolved for these devices
   model = build_model(cfg, mesh, mcfg)

@@ -128,6 +128,13 @@ def _mean_or_nan(x: np.ndarray) -> float:
   return float(x.mean()) if x.size else float("nan")
 
 
+def decode_batch_size(cfg) -> int | str | None:
+  """`config.rollout.decode_batch_size` as `sampling.generate` takes it: None (all rows),
+  "auto" or an int."""
+  dbs = cfg.rollout.decode_batch_size
+  return None if dbs == "all" else dbs if dbs == "auto" else int(dbs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How completions are drawn (`sampling.generate`)."""
@@ -199,8 +206,6 @@ class Collector:
   @classmethod
   def from_config(cls, cfg, tokenizer, *, mesh=None, rollout_dtype: str | None = None) -> "Collector":
     """The rollout of a validated `ict_jax.config.Config` (its rollout, data, reward and loss sections)."""
-    from ict_jax.setup import decode_batch_size
-
     rc = cfg.rollout
     return cls(
         tokenizer,

@@ -238,10 +238,3 @@ def rollout_dtype(cfg: Config, mesh: Mesh) -> str:
         f"config.rollout.dtype: {platform} has no {name} arithmetic; expected one " f"of {('auto',) + allowed}"
     )
   return name
-
-
-def decode_batch_size(cfg: Config) -> int | str | None:
-  """`config.rollout.decode_batch_size` as `sampling.generate` takes it: None (all rows),
-  "auto" or an int."""
-  dbs = cfg.rollout.decode_batch_size
-  return None if dbs == "all" else dbs if dbs == "auto" else int(dbs)

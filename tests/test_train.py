@@ -346,7 +346,8 @@ def test_bad_input_is_one_clear_error(args, needle, tmp_path):
 def test_rollout_dtype_and_decode_batch_size_keys():
   from types import SimpleNamespace
   from ict_jax.config import ConfigError
-  from ict_jax.setup import decode_batch_size, rollout_dtype
+  from ict_jax.rollout import decode_batch_size
+  from ict_jax.setup import rollout_dtype
 
   mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
   cfg = lambda **kw: config_lib.validate(_quick(**kw))

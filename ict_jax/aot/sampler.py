@@ -23,6 +23,7 @@ from ict_jax.aot.step import _cudnn_tracing, _setup
 from ict_jax.aot.targets import AotError, Target
 from ict_jax.config import Config
 from ict_jax.length_model import LengthDistribution
+from ict_jax.rollout import decode_batch_size
 from ict_jax.models.axes import axis_rules, logical_to_spec
 from ict_jax.models.qwen2 import CACHE_AXES, JointCache, LayerCache, make_cache
 from ict_jax.sampling import bucket_length
@@ -174,7 +175,7 @@ def _decode_batch_size(
   and the rollout copy. When not even one row a chip fits, one row a chip is compiled (to report
   not fitting) and the note says so; a setting that cannot be resolved is an `AotError`."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  dbs = setup_lib.decode_batch_size(cfg)
+  dbs = decode_batch_size(cfg)
   group = cfg.rollout.group_size
   try:
     if dbs == "auto":
