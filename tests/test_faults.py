@@ -10,6 +10,8 @@ check what only the whole program shows (exit codes, stderr, resume, metrics acr
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +19,15 @@ import pytest
 
 from benchmarks.faults import (
     checkpoint,
+    cli,
     config_abuse,
     data_files,
     harness,
+    hook,
     kill,
     model_folders,
     nonfinite,
+    registry,
     rewards,
     sigterm,
 )
@@ -148,3 +153,82 @@ def test_table_lists_every_row():
   assert len(text) == 4 and text[2].endswith("| PASS |") and text[3].endswith("| FAIL |")
   assert "a\\|b" in text[2]
   json.dumps(rows)
+
+
+def test_scenarios_are_registered_in_the_table_order():
+  order = ("config", "hf", "data", "rewards", "nonfinite", "ckpt", "sigterm", "kill", "soak")
+  assert cli.ALL == order and sorted(registry.SCENARIOS) == sorted(order)
+
+
+def test_main_runs_the_chosen_scenarios_and_a_harness_error_is_a_fail_row(tmp_path, monkeypatch, capsys):
+  seen = []
+
+  def fine(ctx):
+    seen.append(ctx)
+    return harness.row("fine", "x", "y", "z", True)
+
+  def broken(ctx):
+    raise RuntimeError("boom")
+
+  monkeypatch.setitem(registry.SCENARIOS, "config", fine)
+  monkeypatch.setitem(registry.SCENARIOS, "hf", broken)
+  out, root = tmp_path / "rows.json", tmp_path / "root"
+  assert cli.main(["--only", "config", "--root", str(root), "--kills", "3", "--json", str(out)]) == 0
+  (ctx,) = seen
+  assert (ctx.root, ctx.kills, ctx.soak_steps, ctx.huge_mb, ctx.data_dir) == (root, 3, 200, 100, str(root / "data"))
+  assert [r["fault"] for r in json.loads(out.read_text())] == ["fine"]
+  assert cli.main(["--only", "hf,config", "--root", str(root), "--json", str(out)]) == 1
+  rows = json.loads(out.read_text())
+  assert [(r["fault"], r["passed"]) for r in rows] == [("hf", False), ("fine", True)]
+  assert rows[0]["observed"] == "harness error RuntimeError: boom"
+  table = capsys.readouterr().out
+  assert "| hf |  |  | harness error RuntimeError: boom | FAIL |" in table and '"passed": 1' in table
+
+
+def test_context_runs_each_reference_once(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(registry, "reference_run", lambda *a: calls.append(a) or len(calls))
+  ctx = registry.Context(tmp_path)
+  assert ctx.ref(8, 4) == ctx.ref(8, 4) == 1 and ctx.ref(6, 2) == 2
+  assert calls == [
+      (tmp_path / "ref_8_4", 8, 4, str(tmp_path / "data")),
+      (tmp_path / "ref_6_2", 6, 2, str(tmp_path / "data")),
+  ]
+
+
+def test_a_scenario_name_registers_once():
+  with pytest.raises(ValueError, match="'kill' registered twice"):
+    registry.scenario("kill")(lambda ctx: None)
+
+
+def test_patch_on_import_patches_its_module_after_the_module_code_and_no_other(tmp_path, monkeypatch):
+  for name in ("faults_probe_patched", "faults_probe_other"):
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.delitem(sys.modules, name, raising=False)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+  seen = []
+  finder = hook.install({"faults_probe_patched": lambda m: seen.append(m.VALUE) or setattr(m, "VALUE", 2)})
+  assert sys.meta_path[0] is finder
+  import faults_probe_other  # pylint: disable=import-outside-toplevel,import-error
+  import faults_probe_patched  # pylint: disable=import-outside-toplevel,import-error
+
+  assert faults_probe_patched.VALUE == 2 and seen == [1] and faults_probe_other.VALUE == 1
+  monkeypatch.delitem(sys.modules, "faults_probe_patched")
+  monkeypatch.delitem(sys.modules, "faults_probe_other")
+
+
+def test_command_line_lists_the_scenarios():
+  """`python -m benchmarks.faults` from the repository root; an unknown --only names the known ones."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.faults", "--only", "config,nope"],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+  assert (
+      "--only: unknown ['nope']; known ('config', 'hf', 'data', 'rewards', 'nonfinite', 'ckpt', 'sigterm'"
+      in proc.stderr
+  )
