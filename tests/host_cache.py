@@ -9,49 +9,42 @@ never written and they recompiled every program on every run (process 1 of the p
 58 s of XLA compiles, against process 0's 6 s of cache loads). With this, a process i > 0 writes
 its own keys; the programs and how they are compiled do not change.
 
-`SHIM` is the text of a sitecustomize.py: with benchmarks/faults.py's import hook it patches
-`jax._src.compiler` when that module is first imported (JAX 0.10.2, pinned in requirements.txt)
-and fails at import, naming itself, if the function it wraps is gone.
+`STARTUP` is the folder of those processes' sitecustomize.py (host_cache_startup/), for the front
+of their PYTHONPATH: it calls `install()`, which with benchmarks/faults/hook.py's import hook
+patches `jax._src.compiler` when that module is first imported (JAX 0.10.2, pinned in
+requirements.txt) and fails at import, naming itself, if the function it wraps is gone. The same
+file installs benchmarks/faults' phase markers, which act only with their environment
+($ICT_FAULTS_MARKERS, tests/test_pod.py's `Pod(shim=True)`).
 """
 
-import importlib.util
 from pathlib import Path
-import textwrap
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.faults import hook
 
-
-_spec = importlib.util.spec_from_file_location("ict_faults", REPO / "benchmarks" / "faults.py")
-faults = importlib.util.module_from_spec(_spec)  # benchmarks/faults.py (its SHIM and ON_IMPORT)
-_spec.loader.exec_module(faults)
-
-# faults.py's import hook, then the patch
-SHIM = faults.ON_IMPORT + textwrap.dedent('''
-    """Test-only (tests/host_cache.py): every process of a CPU pod writes its compiled programs
-    to the persistent compilation cache, not process 0 only."""
-    import sys
-
-    def _every_process_writes(compiler):
-      from jax._src import compilation_cache, config
-      if not hasattr(compiler, "_cache_write"):
-        raise ImportError("tests/host_cache.py: jax._src.compiler._cache_write is gone (JAX upgraded?)")
-      write = compiler._cache_write
-      def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        if (compiler.distributed.global_state.process_id == 0 or host_callbacks
-            or compile_time_secs < config.persistent_cache_min_compile_time_secs.value):
-          return write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
-        compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                  int(compile_time_secs))
-      compiler._cache_write = _cache_write
-
-    sys.meta_path.insert(0, _PatchOnImport({"jax._src.compiler": _every_process_writes}))
-''')
+STARTUP = Path(__file__).resolve().parent / "host_cache_startup"
 
 
-def sitecustomize_dir(root: Path, *more: str) -> Path:
-  """A folder under `root` holding a sitecustomize.py of SHIM and `more` (other start-up code of
-  the same processes), for the front of their PYTHONPATH."""
-  folder = Path(root) / "sitecustomize"
-  folder.mkdir(parents=True, exist_ok=True)
-  (folder / "sitecustomize.py").write_text("\n".join((SHIM, *more)))
-  return folder
+def every_process_writes(compiler) -> None:
+  """Test-only: every process of a CPU pod writes its compiled programs to the persistent
+  compilation cache, not process 0 only."""
+  from jax._src import compilation_cache, config
+
+  if not hasattr(compiler, "_cache_write"):
+    raise ImportError("tests/host_cache.py: jax._src.compiler._cache_write is gone (JAX upgraded?)")
+  write = compiler._cache_write
+
+  def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+    if (
+        compiler.distributed.global_state.process_id == 0
+        or host_callbacks
+        or compile_time_secs < config.persistent_cache_min_compile_time_secs.value
+    ):
+      return write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+    compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+
+  compiler._cache_write = _cache_write
+
+
+def install() -> None:
+  """Patches `jax._src.compiler` when it is first imported (start-up code, before JAX is)."""
+  hook.install({"jax._src.compiler": every_process_writes})

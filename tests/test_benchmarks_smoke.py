@@ -100,8 +100,9 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
 
 
 # ---- every script of benchmarks/, at tiny shapes ------------------------------------------------
-# Each script in benchmarks/ -> the test that runs it: a test of this module, or another test file
-# that runs it (which must name the script). A new script without an entry fails
+# Each script in benchmarks/ (a .py file, or a package run as `python -m benchmarks.NAME`) -> the
+# test that runs it: a test of this module, or another test file that runs it (which must name the
+# script, or import the package). A new script without an entry fails
 # test_every_benchmark_script_has_a_smoke_run.
 SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
@@ -110,7 +111,7 @@ SMOKE = {
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
     "device_check.py": "test_device_check_smoke_packed_and_padded",
     "draw_bytes.py": "test_draw_bytes_tiny_on_v5e_8",
-    "faults.py": "tests/test_faults.py",
+    "faults": "tests/test_faults.py",
     "fma_rate.py": "test_fma_rate_prints_json",
     "iteration.py": "test_iteration_smoke_prints_consistent_json",
     "length.py": "test_length_trims_to_the_bucket",
@@ -122,12 +123,15 @@ SMOKE = {
 
 
 def test_every_benchmark_script_has_a_smoke_run():
-  scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
+  bench = os.path.join(ROOT, "benchmarks")
+  packages = [f for f in os.listdir(bench) if os.path.isfile(os.path.join(bench, f, "__main__.py"))]
+  scripts = sorted([f for f in os.listdir(bench) if f.endswith(".py")] + packages)
   assert scripts == sorted(SMOKE), "add the new benchmark script to SMOKE, with a smoke test"
   for script, where in SMOKE.items():
     if where.startswith("tests/"):
+      needle = f'"{script}"' if script.endswith(".py") else f"from benchmarks.{script} import"
       with open(os.path.join(ROOT, where)) as f:
-        assert f'"{script}"' in f.read(), f"{where} does not run benchmarks/{script}"
+        assert needle in f.read(), f"{where} does not run benchmarks/{script}"
     else:
       assert callable(globals().get(where)), f"{script}: no test named {where} in this module"
 

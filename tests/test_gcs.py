@@ -12,7 +12,6 @@ Every comparison is against something independent of the code under test: the re
 metrics, objects read straight from the server's JSON API, a local export of the same step.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,13 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faults import harness
+
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("ict_faults_gcs", REPO / "benchmarks" / "faults.py")
-faults = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(faults)
 
 STEPS, EVERY = 4, 3  # checkpoints at 3 and 4; a SIGTERM in step 2 saves a step no schedule does
-FLAGS = faults.quick_flags(STEPS, EVERY, extra=["--config.model.vocab=task"])  # no data_dir: the gs:// default
+FLAGS = harness.quick_flags(STEPS, EVERY, extra=["--config.model.vocab=task"])  # no data_dir: the gs:// default
 
 
 def _objects(gcs, prefix: str) -> list[str]:
@@ -58,9 +56,9 @@ def runs(gcs, gcs_environ, tmp_path_factory):
   root = tmp_path_factory.mktemp("gcs")
   env = {**gcs.client_env(), "TFDS_DATA_DIR": str(root / "tfds")}
   logs = root / "logs"
-  ref = faults.run_to_end(gcs.url("ref"), FLAGS + ["--config.train.profile_steps=2,2"], logs, "ref", extra_env=env)
+  ref = harness.run_to_end(gcs.url("ref"), FLAGS + ["--config.train.profile_steps=2,2"], logs, "ref", extra_env=env)
 
-  term = faults.Run(
+  term = harness.Run(
       gcs.url("term"),
       FLAGS + ["--config.train.sigterm_grace_s=60"],
       logs,
@@ -74,7 +72,7 @@ def runs(gcs, gcs_environ, tmp_path_factory):
   term.proc.send_signal(signal.SIGTERM)
   term_rc = term.wait()
   after_term = {"rc": term_rc, "steps": _steps(gcs, "term"), "metrics": _log(gcs, "term"), "err": term.stderr()}
-  resume = faults.run_to_end(gcs.url("term"), FLAGS, logs, "resume", extra_env=env)
+  resume = harness.run_to_end(gcs.url("term"), FLAGS, logs, "resume", extra_env=env)
   after_resume = {"steps": _steps(gcs, "term"), "metrics": _log(gcs, "term")}
 
   # truncate the biggest data object of the newest step, in the bucket
@@ -85,7 +83,7 @@ def runs(gcs, gcs_environ, tmp_path_factory):
 
   blob = gcs.read(bad)
   epath.Path(f"gs://{gcs.bucket}/{bad}").write_bytes(blob[: len(blob) // 2])
-  corrupt = faults.run_to_end(gcs.url("term"), FLAGS, logs, "corrupt", extra_env=env)
+  corrupt = harness.run_to_end(gcs.url("term"), FLAGS, logs, "corrupt", extra_env=env)
   return {
       "root": root,
       "ref": ref,
@@ -140,7 +138,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_equals_the_uninterrupted_ru
   assert [r["step"] for r in t["metrics"]] == [1, 2] and t["steps"] == [2]
   assert "resumed from step 2" in runs["resume"].stderr()
   assert runs["after_resume"]["steps"] == [2, 3, 4]
-  cmp = faults.compare(runs["ref_rows"], runs["after_resume"]["metrics"])
+  cmp = harness.compare(runs["ref_rows"], runs["after_resume"]["metrics"])
   assert cmp["ok"] and cmp["steps"] == STEPS, cmp
 
 
@@ -152,7 +150,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_is_set_aside(gcs, runs):
   aside = _objects(gcs, "term/checkpoints_unreadable/")
   assert "README.txt" in aside and runs["bad"].replace("term/checkpoints/", "") in aside
   assert _steps(gcs, "term") == [2, 3, 4]  # step 4 saved again
-  cmp = faults.compare(runs["ref_rows"], _log(gcs, "term"))
+  cmp = harness.compare(runs["ref_rows"], _log(gcs, "term"))
   assert cmp["ok"] and cmp["steps"] == STEPS, cmp
 
 
@@ -247,7 +245,7 @@ def test_missing_gcs_backend_is_one_line_naming_the_package(gcs, tmp_path):
   p = subprocess.run(
       [sys.executable, "-c", script],
       cwd=REPO,
-      env=faults.env(**gcs.client_env()),
+      env=harness.env(**gcs.client_env()),
       capture_output=True,
       text=True,
       timeout=300,

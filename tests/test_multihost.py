@@ -95,9 +95,9 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def shim(tmp_path_factory):
+def shim():
   """Every process writes its compiled programs to the cache (tests/host_cache.py)."""
-  return host_cache.sitecustomize_dir(tmp_path_factory.mktemp("multihost"))
+  return host_cache.STARTUP
 
 
 def _env(devices, shim, **extra):

@@ -92,7 +92,7 @@ class Pod:
           # every process writes its compiled programs to the cache (tests/host_cache.py)
           PYTHONPATH=os.pathsep.join([str(root["shim"]), str(REPO)]),
       )
-      if shim:  # benchmarks/faults.py's phase markers (and sleeps), from the same sitecustomize
+      if shim:  # benchmarks/faults/markers.py's phase markers (and sleeps), from the same sitecustomize
         env.update(ICT_FAULTS_MARKERS=str(self.markers[i]), ICT_FAULTS_SLEEP=sleep)
       cmd = [
           sys.executable,
@@ -171,7 +171,7 @@ def _log(gcs, workdir: str, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def pod_root(tmp_path_factory, gcs, gcs_environ):
   root = tmp_path_factory.mktemp("pod")
-  shim = host_cache.sitecustomize_dir(root, host_cache.faults.SHIM)  # faults' part acts only with its env
+  shim = host_cache.STARTUP  # with benchmarks/faults' markers, which act only with their env
   timings: dict[str, float] = {}
   # tfds data stay on local disk (a gs:// data_dir is refused)
   yield {"gcs": gcs, "logs": root, "data": root / "data", "shim": shim, "timings": timings}
