@@ -12,9 +12,7 @@ its own keys; the programs and how they are compiled do not change.
 `STARTUP` is the folder of those processes' sitecustomize.py (host_cache_startup/), for the front
 of their PYTHONPATH: it calls `install()`, which with benchmarks/faults/hook.py's import hook
 patches `jax._src.compiler` when that module is first imported (JAX 0.10.2, pinned in
-requirements.txt) and fails at import, naming itself, if the function it wraps is gone. The same
-file installs benchmarks/faults' phase markers, which act only with their environment
-($ICT_FAULTS_MARKERS, tests/test_pod.py's `Pod(shim=True)`).
+requirements.txt) and fails at import, naming itself, if the function it wraps is gone.
 """
 
 from pathlib import Path

@@ -27,6 +27,7 @@ import pytest
 from etils import epath
 import host_cache
 
+from benchmarks.faults.markers import HOOKS_FLAG
 from ict_jax import token_view
 from ict_jax.logs import read_log
 
@@ -92,7 +93,7 @@ class Pod:
           # every process writes its compiled programs to the cache (tests/host_cache.py)
           PYTHONPATH=os.pathsep.join([str(root["shim"]), str(REPO)]),
       )
-      if shim:  # benchmarks/faults/markers.py's phase markers (and sleeps), from the same sitecustomize
+      if shim:  # benchmarks/faults/markers.py's phase markers (and sleeps): a hook, --hooks below
         env.update(ICT_FAULTS_MARKERS=str(self.markers[i]), ICT_FAULTS_SLEEP=sleep)
       cmd = [
           sys.executable,
@@ -103,6 +104,7 @@ class Pod:
           *FLAGS,
           f"--config.data.data_dir={data_dir}",
           *extra,
+          *([HOOKS_FLAG] if shim else []),
       ]
       with open(logs / f"out{i}.txt", "w") as out:
         self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True))
@@ -171,7 +173,7 @@ def _log(gcs, workdir: str, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def pod_root(tmp_path_factory, gcs, gcs_environ):
   root = tmp_path_factory.mktemp("pod")
-  shim = host_cache.STARTUP  # with benchmarks/faults' markers, which act only with their env
+  shim = host_cache.STARTUP  # every process writes its compiled programs to the cache
   timings: dict[str, float] = {}
   # tfds data stay on local disk (a gs:// data_dir is refused)
   yield {"gcs": gcs, "logs": root, "data": root / "data", "shim": shim, "timings": timings}

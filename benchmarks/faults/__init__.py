@@ -31,11 +31,11 @@ run, 1 CPU device), one module each, registered by name (registry.py) in the tab
   soak       soak.py: --soak-steps steps, checkpoints every 10, keep 3: disk, host memory (RSS) and
              open file descriptors of the trainer sampled over time.
 
-harness.py runs the CLI (`Run`) and reads what a run left behind. Phases are hit with a test-only
-`sitecustomize` (startup/, put first on PYTHONPATH of the killed runs; the command line is
-unchanged): markers.py, through hook.py's import hook, wraps `rollout.collect`, the compiled train
-step and `Checkpointer.save` to append `{"t", "event"}` lines to $ICT_FAULTS_MARKERS (optionally
-sleeping, $ICT_FAULTS_SLEEP="sample=2,step=8"); the product has no fault hooks.
+harness.py runs the CLI (`Run`) and reads what a run left behind. Phases are hit through the
+trainer's own seam, a hook: markers.py's `MarkerHook`, added to the killed runs' command line with
+`--hooks` (`Run(markers=True)`), appends `{"t", "event"}` lines to $ICT_FAULTS_MARKERS at the
+rollout, the update and each checkpoint save (optionally sleeping, $ICT_FAULTS_SLEEP="sample=2,step=8");
+nonfinite.py injects its faults with a hook too. Nothing patches the product's modules.
 `tests/test_faults.py` runs the same functions with small settings.
 
 A new fault: a module with its function returning `harness.row(...)`, registered with

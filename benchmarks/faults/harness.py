@@ -13,9 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.faults.markers import HOOKS_FLAG
+
 REPO = Path(__file__).resolve().parents[2]
-# the sitecustomize.py of the runs with phase markers (markers.py), first on their PYTHONPATH
-STARTUP = Path(__file__).resolve().parent / "startup"
 METRIC_KEYS = ("reward_mean", "loss", "entropy", "grad_norm")
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -89,10 +89,10 @@ class Run:
     self.err_path, self.out_path = self.logdir / f"{name}.err", self.logdir / f"{name}.out"
     self.markers = self.logdir / f"{name}.markers" if markers else None
     extra = dict(extra_env or {})
-    if markers:
+    if markers:  # markers.py's hook, through the trainer's --hooks flag
       self.markers.write_text("")
       e = env(devices, ICT_FAULTS_MARKERS=self.markers, ICT_FAULTS_SLEEP=sleep, **extra)
-      e["PYTHONPATH"] = os.pathsep.join([str(STARTUP), e["PYTHONPATH"]])
+      flags = [*flags, HOOKS_FLAG]
     else:
       e = env(devices, **extra)
     # the config file before its overrides (absl reads --config.a.b only after --config)

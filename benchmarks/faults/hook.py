@@ -2,9 +2,9 @@
 
     install({"ict_jax.rollout": patch_rollout})  # patch_rollout(module) runs once it is executed
 
-The sitecustomize.py files of the processes that benchmarks/faults starts with phase markers
-(startup/sitecustomize.py) and of the CPU pod's processes (tests/host_cache.py) use it: the command line
-and the product stay unchanged, the patch applies however the module is first imported.
+The sitecustomize.py of the CPU pod's processes (tests/host_cache.py: JAX's compilation-cache
+writes from every process) uses it: the command line stays unchanged, the patch applies however
+the module is first imported. (benchmarks/faults reaches the trainer through its hooks instead.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Test-only phase markers of the runs benchmarks/faults kills and signals (`Run(markers=True)`).
+"""Test-only phase markers of the runs benchmarks/faults kills and signals (`Run(markers=True)`,
+tests/test_pod.py's `Pod(shim=True)`), through the trainer's own seam: a hook, named on the command
+line (`python -m ict_jax.train --hooks benchmarks.faults.markers:MarkerHook`, `HOOKS_FLAG`).
 
-startup/sitecustomize.py calls `install()` at start-up of every such process (and tests/host_cache.py's
-of the CPU pod's). With $ICT_FAULTS_MARKERS set it wraps `rollout.collect`, the compiled train step
-and `Checkpointer.save` to append `{"t", "event"}` lines to that file, optionally sleeping
-($ICT_FAULTS_SLEEP="sample=2,step=8"); without it nothing is patched. The product has no fault hooks.
-"""
+It appends `{"t", "event"}` lines to $ICT_FAULTS_MARKERS at the phases of each step (the rollout,
+the update, a checkpoint handed to Orbax), optionally sleeping in a phase
+($ICT_FAULTS_SLEEP="sample=2,step=8"), so a test can kill or signal a run at a known phase."""
 
 from __future__ import annotations
 
@@ -12,68 +12,45 @@ import json
 import os
 import time
 
-from benchmarks.faults import hook
+from ict_jax.hooks import Hook
 
-_MARKERS = os.environ.get("ICT_FAULTS_MARKERS")
-_SLEEP = dict(
-    (k, float(v)) for k, v in (kv.split("=") for kv in os.environ.get("ICT_FAULTS_SLEEP", "").split(",") if kv)
-)
+HOOKS_FLAG = "--hooks=benchmarks.faults.markers:MarkerHook"
 
 
-def _mark(event, **kw):
-  with open(_MARKERS, "a") as f:
-    f.write(json.dumps({"t": time.time(), "event": event, **kw}) + "\n")
+def _sleeps(text: str) -> dict[str, float]:
+  return dict((k, float(v)) for k, v in (kv.split("=") for kv in text.split(",") if kv))
 
 
-def _rollout(m):
-  orig = m.collect
+class MarkerHook(Hook):
+  """sample_start / sample_end around the rollout, step_start / step_end around the update,
+  save_start / save_return around a checkpoint save; $ICT_FAULTS_SLEEP's "sample" and "step"
+  seconds are slept right after their start markers."""
 
-  def collect(*a, **kw):
-    _mark("sample_start")
-    time.sleep(_SLEEP.get("sample", 0.0))
-    out = orig(*a, **kw)
-    _mark("sample_end")
-    return out
+  def __init__(self):
+    self.path = os.environ.get("ICT_FAULTS_MARKERS")
+    self.sleep = _sleeps(os.environ.get("ICT_FAULTS_SLEEP", ""))
 
-  m.collect = collect
+  def _mark(self, event: str, **kw) -> None:
+    if self.path:
+      with open(self.path, "a") as f:
+        f.write(json.dumps({"t": time.time(), "event": event, **kw}) + "\n")
 
+  def on_step_start(self, learner, step):
+    self._mark("sample_start")
+    time.sleep(self.sleep.get("sample", 0.0))
 
-def _train_step(m):
-  orig = m.make_train_step
+  def on_batch(self, learner, step, rollout, batch):
+    self._mark("sample_end")
 
-  def make_train_step(*a, **kw):
-    fn = orig(*a, **kw)
+  def on_update_start(self, learner, step):
+    self._mark("step_start")
+    time.sleep(self.sleep.get("step", 0.0))
 
-    def step(*a2, **kw2):
-      import jax
+  def on_step_end(self, learner, step, metrics):
+    self._mark("step_end")  # the update's metrics are on the host: the step has run
 
-      _mark("step_start")
-      time.sleep(_SLEEP.get("step", 0.0))
-      out = jax.block_until_ready(fn(*a2, **kw2))
-      _mark("step_end")
-      return out
+  def on_save(self, learner, step):
+    self._mark("save_start", step=int(step))
 
-    return step
-
-  m.make_train_step = make_train_step
-
-
-def _checkpoint(m):
-  orig = m.Checkpointer.save
-
-  def save(self, step, *a, **kw):
-    _mark("save_start", step=int(step))
-    out = orig(self, step, *a, **kw)
-    _mark("save_return", step=int(step))
-    return out
-
-  m.Checkpointer.save = save
-
-
-PATCHES = {"ict_jax.rollout": _rollout, "ict_jax.train_step": _train_step, "ict_jax.checkpoint": _checkpoint}
-
-
-def install() -> None:
-  """Patches those modules when they are first imported, if $ICT_FAULTS_MARKERS is set."""
-  if _MARKERS:
-    hook.install(PATCHES)
+  def on_saved(self, learner, step):
+    self._mark("save_return", step=int(step))

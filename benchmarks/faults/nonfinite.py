@@ -3,8 +3,8 @@ LM head (-> non-finite logits) at another. Both updates are skipped and counted,
 unchanged at those steps and finite throughout, training goes on.
 
 The faults are injected in a child process (`python -m benchmarks.faults.nonfinite`, its arguments
-in $ICT_FAULTS_CHILD) that patches `ict_jax.train.collect`, `train_step.completion_logp_and_stats`
-and `train_step.make_train_step` before calling `train()` in-process.
+in $ICT_FAULTS_CHILD) through the trainer's seams: `train(..., hooks=[FaultHook(...)])`, whose
+`on_batch` hands the update a faulty `TrainBatch`.
 """
 
 from __future__ import annotations
@@ -14,78 +14,59 @@ import os
 from pathlib import Path
 
 from benchmarks.faults.harness import Run, row
+from ict_jax.hooks import Hook
 from benchmarks.faults.registry import Context, scenario
 
 
+class FaultHook(Hook):
+  """NaN advantages at step `nan_step`, +inf added to the final hidden states (the LM head's input,
+  `TrainBatch.hidden_offset`) at `inf_step` (1-based), both through `on_batch`; the parameters'
+  largest change and finiteness recorded around each update."""
+
+  def __init__(self, nan_step: int, inf_step: int):
+    self.nan_step, self.inf_step, self.before, self.record = nan_step, inf_step, None, []
+
+  def on_batch(self, learner, step, rollout, batch):
+    import numpy as np
+
+    step += 1  # 1-based, as the metrics' "step"
+    offset = np.full(batch.rows, np.inf if step == self.inf_step else 0.0, np.float32)  # one program
+    batch = batch.replace(hidden_offset=offset)
+    if step == self.nan_step:
+      batch = batch.replace(advantages=np.full_like(np.asarray(batch.advantages), np.nan))
+    return batch
+
+  def on_update_start(self, learner, step):
+    import jax
+
+    self.before = jax.device_get(learner.state.params)  # before the step donates them
+
+  def on_step_end(self, learner, step, metrics):
+    import jax
+    import numpy as np
+
+    pairs = list(zip(jax.tree.leaves(self.before), jax.tree.leaves(jax.device_get(learner.state.params))))
+    self.record.append(
+        {
+            "delta": float(max(np.abs(b - a).max() for a, b in pairs)),
+            "finite": bool(all(np.isfinite(b).all() for _, b in pairs)),
+        }
+    )
+
+
 def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> None:
-  """Runs in a subprocess: train() with NaN advantages at `nan_step` and +inf activations before
-  the LM head at `inf_step` (1-based), recording per step whether the parameters changed."""
-  import jax
-  import numpy as np
-
-  import ict_jax.train as tr
-  import ict_jax.train_step as ts
+  """Runs in a subprocess: train() with `FaultHook`, recording per step whether the parameters changed."""
   from ict_jax import config as config_lib
+  from ict_jax.train import train
 
-  calls, record = [0], []
-  collect, logp_and_stats, make_step = tr.collect, ts.completion_logp_and_stats, ts.make_train_step
-
-  def faulty_collect(*a, **kw):
-    roll = collect(*a, **kw)
-    calls[0] += 1
-    step, batch = calls[0], roll.batch
-
-    def with_faults():
-      b = batch()
-      b["logit_fault"] = np.full(len(b["advantages"]), np.inf if step == inf_step else 0.0, np.float32)
-      if step == nan_step:
-        b["advantages"] = np.full_like(b["advantages"], np.nan)
-      return b
-
-    roll.batch = with_faults
-    return roll
-
-  class FaultyModel:  # hidden states + fault[:, None, None] -> non-finite logits on that step
-
-    def __init__(self, model, fault):
-      self.model, self.fault, self.cfg = model, fault, model.cfg
-
-    def hidden_states(self, ids, mask):
-      return self.model.hidden_states(ids, mask) + self.fault[:, None, None]
-
-    def head_weight(self):
-      return self.model.head_weight()
-
-  def faulty_logp_and_stats(model, batch, **kw):
-    if "logit_fault" in batch:
-      model = FaultyModel(model, batch["logit_fault"])
-    return logp_and_stats(model, batch, **kw)
-
-  def watched_step(*a, **kw):
-    fn = make_step(*a, **kw)
-
-    def step(state, batch, ref_params=None):
-      before = jax.device_get(state.params)
-      out = fn(state, batch, ref_params)
-      after = jax.device_get(out[0].params)
-      pairs = list(zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-      record.append(
-          {
-              "delta": float(max(np.abs(b - a).max() for a, b in pairs)),
-              "finite": bool(all(np.isfinite(b).all() for _, b in pairs)),
-          }
-      )
-      return out
-
-    return step
-
-  tr.collect, ts.completion_logp_and_stats, ts.make_train_step = (faulty_collect, faulty_logp_and_stats, watched_step)
   c = config_lib.tiny_config()
   c.warm_start.sft_steps, c.rollout.prompts_per_step, c.rollout.group_size = 20, 4, 4
   c.train.steps, c.train.checkpoint_every, c.mesh.fsdp = steps, steps, 1
-  history = tr.train(c, workdir, progress=False)
+  faults = FaultHook(nan_step, inf_step)
+  history = train(c, workdir, progress=False, hooks=[faults])
   out = [
-      {k: h[k] for k in ("step", "loss", "grad_norm", "skipped", "total_skipped")} | p for h, p in zip(history, record)
+      {k: h[k] for k in ("step", "loss", "grad_norm", "skipped", "total_skipped")} | p
+      for h, p in zip(history, faults.record)
   ]
   Path(workdir, "nonfinite.json").write_text(json.dumps(out))
 
