@@ -493,9 +493,12 @@ def test_select_tokens_ict_ablations(score, keep):
 def test_config_choices_match_the_registries():
   from ict_jax import config as config_lib
 
-  assert set(config_lib._CHOICES["ict.score"]) == set(selection.SCORES)
-  assert set(config_lib._CHOICES["ict.keep"]) == set(selection.KEEPS)
-  assert set(config_lib._CHOICES["ict.reference"]) == set(selection.REFERENCES)
+  (score,), (keep,), (reference,) = (
+      config_lib.rules_of(config_lib.IctConfig)[name] for name in ("score", "keep", "reference")
+  )
+  assert score.choices == tuple(selection.SCORES)
+  assert keep.choices == tuple(selection.KEEPS)
+  assert reference.choices == tuple(selection.REFERENCES)
   c = config_lib.default_config()
   c.ict.score = "wasserstein"
   with pytest.raises(config_lib.ConfigError, match="config.ict.score"):
