@@ -475,7 +475,7 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
 
   import ict_jax.train as tr
   import ict_jax.train_step as ts
-  from ict_jax import config as config_lib
+  from ict_jax import configs
 
   calls, record = [0], []
   collect, logp_and_stats, make_step = tr.collect, ts.completion_logp_and_stats, ts.make_train_step
@@ -530,7 +530,7 @@ def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> 
     return step
 
   tr.collect, ts.completion_logp_and_stats, ts.make_train_step = (faulty_collect, faulty_logp_and_stats, watched_step)
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps, c.rollout.prompts_per_step, c.rollout.group_size = 20, 4, 4
   c.train.steps, c.train.checkpoint_every, c.mesh.fsdp = steps, steps, 1
   history = tr.train(c, workdir, progress=False)

@@ -1,8 +1,9 @@
 """The training configuration: an `ml_collections.ConfigDict` validated into frozen dataclasses.
 
 `configs/*.py` files define `get_config()` returning a ConfigDict (usually `default_config()`
-with a few fields changed). `validate(cd)` turns it into a `Config`, raising one `ConfigError`
-that names the key and what was expected for an unknown key, a wrong type or a bad value. This runs at start-up, before anything is compiled.
+with a few fields changed; the shipped presets are `ict_jax/configs/`). `validate(cd)` turns it
+into a `Config`, raising one `ConfigError` that names the key and what was expected for an unknown
+key, a wrong type or a bad value. This runs at start-up, before anything is compiled.
 
 Each field carries its rules (`field(default, *rules)`: `choices(...)`, `positive`, `non_negative`,
 `fraction`, ...), the choices read from the registries that implement them, so a method added to
@@ -59,12 +60,7 @@ def rule(holds: Callable[[Any], bool], expected: str, kind: int = _OTHER) -> Rul
 def choices(names) -> Rule:
   """One of `names` (a registry: its keys, in their order)."""
   names = tuple(names)
-  return Rule(
-      lambda value: value in names,
-      lambda value: f"expected one of {names}, got {value!r}",
-      _CHOICE,
-      names,
-  )
+  return Rule(lambda value: value in names, lambda value: f"expected one of {names}, got {value!r}", _CHOICE, names)
 
 
 positive = rule(lambda value: value > 0, "> 0", _POSITIVE)
@@ -109,14 +105,8 @@ decode_rows = rule(
     lambda value: value in ("auto", "all") or (value.isdigit() and int(value) != 0),
     "'auto', 'all' or a positive int (as a string)",
 )
-a_group = Rule(
-    lambda value: value >= 2,
-    lambda value: "expected >= 2 (group advantages need a group)",
-)
-profile_steps = rule(
-    lambda text: not text or _profile_ok(text),
-    '"a,b" with 1 <= a <= b (steps to trace)',
-)
+a_group = Rule(lambda value: value >= 2, lambda value: "expected >= 2 (group advantages need a group)")
+profile_steps = rule(lambda text: not text or _profile_ok(text), '"a,b" with 1 <= a <= b (steps to trace)')
 SCHEDULES = ("constant", "cosine", "linear")  # train_step.learning_rate_schedule's
 
 
@@ -325,96 +315,6 @@ def default_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dataclasses.asdict(Config()))
 
 
-def tiny_config() -> ml_collections.ConfigDict:
-  """The one-step task (configs/tiny_arith.py; the default before `chain_config()`): a tiny Qwen2
-  (real Qwen2.5 vocabulary), synthetic single-digit addition with bare prompts ("3+5="), a short
-  supervised warm-start, then ICT, with pass@1 / pass@4 on the 20 held-out problems every 20 steps.
-  The base of the tests' quick runs and of `chain_config()`."""
-  c = default_config()
-  c.model.preset = "tiny"
-  c.data.name, c.data.config, c.data.prompt_style = (
-      "synthetic_arith",
-      "level1",
-      "plain",
-  )
-  c.data.max_prompt_len = 16
-  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = (
-      16,
-      8,
-      4,
-  )
-  c.rollout.temperature = 1.0
-  # 20 dense warm-up steps (the paper configs keep 10): on this task the decisive token is the
-  # first, whose JS score is 0, so ICT's sparse phase cannot move it and the rise comes from the
-  # dense steps; with 10 the 48-step run went 0.19 -> 0.21 after the scanned-layer numerics changed
-  # the warm-start (seed 0), with 20 0.19 -> 0.24 (benchmarks/RESULTS.md)
-  c.ict.method, c.ict.warmup_steps, c.ict.chunk_size = "ict", 20, 16
-  c.loss.loss_type, c.loss.beta = "grpo", 0.0
-  c.loss.epsilon_low, c.loss.epsilon_high = 0.2, 0.28
-  c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
-  c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
-  (
-      c.warm_start.sft_steps,
-      c.warm_start.sft_batch_size,
-      c.warm_start.sft_learning_rate,
-  ) = (200, 32, 1e-2)
-  c.train.steps, c.train.checkpoint_every = 60, 20
-  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = 20, 4, 20
-  return c
-
-
-def chain_config() -> ml_collections.ConfigDict:
-  """The embedded default (`python -m ict_jax.train` with no flags, configs/tiny.py): the tiny
-  model over the task vocabulary (the ~30 tokens of the task's text, ict_jax/task_vocab.py) on
-  `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", rewarded on the boxed answer):
-  200 warm-start steps on the worked solutions, then 800 ICT steps of 16 prompts x 8 (top 30% of
-  each response's tokens), a truncated completion scoring 0, with pass@1 / pass@4 on the 25
-  held-out problems every 100 steps. Eight seeds on an AMD EPYC box: the reward rose +0.24..+0.42
-  between the first and last fifth of the steps, ~2.5 minutes a run on 2 cores
-  (benchmarks/RESULTS.md, "The default run on AMD EPYC")."""
-  c = tiny_config()
-  c.data.name, c.data.config = "synthetic_chain", "level1"
-  # 128 embedding rows instead of 151,936: the full vocabulary's LM head was ~all of a step's
-  # FLOPs, so a step is ~30x cheaper and the 6 minutes hold 400 RL steps instead of ~40, which
-  # is what this task's slow, steady rise needs (with the full vocabulary: +0.02..+0.07 in 40 steps)
-  c.model.vocab = "task"
-  c.rollout.prompts_per_step, c.rollout.max_new_tokens = 16, 20
-  c.ict.chunk_size = 20
-  # lr 3e-4 with the paper's 10 dense warm-up steps: 1e-4 rose +0.09 in 400 steps, 1e-3 collapsed
-  # (seed 0); 16 prompts a step rise more steadily than 8
-  c.optim.learning_rate, c.ict.warmup_steps = 3e-4, 10
-  # ICT keeps the top 30% of each response's tokens by JS, not the paper's 10%: a response here is
-  # ~17 tokens, so 10% is two, and at lr 3e-4 those sparse updates broke the policy on some seeds
-  # (entropy 0.5 -> 0.7, stuttering past the box; 1 of 5 RL seeds on Sapphire Rapids, seed 0 on AMD
-  # EPYC at step ~180), where 30% was stable on every seed tried (benchmarks/RESULTS.md)
-  c.ict.top_fraction = 0.3
-  # A completion that runs past the box to the 20-token limit ("\\boxed{7}1}1=") scores 0 and is
-  # trained on: its run-on tokens get a negative advantage whenever a group-mate stops. Scored by
-  # the verifier, a truncated success was reinforced like a finished one and the responses learned
-  # to run on; masked out of the loss (TRL's mask_truncated_completions, the earlier default), its
-  # reward still raised its group's mean, so the advantages of the trained (finished) completions
-  # summed below 0, pushing their tokens, the stop token among them, down on balance (our reading):
-  # on an AMD EPYC box seed 0 ended with every completion truncated and no token trained
-  # (benchmarks/RESULTS.md, "The default run on AMD EPYC")
-  c.reward.score_truncated, c.reward.truncated_reward = False, 0.0
-  c.loss.mask_truncated_completions = False
-  # warm-start lr 3e-3, 200 steps of 16 worked solutions: RL starts at a T=1 reward of ~0.4-0.55
-  # (AMD EPYC, seeds 1, 3); after 300 steps some seeds started at 0.7 and had little left to gain
-  (
-      c.warm_start.sft_steps,
-      c.warm_start.sft_batch_size,
-      c.warm_start.sft_learning_rate,
-  ) = (200, 16, 3e-3)
-  c.train.steps, c.train.checkpoint_every = 800, 100
-  c.train.eval_every, c.train.eval_prompts = 100, 25
-  return c
-
-
-def get_config() -> ml_collections.ConfigDict:
-  """`python -m ict_jax.train` with no --config loads this file: the embedded default."""
-  return chain_config()
-
-
 def _check_type(key: str, value: Any, typ) -> Any:
   if typ is bool:
     if not isinstance(value, bool):
@@ -485,10 +385,7 @@ def _check_across(cfg: Config) -> None:
         f"config.train.micro_batch_size: {mb} does not divide the "
         f"{rows} sequences of a step (prompts_per_step x group_size)"
     )
-  budget, longest = (
-      cfg.train.token_budget,
-      cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
-  )
+  budget, longest = cfg.train.token_budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   if budget and budget < longest:
     raise ConfigError(
         f"config.train.token_budget: {budget} tokens a packed row is shorter than one sequence "

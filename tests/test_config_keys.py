@@ -5,6 +5,7 @@ import dataclasses
 import sys
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax.train import train
 
 
@@ -47,7 +48,7 @@ def test_every_config_key_is_read_by_a_training_run(tmp_path, monkeypatch):
   read: set[str] = set()
   validate = config_lib.validate
   monkeypatch.setattr(config_lib, "validate", lambda cd: _recording(validate(cd), read))
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps = 2
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 2  # 8 rows: one per simulated device
   c.train.steps = c.train.checkpoint_every = 1

@@ -1,7 +1,9 @@
 """Each config field carries its rule (`config.field(default, *rules)`), the choices read from the
-registries that implement them; one line per bad value, the same text as ever."""
+registries that implement them; one line per bad value, the same text as ever; the presets ship in
+the package (`ict_jax/configs/`)."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import sys
 import pytest
 
 from ict_jax import config as config_lib
-from ict_jax import cpu_paths, grpo, selection
+from ict_jax import configs, cpu_paths, grpo, selection
 from ict_jax.data.prompts import STYLES
 from ict_jax.models import config as model_config
 from ict_jax.rewards.registry import KINDS, REWARDS
@@ -69,12 +71,7 @@ NON_NEGATIVE = {
     "optim.max_grad_norm", "rollout.temperature", "rollout.top_k", "loss.beta", "loss.epsilon_low",
     "loss.epsilon_high", "reward.num_workers", "reward.format_weight", "train.sigterm_grace_s",
 }  # fmt: skip
-FRACTIONS = {
-    "ict.top_fraction",
-    "ict.entropy_top_fraction",
-    "ict.stapo_tau_h_quantile",
-    "rollout.top_p",
-}
+FRACTIONS = {"ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile", "rollout.top_p"}
 
 
 def _rules() -> dict[str, tuple[config_lib.Rule, ...]]:
@@ -149,10 +146,7 @@ def test_the_first_bad_rule_is_reported_choices_first_then_sections_then_across(
   with pytest.raises(config_lib.ConfigError, match="config.ict.method: expected one of"):
     config_lib.validate(c)
   c = config_lib.default_config()
-  c.train.micro_batch_size, c.model.attention = (
-      3,
-      "cudnn",
-  )  # across sections; model's own check
+  c.train.micro_batch_size, c.model.attention = 3, "cudnn"  # across sections; model's own check
   with pytest.raises(config_lib.ConfigError, match="config.model.attention: 'cudnn'"):
     config_lib.validate(c)
 
@@ -165,3 +159,21 @@ def test_a_method_added_to_the_registry_is_a_valid_config_value():
       "assert config.validate(c).ict.method == 'every_other'"
   )
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+
+
+def test_the_presets_have_one_source():
+  for name, preset in (("tiny", configs.chain_config), ("tiny_arith", configs.tiny_config)):
+    spec = importlib.util.spec_from_file_location(f"ict_cfg_{name}", os.path.join(REPO, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert config_lib.validate(module.get_config()) == config_lib.validate(preset())
+  assert configs.chain_config().data.name == "synthetic_chain"
+
+
+def test_no_config_flag_runs_the_chain_preset():
+  from absl import flags
+
+  from ict_jax import cli_config
+
+  cd = cli_config.parse(flags.FlagValues(), ["ict_jax.train"])
+  assert config_lib.validate(cd) == config_lib.validate(configs.chain_config())

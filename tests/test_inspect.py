@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax import inspect as ins
 from ict_jax.inspect import reader
 from ict_jax import sharding
@@ -40,7 +41,7 @@ def _params_of(mcfg):
 def run(tmp_path_factory):
   """-> dict(workdir, mesh, mcfg, params {step: host numpy pure dict}, optimizer, shardings)."""
   workdir = str(tmp_path_factory.mktemp("run"))
-  cfg = config_lib.tiny_config()
+  cfg = configs.tiny_config()
   cfg.loss.beta = 0.04  # the trainer then saves a frozen "ref_params" copy too
   run_cfg = config_lib.validate(cfg)
   mcfg = Qwen2Config.preset("tiny")
