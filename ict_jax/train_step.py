@@ -53,8 +53,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """Static hyper-parameters of the compiled step (hashable: a static jit argument): the run config's
-  `ict` and `loss` sections as they are, and the step's facts from other sections."""
+  """Static hyper-parameters of the compiled step (frozen, hashable): the run config's `ict` and
+  `loss` sections as they are, and the step's facts from other sections."""
 
   ict: IctConfig = IctConfig()
   loss: LossConfig = LossConfig()

@@ -286,10 +286,10 @@ def test_select_tokens_registry():
   kw = dict(mask=mask, u=u, entropy=h, token_prob=prob, advantages=adv)
   loss_types = {}
 
-  @functools.partial(jax.jit, static_argnames=("method", "ict_top_fraction"))
-  def select(method, ict_top_fraction=0.1, **arrays):
+  @functools.partial(jax.jit, static_argnames=("method", "top_fraction"))
+  def select(method, top_fraction=0.1, **arrays):
     token_mask, loss_types[method] = selection.select_tokens(
-        IctConfig(method=method, top_fraction=ict_top_fraction), **arrays
+        IctConfig(method=method, top_fraction=top_fraction), **arrays
     )
     return token_mask
 
@@ -306,7 +306,7 @@ def test_select_tokens_registry():
     assert got_mask.dtype == jnp.bool_
     assert loss_types[method] == want_loss == selection.loss_type_for(method)
   assert selection.loss_type_for("grpo", dense_loss_type="grpo") == "grpo"
-  got = select("ict", ict_top_fraction=0.3, mask=mask, u=u)
+  got = select("ict", top_fraction=0.3, mask=mask, u=u)
   np.testing.assert_array_equal(np.asarray(got), np_ict(np.asarray(u), np.asarray(mask), 0.3))
   with pytest.raises(ValueError, match=r"'entropy', 'grpo', 'ict', 'stapo'"):
     selection.select_tokens(IctConfig(method="random"), mask=mask)
