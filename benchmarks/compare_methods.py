@@ -4,7 +4,7 @@
         [--settings level1,level4,steps] [--seeds 0,...,7] [--lrs 1e-4,2e-4,3e-4,5e-4]
         [--methods grpo,entropy,stapo,ict] [--ablations score=kl,...] [--steps 800] [--out DIR]
 
-The tiny model on `synthetic_chain` (`config.chain_config()`, the default run), in three settings
+The tiny model on `synthetic_chain` (`configs.chain_config()`, the default run), in three settings
 (`SETTINGS`): level 1 rewarded on the boxed answer (the default run's task), level 4 (+ and -,
 operands 0..9: harder) and level 1 rewarded by the `chain_steps` verifier (every worked step and
 the box must be right). Per setting, under `<out>/<setting>/`:
@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from ict_jax import config as config_lib  # noqa: E402
+from ict_jax import configs  # noqa: E402
 from ict_jax.eval.passk import pass_at_k_curve  # noqa: E402
 from ict_jax.logs import read_log  # noqa: E402
 
@@ -124,7 +125,7 @@ def parse_variant(variant: str) -> dict:
 def base_config(s: Setting, train_steps: int | None = None):
   """chain_config() at the setting's level and verifier, RL on `train[V:]`, the run's periodic
   evaluation once at the end on the validation problems `train[:V]`."""
-  c = config_lib.chain_config()
+  c = configs.chain_config()
   # the comparison's "ICT" is the paper's top 10%; the default run's 30% (chain_config) is the
   # `top_fraction=0.3` ablation
   c.ict.top_fraction = 0.1
@@ -474,8 +475,8 @@ def main(argv=None) -> dict:
   p.add_argument("--selection_seeds", type=csv(int), default=None, help="seeds the lr is chosen on (--seeds)")
   p.add_argument("--ablation_seeds", type=csv(int), default=None, help="seeds of the ablations (--seeds)")
   p.add_argument("--lrs", type=csv(float), default=list(LRS), help="the lr grid of every method")
-  p.add_argument("--steps", type=int, default=config_lib.chain_config().train.steps)
-  p.add_argument("--sft_steps", type=int, default=config_lib.chain_config().warm_start.sft_steps)
+  p.add_argument("--steps", type=int, default=configs.chain_config().train.steps)
+  p.add_argument("--sft_steps", type=int, default=configs.chain_config().warm_start.sft_steps)
   p.add_argument("--val_prompts", type=int, default=25, help="validation problems, the first of the train split")
   p.add_argument("--val_samples", type=int, default=8, help="samples per validation problem")
   p.add_argument("--test_prompts", type=int, default=100, help="test problems (at most the split's)")
@@ -501,7 +502,7 @@ def main(argv=None) -> dict:
   for kv in filter(None, a.set.split(",")):
     key, value = kv.split("=")
     section, name = key.split(".")
-    old = getattr(getattr(config_lib.chain_config(), section), name)
+    old = getattr(getattr(configs.chain_config(), section), name)
     if isinstance(old, bool) and value not in ("True", "False"):
       p.error(f"--set {key}: expected True or False, got {value!r}")
     overrides.append((key, value == "True" if isinstance(old, bool) else type(old)(value)))

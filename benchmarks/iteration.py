@@ -140,7 +140,7 @@ def run_ours(args) -> dict:
 
   import ict_jax
   from ict_jax import train_step as ts
-  from ict_jax.config import OptimConfig
+  from ict_jax.config import IctConfig, LossConfig, OptimConfig
   from ict_jax.rewards.pool import RewardPool
   from ict_jax.rollout import Collector, Sampling, Scoring
 
@@ -157,15 +157,10 @@ def run_ours(args) -> dict:
   step_fn = ts.make_train_step(
       graphdef,
       ts.StepConfig(
+          IctConfig(method=args.method, warmup_steps=0, chunk_size=args.chunk_size),
+          LossConfig(loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2),
           group_size=args.generations,
           temperature=1.0,
-          method=args.method,
-          warmup_steps=0,
-          loss_type="grpo",
-          beta=0.0,
-          epsilon_low=0.2,
-          epsilon_high=0.2,
-          chunk_size=args.chunk_size,
       ),
       optimizer,
   )

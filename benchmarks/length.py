@@ -51,7 +51,7 @@ from flax import nnx  # noqa: E402
 from ict_jax import packing  # noqa: E402
 from ict_jax import train_step as ts  # noqa: E402
 from ict_jax.batch import TrainBatch  # noqa: E402
-from ict_jax.config import OptimConfig  # noqa: E402
+from ict_jax.config import IctConfig, OptimConfig  # noqa: E402
 from ict_jax.models.config import PRESETS, Qwen2Config  # noqa: E402
 from ict_jax.models.qwen2 import init_model  # noqa: E402
 from ict_jax.setup import resolve_kernels  # noqa: E402
@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
   opt = ts.make_optimizer(OptimConfig(learning_rate=1e-6), 100)
   step = ts.make_train_step(
       graphdef,
-      ts.StepConfig(group_size=G, method="ict", warmup_steps=0, max_completion_length=args.max_new),
+      ts.StepConfig(IctConfig(method="ict", warmup_steps=0), group_size=G, max_completion_length=args.max_new),
       opt,
       donate=False,
   )

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
 
   from ict_jax import train_step as ts
   from ict_jax.batch import TrainBatch
-  from ict_jax.config import OptimConfig
+  from ict_jax.config import IctConfig, OptimConfig
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
 
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     mcfg = mcfg.replace(vocab_size=args.vocab)
   graphdef, state = nnx.split(init_model(mcfg, seed=0))
   params = state.to_pure_dict()
-  base = ts.StepConfig(group_size=8, temperature=1.0, warmup_steps=0, chunk_size=args.chunk)
+  base = ts.StepConfig(IctConfig(warmup_steps=0, chunk_size=args.chunk), group_size=8, temperature=1.0)
   batch = step_bench.make_batch(
       argparse.Namespace(batch=args.batch, prompt=args.prompt, completion=args.completion),
       mcfg.vocab_size,
@@ -86,7 +86,8 @@ def main(argv=None) -> None:
   variants_of_step = {"grpo": dict(method="grpo"), "ict": dict(method="ict")}
   variants_of_step["ict_sequence_mean"] = dict(method="ict", reference="sequence_mean")
   for name, kw in variants_of_step.items():
-    s = step_bench.JaxStep(graphdef, jax.tree.map(jnp.copy, params), dataclasses.replace(base, **kw), optimizer, batch)
+    scfg = dataclasses.replace(base, ict=dataclasses.replace(base.ict, **kw))
+    s = step_bench.JaxStep(graphdef, jax.tree.map(jnp.copy, params), scfg, optimizer, batch)
     steps[name] = s.run()  # warm-up
 
   # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
@@ -135,9 +136,9 @@ def main(argv=None) -> None:
       Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk
   )
   # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
-  ict_rows = selection.ict_mask(stats0["js"], b.completion_mask.astype(bool), base.top_fraction)
+  ict_rows = selection.ict_mask(stats0["js"], b.completion_mask.astype(bool), base.ict.top_fraction)
   g_ict = ict_rows.astype(jnp.float32)
-  capacity = lm_head.sparse_grad_rows("ict", base.top_fraction, base.entropy_top_fraction, n, c)
+  capacity = lm_head.sparse_grad_rows("ict", base.ict.top_fraction, base.ict.entropy_top_fraction, n, c)
 
   def fused(h, w, weights, grad_rows=0):
     logp, stats = ts.completion_logp_and_stats(

@@ -150,21 +150,22 @@ def model_config(args, cfg=None):
 
 def step_config(args, cfg=None, method: str | None = None):
   from ict_jax import train_step as ts
+  from ict_jax.config import IctConfig
 
   if cfg is None:
     # chunk 16: the default (tiny, CPU) config's ict.chunk_size; [8, 16, V] float32 blocks
-    base = ts.StepConfig(group_size=8, temperature=1.0, method="ict", warmup_steps=0, chunk_size=16)
+    base = ts.StepConfig(IctConfig(method="ict", warmup_steps=0, chunk_size=16), group_size=8, temperature=1.0)
   else:
     base = ts.StepConfig.from_config(cfg)
   import dataclasses
 
-  return dataclasses.replace(
-      base,
-      method=method or args.method or base.method,
+  ict = dataclasses.replace(
+      base.ict,
+      method=method or args.method or base.ict.method,
       warmup_steps=0,
-      micro_batch_size=args.micro_batch,
-      chunk_size=args.chunk or base.chunk_size,
+      chunk_size=args.chunk or base.ict.chunk_size,
   )
+  return dataclasses.replace(base, ict=ict, micro_batch_size=args.micro_batch)
 
 
 def make_batch(args, vocab: int, group_size: int, seed: int = 0) -> dict:
@@ -277,8 +278,8 @@ def child_jax(args) -> dict:
       "tokens_per_s": n * s / step_s,
       "model_tflops_per_s": flops / step_s / 1e12,
       "step_model_tflop": flops / 1e12,
-      "method": scfg.method,
-      "chunk_size": scfg.chunk_size,
+      "method": scfg.ict.method,
+      "chunk_size": scfg.ict.chunk_size,
       "selected_frac": float(step.metrics["selected_frac"]),
       "loss": float(step.metrics["loss"]),
       "device": str(jax.devices()[0].device_kind),
@@ -419,7 +420,7 @@ def main(argv=None) -> None:
       "completion_len": args.completion,
       "tokens_per_step": n * s,
       "group_size": scfg.group_size,
-      "chunk_size": scfg.chunk_size,
+      "chunk_size": scfg.ict.chunk_size,
       "micro_batch": args.micro_batch or n,
       "threads": args.threads,
       "repeats": args.repeats,

@@ -1,4 +1,4 @@
-"""How far the supervised warm-start of `config.chain_config()` gets: loss and T=1 pass@1 / pass@8.
+"""How far the supervised warm-start of `configs.chain_config()` gets: loss and T=1 pass@1 / pass@8.
 
     python benchmarks/warm_start_sweep.py level1:3e-3:300:0:150 [LEVEL:LR:STEPS:SEED[:CHECKPOINT...] ...]
 
@@ -23,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ict_jax import config as config_lib  # noqa: E402
+from ict_jax import configs  # noqa: E402
 from ict_jax.eval.run import evaluate  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config  # noqa: E402
 from ict_jax.build import init_params, warm_start  # noqa: E402
@@ -30,7 +31,7 @@ from ict_jax.data.splits import load_examples  # noqa: E402
 
 
 def run(level: str, lr: float, steps: int, seed: int, checkpoints=(), workdir: str = "/tmp/warm_start_sweep"):
-  c = config_lib.chain_config()
+  c = configs.chain_config()
   c.data.config, c.warm_start.sft_learning_rate, c.train.seed = level, lr, seed
   cfg = config_lib.validate(c)
   mesh = make_mesh(cfg)

@@ -10,8 +10,4 @@ box the reward rose by +0.24..+0.42 (benchmarks/RESULTS.md, "The default run on 
 configs/tiny_arith.py is the one-step task.
 """
 
-from ict_jax.config import chain_config
-
-
-def get_config():
-  return chain_config()
+from ict_jax.configs.tiny import get_config  # one source: the preset shipped with the package

@@ -6,8 +6,4 @@ score is 0, so it cannot show ICT's mechanism (benchmarks/RESULTS.md).
     python -m ict_jax.train --config configs/tiny_arith.py --workdir runs/arith
 """
 
-from ict_jax.config import tiny_config
-
-
-def get_config():
-  return tiny_config()
+from ict_jax.configs.tiny_arith import get_config  # one source: the preset shipped with the package

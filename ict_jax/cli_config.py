@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from ict_jax import config as config_lib
 from ict_jax.config import ConfigError
+from ict_jax.configs import tiny as default_preset
 
 
 def unknown_key_message(error: BaseException, argv) -> str:
@@ -28,7 +28,7 @@ def unknown_key_message(error: BaseException, argv) -> str:
 
 
 def parse(flag_values, argv) -> ml_collections.ConfigDict:
-  """Defines `--config` (default: the embedded default, `ict_jax/config.py`'s `get_config()`) on
+  """Defines `--config` (default: the embedded default, `ict_jax/configs/tiny.py`'s `get_config()`) on
   `flag_values`, parses argv with it and returns the config dict (overrides applied, locked).
   Raises ConfigError with one line for an unknown key, a value of the wrong type, a bad flag or a
   config file that does not load."""
@@ -37,7 +37,7 @@ def parse(flag_values, argv) -> ml_collections.ConfigDict:
 
   try:
     config_flags.DEFINE_config_file(
-        "config", config_lib.__file__, "An ml_collections config file.", flag_values=flag_values, lock_config=True
+        "config", default_preset.__file__, "An ml_collections config file.", flag_values=flag_values, lock_config=True
     )
     flag_values(argv)
     cd = flag_values.config

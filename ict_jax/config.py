@@ -1,47 +1,146 @@
 """The training configuration: an `ml_collections.ConfigDict` validated into frozen dataclasses.
 
 `configs/*.py` files define `get_config()` returning a ConfigDict (usually `default_config()`
-with a few fields changed). `validate(cd)` turns it into a `Config`, raising one `ConfigError`
-that names the key and what was expected for an unknown key, a wrong type or a bad value.
-This runs at start-up, before anything is compiled.
+with a few fields changed; the shipped presets are `ict_jax/configs/`). `validate(cd)` turns it
+into a `Config`, raising one `ConfigError` that names the key and what was expected for an unknown
+key, a wrong type or a bad value. This runs at start-up, before anything is compiled.
+
+Each field carries its rules (`field(default, *rules)`: `choices(...)`, `positive`, `non_negative`,
+`fraction`, ...), the choices read from the registries that implement them, so a method added to
+`selection.SELECTORS` is a valid `ict.method` with no edit here. A section's checks across its own
+fields are its `check()` method; the checks across sections are `_check_across`. `validate` runs
+the field rules by kind (every choice, then every `> 0`, `>= 0`, fraction and other field rule,
+each kind in field order), then each section's `check()`, then `_check_across`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Callable
 
 import ml_collections
+
+from ict_jax.cpu_paths import KERNELS
+from ict_jax.data.prompts import STYLES
+from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES
+from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
+from ict_jax.rewards.registry import KINDS
+from ict_jax.selection import KEEPS, REFERENCES, SCORES, SELECTORS, SEQUENCE_REFERENCE
+from ict_jax.task_vocab import VOCABS
 
 
 class ConfigError(ValueError):
   """A bad configuration value; the message names the key (`config.a.b`)."""
 
 
+# ---- the rules a field carries -------------------------------------------------------------------
+_CHOICE, _POSITIVE, _NON_NEGATIVE, _FRACTION, _OTHER = range(5)  # the order validate checks them in
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One field's constraint: `holds(value)`, else ConfigError "config.<key>: <message(value)>"."""
+
+  holds: Callable[[Any], bool]
+  message: Callable[[Any], str]
+  kind: int = _OTHER
+  choices: tuple = ()  # a choices() rule's allowed values
+
+  def check(self, key: str, value: Any) -> None:
+    if not self.holds(value):
+      raise ConfigError(f"config.{key}: {self.message(value)}")
+
+
+def rule(holds: Callable[[Any], bool], expected: str, kind: int = _OTHER) -> Rule:
+  """The rule "expected <expected>, got <value!r>"."""
+  return Rule(holds, lambda value: f"expected {expected}, got {value!r}", kind)
+
+
+def choices(names) -> Rule:
+  """One of `names` (a registry: its keys, in their order)."""
+  names = tuple(names)
+  return Rule(lambda value: value in names, lambda value: f"expected one of {names}, got {value!r}", _CHOICE, names)
+
+
+positive = rule(lambda value: value > 0, "> 0", _POSITIVE)
+non_negative = rule(lambda value: value >= 0, ">= 0", _NON_NEGATIVE)
+fraction = rule(lambda value: 0.0 < value <= 1.0, "a value in (0, 1]", _FRACTION)
+mesh_size = rule(lambda value: not (value == 0 or value < -1), "a positive size or -1")
+
+
+def field(default, *rules: Rule):
+  """A config field with its default and the rules its value must meet."""
+  return dataclasses.field(default=default, metadata={"rules": rules})
+
+
+def rules_of(section) -> dict[str, tuple[Rule, ...]]:
+  """A section dataclass's field name -> its rules."""
+  return {f.name: f.metadata.get("rules", ()) for f in dataclasses.fields(section)}
+
+
+def _profile_ok(text: str) -> bool:
+  try:
+    profile_range(text)
+  except ConfigError:
+    return False
+  return True
+
+
+# Adam moments, gradient sums and the weights the updates land on follow the parameters' dtype. In
+# bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at lr 1e-6 nearly
+# every update of a weight of magnitude >= 1e-3 is lost, and bf16 moments and micro-batch gradient
+# sums lose more. A float32 master copy next to bfloat16 weights would cost more memory than
+# float32 weights alone (6 vs 4 bytes a parameter), so there is nothing to gain: compute runs in
+# model.dtype (bfloat16) from the float32 weights.
+float32_weights = Rule(
+    lambda value: value == "float32",
+    lambda value: (
+        f"training keeps float32 weights, Adam moments and gradient sums (a {value} weight loses updates "
+        f"below 2**-9 of its size, e.g. every lr 1e-6 step); got {value!r}. For bfloat16 compute set "
+        f"model.dtype=bfloat16 and keep model.param_dtype=float32"
+    ),
+)
+decode_rows = rule(
+    lambda value: value in ("auto", "all") or (value.isdigit() and int(value) != 0),
+    "'auto', 'all' or a positive int (as a string)",
+)
+a_group = Rule(lambda value: value >= 2, lambda value: "expected >= 2 (group advantages need a group)")
+profile_steps = rule(lambda text: not text or _profile_ok(text), '"a,b" with 1 <= a <= b (steps to trace)')
+SCHEDULES = ("constant", "cosine", "linear")  # train_step.learning_rate_schedule's
+
+
+# ---- the sections ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   preset: str = "tiny"  # Qwen2Config preset when `path` is empty
   path: str = ""  # local Hugging Face folder (config.json + *.safetensors)
-  dtype: str = "float32"  # compute dtype
-  param_dtype: str = "float32"  # master weights: float32 only for training (see validate)
-  remat_policy: str = "none"  # the scanned layer's remat in the train step: none|full|minimal
-  attention: str = "auto"  # train-step attention: auto (TPU splash, GPU cudnn (a float32 model:
-  # dot_product), CPU einsum), einsum | dot_product | cudnn | splash (see models/attention.py)
-  kernels: str = "auto"  # the kernels' formulation (ict_jax/cpu_paths.py): auto (cpu on a single
-  # CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
-  decode_attention: str = "auto"  # the sampler's attention over the KV cache: auto (TPU pallas,
-  # else xla) | xla (einsums) | pallas (fused Pallas TPU kernel, models/decode_kernel.py) |
-  # pallas_interpret (that kernel in the Pallas interpreter: slow, for checks on any backend)
-  vocab: str = "qwen"  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of the task's data, for
-  # a model trained from scratch; ict_jax/task_vocab.py)
+  dtype: str = field("float32", choices(DTYPES))  # compute dtype
+  param_dtype: str = field("float32", choices(DTYPES), float32_weights)  # master weights: float32 only
+  remat_policy: str = field("none", choices(REMAT_POLICIES))  # the scanned layer's remat in the train step
+  attention: str = field("auto", choices(("auto",) + ATTENTION))  # train-step attention: auto (TPU splash,
+  # GPU cudnn (a float32 model: dot_product), CPU einsum), or one of models/attention.py's
+  kernels: str = field("auto", choices(("auto",) + KERNELS))  # the kernels' formulation (ict_jax/cpu_paths.py):
+  # auto (cpu on a single CPU device, else portable) | portable (TPU/GPU, any mesh) | cpu (XLA:CPU-tuned, same values)
+  decode_attention: str = field("auto", choices(("auto",) + DECODE_ATTENTION))  # the sampler's attention
+  # over the KV cache: auto (TPU pallas, else xla) | xla (einsums) | pallas (fused Pallas TPU kernel,
+  # models/decode_kernel.py) | pallas_interpret (that kernel in the Pallas interpreter: slow, any backend)
+  vocab: str = field("qwen", choices(VOCABS))  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of
+  # the task's data, for a model trained from scratch; ict_jax/task_vocab.py)
+
+  def check(self) -> None:
+    if self.attention == "cudnn" and self.dtype == "float32":
+      raise ConfigError(
+          "config.model.attention: 'cudnn' (cuDNN flash attention) computes in float16/bfloat16 "
+          "only; with model.dtype=float32 use 'dot_product' or 'auto' (which picks it)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = 1
-  fsdp: int = -1  # -1: the rest of the devices
-  tensor: int = 1
+  data: int = field(1, mesh_size)
+  fsdp: int = field(-1, mesh_size)  # -1: the rest of the devices
+  tensor: int = field(1, mesh_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,72 +149,86 @@ class DataConfig:
   config: str = "level1"  # builder config (e.g. synthetic level), "" for the default
   data_dir: str = ""  # local tfds data_dir; "": <workdir>/data, or ~/tensorflow_datasets for a gs:// workdir
   manual_dir: str = ""  # where the downloaded GSM8K / MATH files are
-  prompt_style: str = "plain"  # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
+  prompt_style: str = field("plain", choices(STYLES))  # "plain" (bare prompt, tiny models) or "chat" (Qwen template)
   train_split: str = "train"
   eval_split: str = "test"
-  max_prompt_len: int = 512  # longer prompts are skipped and counted
+  max_prompt_len: int = field(512, positive)  # longer prompts are skipped and counted
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  prompts_per_step: int = 8  # prompts in one step's batch (all hosts)
-  group_size: int = 8  # G completions per prompt
-  max_new_tokens: int = 8
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  dtype: str = "auto"  # rollout copy of the policy: auto (bfloat16 on TPU/GPU, else
-  # model.dtype) | float32 | bfloat16 | float16
-  decode_batch_size: str = "auto"  # rows decoded at once: "auto" (sized from free device memory;
-  # all rows on CPU) | "all" | a number dividing the step's rows
+  prompts_per_step: int = field(8, positive)  # prompts in one step's batch (all hosts)
+  group_size: int = field(8, positive, a_group)  # G completions per prompt
+  max_new_tokens: int = field(8, positive)
+  temperature: float = field(1.0, non_negative)
+  top_p: float = field(1.0, fraction)
+  top_k: int = field(0, non_negative)
+  dtype: str = field("auto", choices(("auto",) + DTYPES))  # rollout copy of the policy: auto (bfloat16 on
+  # TPU/GPU, else model.dtype) | float32 | bfloat16 | float16
+  decode_batch_size: str = field("auto", decode_rows)  # rows decoded at once: "auto" (sized from free
+  # device memory; all rows on CPU) | "all" | a number dividing the step's rows
+
+  @property
+  def rows(self) -> int:
+    """The sequences of a step: prompts_per_step x group_size."""
+    return self.prompts_per_step * self.group_size
+
+  def check(self) -> None:
+    dbs = self.decode_batch_size
+    if dbs not in ("auto", "all") and self.rows % int(dbs):
+      raise ConfigError(
+          f"config.rollout.decode_batch_size: {dbs} does not divide the {self.rows} "
+          "rows of a step (prompts_per_step x group_size)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class IctConfig:
-  method: str = "ict"  # grpo | entropy | stapo | ict
-  top_fraction: float = 0.1  # ICT: share of each response's tokens kept (by JS)
-  warmup_steps: int = 10  # ICT: dense GRPO for the first steps
-  entropy_top_fraction: float = 0.2  # 20-Entropy: share of the batch's tokens kept
+  method: str = field("ict", choices(SELECTORS))  # grpo | entropy | stapo | ict (selection.SELECTORS)
+  top_fraction: float = field(0.1, fraction)  # ICT: share of each response's tokens kept (by JS)
+  warmup_steps: int = field(10, non_negative)  # ICT: dense GRPO for the first steps
+  entropy_top_fraction: float = field(0.2, fraction)  # 20-Entropy: share of the batch's tokens kept
   stapo_tau_p: float = 0.002
-  stapo_tau_h_quantile: float = 0.8
-  chunk_size: int = 128  # sequence chunk of the fused LM-head / statistics pass
+  stapo_tau_h_quantile: float = field(0.8, fraction)
+  chunk_size: int = field(128, positive)  # sequence chunk of the fused LM-head / statistics pass
   sparse_backward: bool = True  # LM-head backward on the selected rows only (exact; faster)
   # ICT ablations (selection.SCORES / KEEPS / REFERENCES); top_fraction is the fourth
-  score: str = "js"  # js | kl | entropy | random: what ranks a response's tokens
-  keep: str = "unique"  # unique (the top top_fraction) | frequent (the bottom)
-  reference: str = "active_mean"  # P of the JS / KL score: active_mean | others_mean | sequence_mean
+  score: str = field("js", choices(SCORES))  # js | kl | entropy | random: what ranks a response's tokens
+  keep: str = field("unique", choices(KEEPS))  # unique (the top top_fraction) | frequent (the bottom)
+  reference: str = field("active_mean", choices(REFERENCES))  # P of the JS / KL score: active_mean |
+  # others_mean | sequence_mean
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo (for method=grpo)
-  advantage_scale: str = "group"  # group | batch | none
-  beta: float = 0.0  # k3 KL coefficient; a frozen reference is loaded when > 0
-  epsilon_low: float = 0.2
-  epsilon_high: float = 0.2
+  loss_type: str = field("grpo", choices(LOSS_TYPES))  # grpo | bnpo | dr_grpo | dapo (for method=grpo)
+  advantage_scale: str = field("group", choices(ADVANTAGE_SCALES))  # group | batch | none
+  beta: float = field(0.0, non_negative)  # k3 KL coefficient; a frozen reference is loaded when > 0
+  epsilon_low: float = field(0.2, non_negative)
+  epsilon_high: float = field(0.2, non_negative)
   mask_truncated_completions: bool = False  # TRL's option: completions that reach
   # rollout.max_new_tokens without a stop token get no loss (their reward still counts in the group)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 1e-6
-  schedule: str = "constant"  # constant | cosine | linear
-  warmup_steps: int = 0
-  weight_decay: float = 0.0
+  learning_rate: float = field(1e-6, positive)
+  schedule: str = field("constant", choices(SCHEDULES))  # constant | cosine | linear
+  warmup_steps: int = field(0, non_negative)
+  weight_decay: float = field(0.0, non_negative)
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
-  max_grad_norm: float = 1.0
+  max_grad_norm: float = field(1.0, non_negative)
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  kind: str = "math"  # math (last \\boxed{}) | choice (letter) | answer (bare answer)
-  # | chain_steps (synthetic_chain: every worked step and the box, ict_jax/rewards/chain.py)
-  format_weight: float = 0.0  # added weight of the format reward
-  num_workers: int = 2  # verifier processes (0: in-process)
-  timeout_s: float = 5.0
+  kind: str = field("math", choices(KINDS))  # math (last \\boxed{}) | choice (letter) | answer (bare
+  # answer) | chain_steps (synthetic_chain: every worked step and the box, ict_jax/rewards/chain.py)
+  format_weight: float = field(0.0, non_negative)  # added weight of the format reward
+  num_workers: int = field(2, non_negative)  # verifier processes (0: in-process)
+  timeout_s: float = field(5.0, positive)
   score_truncated: bool = True  # a completion that reaches rollout.max_new_tokens without a stop
   # token is scored by the verifier like any other; False: it gets `truncated_reward` instead
   # (DAPO's overlong punishment with a negative value), so running on past the answer never pays
@@ -127,32 +240,51 @@ class WarmStartConfig:
   """Brief supervised warm-start of a randomly initialised model (the CPU default), so that
   RL starts from a policy that sometimes succeeds. Ignored when model.path is set."""
 
-  sft_steps: int = 0
-  sft_batch_size: int = 32
+  sft_steps: int = field(0, non_negative)
+  sft_batch_size: int = field(32, positive)
   sft_learning_rate: float = 3e-3
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 100
-  num_iterations: int = 1  # passes over each rollout batch (old log-probs kept)
-  micro_batch_size: int = 0  # sequences per micro-batch (0: the whole batch)
-  token_budget: int = 0  # > 0: the decoder runs on packed rows of this many tokens (ict_jax/packing.py;
-  # at least data.max_prompt_len + rollout.max_new_tokens; cudnn attention: Hopper or later); 0: padded rows
-  micro_batch_tokens: int = 0  # > 0 (with token_budget): micro-batches formed by decoder tokens, not
-  # rows (verl's dynamic batch size): each this many tokens of packed rows, as many whole groups as fit
+  steps: int = field(100, positive)
+  num_iterations: int = field(1, positive)  # passes over each rollout batch (old log-probs kept)
+  micro_batch_size: int = field(0, non_negative)  # sequences per micro-batch (0: the whole batch)
+  token_budget: int = field(0, non_negative)  # > 0: the decoder runs on packed rows of this many tokens
+  # (ict_jax/packing.py; at least data.max_prompt_len + rollout.max_new_tokens; cudnn attention: Hopper
+  # or later); 0: padded rows
+  micro_batch_tokens: int = field(0, non_negative)  # > 0 (with token_budget): micro-batches formed by
+  # decoder tokens, not rows (verl's dynamic batch size): each this many tokens of packed rows, as many
+  # whole groups as fit
   seed: int = 0
-  checkpoint_every: int = 50
-  keep_checkpoints: int = 3
+  checkpoint_every: int = field(50, positive)
+  keep_checkpoints: int = field(3, positive)
   async_checkpointing: bool = True
-  eval_every: int = 0  # 0: no periodic eval
-  eval_samples: int = 4  # samples per held-out prompt for pass@k at eval time
-  eval_prompts: int = 64
-  sigterm_grace_s: float = 30.0
+  eval_every: int = field(0, non_negative)  # 0: no periodic eval
+  eval_samples: int = field(4, positive)  # samples per held-out prompt for pass@k at eval time
+  eval_prompts: int = field(64, positive)
+  sigterm_grace_s: float = field(30.0, non_negative)
   # several processes: the coordination service declares a process dead after this long without
   # its heartbeat and ends every other one (jax.distributed.initialize's heartbeat_timeout_seconds)
-  heartbeat_timeout_s: int = 100
-  profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
+  heartbeat_timeout_s: int = field(100, positive)
+  profile_steps: str = field("", profile_steps)  # "a,b": a jax.profiler trace of steps a..b in <workdir>/profile
+
+  def check(self) -> None:
+    per_micro, budget = self.micro_batch_tokens, self.token_budget
+    if per_micro and not budget:
+      raise ConfigError(
+          "config.train.micro_batch_tokens: token-budget micro-batches need packed rows; set train.token_budget"
+      )
+    if per_micro and per_micro < budget:
+      raise ConfigError(
+          f"config.train.micro_batch_tokens: {per_micro} tokens is less than one packed row "
+          f"(train.token_budget = {budget}); use >= {budget}, or 0 for micro-batches of train.micro_batch_size rows"
+      )
+    if per_micro and self.micro_batch_size:
+      raise ConfigError(
+          f"config.train.micro_batch_tokens: micro-batches are formed by tokens, so train.micro_batch_size "
+          f"({self.micro_batch_size}) must be 0"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,144 +307,12 @@ class Config:
   log: LogConfig = LogConfig()
 
 
-_CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.param_dtype": ("float32", "bfloat16", "float16"),
-    "model.remat_policy": ("none", "full", "minimal"),
-    "model.vocab": ("qwen", "task"),
-    "model.attention": ("auto", "einsum", "dot_product", "cudnn", "splash"),
-    "model.kernels": ("auto", "portable", "cpu"),
-    "model.decode_attention": ("auto", "xla", "pallas", "pallas_interpret"),
-    "data.prompt_style": ("plain", "chat"),
-    "ict.method": ("grpo", "entropy", "stapo", "ict"),
-    "ict.score": ("js", "kl", "entropy", "random"),
-    "ict.keep": ("unique", "frequent"),
-    "ict.reference": ("active_mean", "others_mean", "sequence_mean"),
-    "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
-    "loss.advantage_scale": ("group", "batch", "none"),
-    "optim.schedule": ("constant", "cosine", "linear"),
-    "reward.kind": ("math", "choice", "answer", "chain_steps"),
-    "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
-}
-_POSITIVE = (
-    "rollout.prompts_per_step",
-    "rollout.group_size",
-    "rollout.max_new_tokens",
-    "train.steps",
-    "train.num_iterations",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "ict.chunk_size",
-    "data.max_prompt_len",
-    "warm_start.sft_batch_size",
-    "optim.learning_rate",
-    "reward.timeout_s",
-    "train.eval_samples",
-    "train.eval_prompts",
-    "train.heartbeat_timeout_s",
-)
-_NON_NEGATIVE = (
-    "ict.warmup_steps",
-    "train.micro_batch_size",
-    "train.token_budget",
-    "train.micro_batch_tokens",
-    "train.eval_every",
-    "warm_start.sft_steps",
-    "optim.warmup_steps",
-    "optim.weight_decay",
-    "optim.max_grad_norm",
-    "rollout.temperature",
-    "rollout.top_k",
-    "loss.beta",
-    "loss.epsilon_low",
-    "loss.epsilon_high",
-    "reward.num_workers",
-    "reward.format_weight",
-    "train.sigterm_grace_s",
-)
-_FRACTIONS = ("ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile", "rollout.top_p")
-
-
 def default_config() -> ml_collections.ConfigDict:
   """The full default configuration as a ConfigDict (what `configs/*.py` start from).
 
   The defaults are the embedded CPU run: the tiny model, the synthetic task, a brief
   supervised warm-start, then ICT."""
   return ml_collections.ConfigDict(dataclasses.asdict(Config()))
-
-
-def tiny_config() -> ml_collections.ConfigDict:
-  """The one-step task (configs/tiny_arith.py; the default before `chain_config()`): a tiny Qwen2
-  (real Qwen2.5 vocabulary), synthetic single-digit addition with bare prompts ("3+5="), a short
-  supervised warm-start, then ICT, with pass@1 / pass@4 on the 20 held-out problems every 20 steps.
-  The base of the tests' quick runs and of `chain_config()`."""
-  c = default_config()
-  c.model.preset = "tiny"
-  c.data.name, c.data.config, c.data.prompt_style = "synthetic_arith", "level1", "plain"
-  c.data.max_prompt_len = 16
-  c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens = 16, 8, 4
-  c.rollout.temperature = 1.0
-  # 20 dense warm-up steps (the paper configs keep 10): on this task the decisive token is the
-  # first, whose JS score is 0, so ICT's sparse phase cannot move it and the rise comes from the
-  # dense steps; with 10 the 48-step run went 0.19 -> 0.21 after the scanned-layer numerics changed
-  # the warm-start (seed 0), with 20 0.19 -> 0.24 (benchmarks/RESULTS.md)
-  c.ict.method, c.ict.warmup_steps, c.ict.chunk_size = "ict", 20, 16
-  c.loss.loss_type, c.loss.beta = "grpo", 0.0
-  c.loss.epsilon_low, c.loss.epsilon_high = 0.2, 0.28
-  c.optim.learning_rate, c.optim.max_grad_norm = 5e-4, 1.0
-  c.reward.kind, c.reward.num_workers, c.reward.timeout_s = "answer", 0, 5.0
-  c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 32, 1e-2
-  c.train.steps, c.train.checkpoint_every = 60, 20
-  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = 20, 4, 20
-  return c
-
-
-def chain_config() -> ml_collections.ConfigDict:
-  """The embedded default (`python -m ict_jax.train` with no flags, configs/tiny.py): the tiny
-  model over the task vocabulary (the ~30 tokens of the task's text, ict_jax/task_vocab.py) on
-  `synthetic_chain` level 1 ("3+1+4=" -> "3+1=4,4+4=8;\\boxed{8}", rewarded on the boxed answer):
-  200 warm-start steps on the worked solutions, then 800 ICT steps of 16 prompts x 8 (top 30% of
-  each response's tokens), a truncated completion scoring 0, with pass@1 / pass@4 on the 25
-  held-out problems every 100 steps. Eight seeds on an AMD EPYC box: the reward rose +0.24..+0.42
-  between the first and last fifth of the steps, ~2.5 minutes a run on 2 cores
-  (benchmarks/RESULTS.md, "The default run on AMD EPYC")."""
-  c = tiny_config()
-  c.data.name, c.data.config = "synthetic_chain", "level1"
-  # 128 embedding rows instead of 151,936: the full vocabulary's LM head was ~all of a step's
-  # FLOPs, so a step is ~30x cheaper and the 6 minutes hold 400 RL steps instead of ~40, which
-  # is what this task's slow, steady rise needs (with the full vocabulary: +0.02..+0.07 in 40 steps)
-  c.model.vocab = "task"
-  c.rollout.prompts_per_step, c.rollout.max_new_tokens = 16, 20
-  c.ict.chunk_size = 20
-  # lr 3e-4 with the paper's 10 dense warm-up steps: 1e-4 rose +0.09 in 400 steps, 1e-3 collapsed
-  # (seed 0); 16 prompts a step rise more steadily than 8
-  c.optim.learning_rate, c.ict.warmup_steps = 3e-4, 10
-  # ICT keeps the top 30% of each response's tokens by JS, not the paper's 10%: a response here is
-  # ~17 tokens, so 10% is two, and at lr 3e-4 those sparse updates broke the policy on some seeds
-  # (entropy 0.5 -> 0.7, stuttering past the box; 1 of 5 RL seeds on Sapphire Rapids, seed 0 on AMD
-  # EPYC at step ~180), where 30% was stable on every seed tried (benchmarks/RESULTS.md)
-  c.ict.top_fraction = 0.3
-  # A completion that runs past the box to the 20-token limit ("\\boxed{7}1}1=") scores 0 and is
-  # trained on: its run-on tokens get a negative advantage whenever a group-mate stops. Scored by
-  # the verifier, a truncated success was reinforced like a finished one and the responses learned
-  # to run on; masked out of the loss (TRL's mask_truncated_completions, the earlier default), its
-  # reward still raised its group's mean, so the advantages of the trained (finished) completions
-  # summed below 0, pushing their tokens, the stop token among them, down on balance (our reading):
-  # on an AMD EPYC box seed 0 ended with every completion truncated and no token trained
-  # (benchmarks/RESULTS.md, "The default run on AMD EPYC")
-  c.reward.score_truncated, c.reward.truncated_reward = False, 0.0
-  c.loss.mask_truncated_completions = False
-  # warm-start lr 3e-3, 200 steps of 16 worked solutions: RL starts at a T=1 reward of ~0.4-0.55
-  # (AMD EPYC, seeds 1, 3); after 300 steps some seeds started at 0.7 and had little left to gain
-  c.warm_start.sft_steps, c.warm_start.sft_batch_size, c.warm_start.sft_learning_rate = 200, 16, 3e-3
-  c.train.steps, c.train.checkpoint_every = 800, 100
-  c.train.eval_every, c.train.eval_prompts = 100, 25
-  return c
-
-
-def get_config() -> ml_collections.ConfigDict:
-  """`python -m ict_jax.train` with no --config loads this file: the embedded default."""
-  return chain_config()
 
 
 def _check_type(key: str, value: Any, typ) -> Any:
@@ -357,39 +357,34 @@ def _build(cls, values: Any, prefix: str):
   return cls(**kwargs)
 
 
-def _get(cfg: Config, key: str):
-  section, name = key.split(".")
-  return getattr(getattr(cfg, section), name)
+def _sections(cfg: Config) -> list[tuple[str, Any]]:
+  return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
 
 
 def validate(cd: ml_collections.ConfigDict | dict) -> Config:
   """ConfigDict -> frozen `Config`; one `ConfigError` naming the first bad key."""
   cfg = _build(Config, cd, "")
-  for key, choices in _CHOICES.items():
-    if _get(cfg, key) not in choices:
-      raise ConfigError(f"config.{key}: expected one of {choices}, got {_get(cfg, key)!r}")
-  for key in _POSITIVE:
-    if not _get(cfg, key) > 0:
-      raise ConfigError(f"config.{key}: expected > 0, got {_get(cfg, key)!r}")
-  for key in _NON_NEGATIVE:
-    if not _get(cfg, key) >= 0:
-      raise ConfigError(f"config.{key}: expected >= 0, got {_get(cfg, key)!r}")
-  for key in _FRACTIONS:
-    if not 0.0 < _get(cfg, key) <= 1.0:
-      raise ConfigError(f"config.{key}: expected a value in (0, 1], got {_get(cfg, key)!r}")
-  for axis in ("data", "fsdp", "tensor"):
-    size = getattr(cfg.mesh, axis)
-    if size == 0 or size < -1:
-      raise ConfigError(f"config.mesh.{axis}: expected a positive size or -1, got {size}")
-  mb = cfg.train.micro_batch_size
-  total = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-  if mb and total % mb:
+  for kind in (_CHOICE, _POSITIVE, _NON_NEGATIVE, _FRACTION, _OTHER):
+    for name, section in _sections(cfg):
+      for field_name, rules in rules_of(section).items():
+        for r in rules:
+          if r.kind == kind:
+            r.check(f"{name}.{field_name}", getattr(section, field_name))
+  for _, section in _sections(cfg):
+    if hasattr(section, "check"):
+      section.check()
+  _check_across(cfg)
+  return cfg
+
+
+def _check_across(cfg: Config) -> None:
+  """The checks that read more than one section."""
+  mb, rows = cfg.train.micro_batch_size, cfg.rollout.rows
+  if mb and rows % mb:
     raise ConfigError(
         f"config.train.micro_batch_size: {mb} does not divide the "
-        f"{total} sequences of a step (prompts_per_step x group_size)"
+        f"{rows} sequences of a step (prompts_per_step x group_size)"
     )
-  if cfg.train.profile_steps:
-    profile_range(cfg.train.profile_steps)
   budget, longest = cfg.train.token_budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   if budget and budget < longest:
     raise ConfigError(
@@ -398,64 +393,17 @@ def validate(cd: ml_collections.ConfigDict | dict) -> Config:
     )
   if budget:
     check_packing_attention(cfg.model.attention)
-  if budget and cfg.ict.reference == "sequence_mean":
+  if budget and cfg.ict.reference == SEQUENCE_REFERENCE:
     raise ConfigError(
         "config.ict.reference: 'sequence_mean' averages each response over its own positions, and "
         "the packed LM head (train.token_budget) lays several responses' column blocks side by side "
         "in one row; use train.token_budget=0 with it, or reference active_mean / others_mean"
     )
-  per_micro = cfg.train.micro_batch_tokens
-  if per_micro and not budget:
-    raise ConfigError(
-        "config.train.micro_batch_tokens: token-budget micro-batches need packed rows; set train.token_budget"
-    )
-  if per_micro and per_micro < budget:
-    raise ConfigError(
-        f"config.train.micro_batch_tokens: {per_micro} tokens is less than one packed row "
-        f"(train.token_budget = {budget}); use >= {budget}, or 0 for micro-batches of train.micro_batch_size rows"
-    )
-  if per_micro and cfg.train.micro_batch_size:
-    raise ConfigError(
-        f"config.train.micro_batch_tokens: micro-batches are formed by tokens, so train.micro_batch_size "
-        f"({cfg.train.micro_batch_size}) must be 0"
-    )
-  if cfg.model.param_dtype != "float32":
-    # Adam moments, gradient sums and the weights the updates land on follow the parameters'
-    # dtype. In bfloat16 (8 significant bits) an update below 2**-9 of a weight rounds away: at
-    # lr 1e-6 nearly every update of a weight of magnitude >= 1e-3 is lost, and bf16 moments and
-    # micro-batch gradient sums lose more. A float32 master copy next to bfloat16 weights would
-    # cost more memory than float32 weights alone (6 vs 4 bytes a parameter), so there is
-    # nothing to gain: compute runs in model.dtype (bfloat16) from the float32 weights.
-    raise ConfigError(
-        f"config.model.param_dtype: training keeps float32 weights, Adam moments and gradient "
-        f"sums (a {cfg.model.param_dtype} weight loses updates below 2**-9 of its size, e.g. "
-        f"every lr 1e-6 step); got {cfg.model.param_dtype!r}. For bfloat16 compute set "
-        f"model.dtype=bfloat16 and keep model.param_dtype=float32"
-    )
-  if cfg.model.attention == "cudnn" and cfg.model.dtype == "float32":
-    raise ConfigError(
-        "config.model.attention: 'cudnn' (cuDNN flash attention) computes in float16/bfloat16 "
-        "only; with model.dtype=float32 use 'dot_product' or 'auto' (which picks it)"
-    )
-  dbs = cfg.rollout.decode_batch_size
-  if dbs not in ("auto", "all"):
-    if not dbs.isdigit() or int(dbs) == 0:
-      raise ConfigError(
-          f"config.rollout.decode_batch_size: expected 'auto', 'all' or a positive " f"int (as a string), got {dbs!r}"
-      )
-    if total % int(dbs):
-      raise ConfigError(
-          f"config.rollout.decode_batch_size: {dbs} does not divide the {total} "
-          "rows of a step (prompts_per_step x group_size)"
-      )
-  if cfg.rollout.group_size < 2:
-    raise ConfigError("config.rollout.group_size: expected >= 2 (group advantages need a group)")
   if cfg.reward.kind == "chain_steps" and cfg.data.name != "synthetic_chain":
     raise ConfigError(
         f"config.reward.kind: 'chain_steps' checks synthetic_chain's worked steps; "
         f"config.data.name is {cfg.data.name!r} (use 'answer' or 'math')"
     )
-  return cfg
 
 
 def check_packing_attention(attention: str, devices=()) -> None:

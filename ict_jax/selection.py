@@ -18,7 +18,7 @@ The masks that turn scores into selected tokens are `ict_jax.token_masks`.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ import jax.numpy as jnp
 from ict_jax.grpo import LOSS_TYPES
 from ict_jax import cpu_paths
 from ict_jax.token_masks import KEEPS, entropy_mask, ict_mask, masked_quantile, stapo_mask
+
+if TYPE_CHECKING:  # the run config reads this module's registries: no import of it at run time
+  from ict_jax.config import IctConfig
 
 __all__ = [
     "KEEPS",
@@ -331,7 +334,8 @@ def js_scores(
 class Selector(NamedTuple):
   """A token-selection method: which inputs it needs and the loss type it trains with.
 
-  loss_type None means "the configured dense loss type" (plain GRPO).
+  loss_type None means "the configured dense loss type" (plain GRPO). `fn(mask, cfg, **inputs)`
+  gets the run's `IctConfig` as cfg.
   """
 
   needs: tuple[str, ...]
@@ -350,7 +354,7 @@ SELECTORS: dict[str, Selector] = {
     "entropy": Selector(
         ("entropy",),
         "bnpo",
-        lambda mask, entropy, cfg, **_: entropy_mask(entropy, mask, cfg["entropy_top_fraction"]),
+        lambda mask, entropy, cfg, **_: entropy_mask(entropy, mask, cfg.entropy_top_fraction),
         "20-Entropy: top 20% entropy tokens of the batch; token mean over the selected tokens "
         "(bnpo over M, as verl's token-mean with the entropy-masked response mask)",
     ),
@@ -358,7 +362,7 @@ SELECTORS: dict[str, Selector] = {
         ("token_prob", "entropy", "advantages"),
         "bnpo",
         lambda mask, token_prob, entropy, advantages, cfg, **_: stapo_mask(
-            token_prob, entropy, advantages, mask, cfg["stapo_tau_p"], cfg["stapo_tau_h_quantile"]
+            token_prob, entropy, advantages, mask, cfg.stapo_tau_p, cfg.stapo_tau_h_quantile
         ),
         "STAPO: drop positive-advantage low-probability low-entropy tokens; token mean over "
         "the kept tokens (bnpo over M)",
@@ -366,9 +370,7 @@ SELECTORS: dict[str, Selector] = {
     "ict": Selector(
         ("u",),
         "grpo",  # ("u",) for the default score; select_tokens asks for the chosen one
-        lambda mask, cfg, **inputs: ict_mask(
-            inputs[SCORES[cfg["ict_score"]].input], mask, cfg["ict_top_fraction"], cfg["ict_keep"]
-        ),
+        lambda mask, cfg, **inputs: ict_mask(inputs[SCORES[cfg.score].input], mask, cfg.top_fraction, cfg.keep),
         "ICT: top 10% JS tokens of each response; Sparse-GRPO, i.e. per-sequence mean over "
         "the selected tokens then mean over sequences (grpo over M)",
     ),
@@ -403,54 +405,42 @@ def loss_type_for(method: str, dense_loss_type: str = "dapo") -> str:
 
 
 def select_tokens(
-    method: str,
+    ict: IctConfig,
+    dense_loss_type: str = "dapo",
     *,
     mask: jax.Array,
     u: jax.Array | None = None,
     entropy: jax.Array | None = None,
     token_prob: jax.Array | None = None,
     advantages: jax.Array | None = None,
-    ict_top_fraction: float = 0.1,
-    entropy_top_fraction: float = 0.2,
-    stapo_tau_p: float = 0.002,
-    stapo_tau_h_quantile: float = 0.8,
-    dense_loss_type: str = "dapo",
     kl: jax.Array | None = None,
     noise: jax.Array | None = None,
-    ict_score: str = "js",
-    ict_keep: str = "unique",
 ) -> tuple[jax.Array, str]:
-  """Selection mask bool [B, T] and the loss_type to train it with.
+  """Selection mask bool [B, T] of the method `ict.method` and the loss_type to train it with.
 
   grpo -> (mask, dense_loss_type); entropy -> "bnpo"; stapo -> "bnpo"; ict -> "grpo".
   With grpo.policy_loss_terms the "bnpo" and "dapo" terms are identical (sum L*M, sum M),
   so "bnpo" here normalises over the selected tokens of the whole step when accumulated.
   Call it inside the jitted step (the string is a trace-time value); ``loss_type_for``
-  gives the same string outside jit.
+  gives the same string outside jit. The method reads its settings from `ict` (the run config's
+  section: top_fraction, entropy_top_fraction, stapo_tau_p, stapo_tau_h_quantile).
 
-  ICT's ablations: ``ict_score`` (a key of ``SCORES``: js -> ``u``, kl -> ``kl``, entropy ->
-  ``entropy``, random -> ``noise``, uniform [B, T]) and ``ict_keep`` (a key of ``KEEPS``).
+  ICT's ablations: ``ict.score`` (a key of ``SCORES``: js -> ``u``, kl -> ``kl``, entropy ->
+  ``entropy``, random -> ``noise``, uniform [B, T]) and ``ict.keep`` (a key of ``KEEPS``).
   """
+  method = ict.method
   loss_type = loss_type_for(method, dense_loss_type)
-  if ict_score not in SCORES:
-    raise ValueError(f"selection: unknown ict_score={ict_score!r}; expected one of {sorted(SCORES)}")
-  if ict_keep not in KEEPS:
-    raise ValueError(f"selection: unknown ict_keep={ict_keep!r}; expected one of {sorted(KEEPS)}")
+  if ict.score not in SCORES:
+    raise ValueError(f"selection: unknown ict.score={ict.score!r}; expected one of {sorted(SCORES)}")
+  if ict.keep not in KEEPS:
+    raise ValueError(f"selection: unknown ict.keep={ict.keep!r}; expected one of {sorted(KEEPS)}")
   selector = SELECTORS[method]
-  needs = (SCORES[ict_score].input,) if method == "ict" else selector.needs
+  needs = (SCORES[ict.score].input,) if method == "ict" else selector.needs
   inputs = {"u": u, "entropy": entropy, "token_prob": token_prob, "advantages": advantages, "kl": kl, "noise": noise}
   missing = [name for name in needs if inputs[name] is None]
   if missing:
     raise ValueError(f"selection: method {method!r} needs {missing} (got None)")
-  cfg = {
-      "ict_top_fraction": ict_top_fraction,
-      "entropy_top_fraction": entropy_top_fraction,
-      "stapo_tau_p": stapo_tau_p,
-      "stapo_tau_h_quantile": stapo_tau_h_quantile,
-      "ict_score": ict_score,
-      "ict_keep": ict_keep,
-  }
-  token_mask = selector.fn(mask=mask, cfg=cfg, **inputs)
+  token_mask = selector.fn(mask=mask, cfg=ict, **inputs)
   return token_mask, loss_type
 
 

@@ -27,6 +27,8 @@ from etils import epath
 from ict_jax import storage
 from ict_jax.tokenizer import Tokenizer
 
+VOCABS = ("qwen", "task")  # model.vocab: Qwen2.5's 151,936 rows, or this module's task vocabulary
+
 FILENAME = "task_vocab.json"
 FORMAT = "ict_jax.task_vocab/1"
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

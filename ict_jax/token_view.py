@@ -18,6 +18,7 @@ step's values. `stop` marks the stop token and `post_answer` the tokens after th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -39,7 +40,9 @@ class TokenView:
     from ict_jax.train_step import completion_logp_and_stats
 
     self.cfg, self.groups, self.mesh = step_cfg, groups, mesh
-    score = step_cfg.score if step_cfg.score in ("js", "kl", "entropy") else "js"
+    # ICT's selection whatever the run's method; JS ranks the tokens when the score is "random"
+    score = step_cfg.ict.score if step_cfg.ict.score in ("js", "kl", "entropy") else "js"
+    ict = dataclasses.replace(step_cfg.ict, method="ict", score=score)
 
     def fn(params, batch):
       model = nnx.merge(graphdef, params)
@@ -48,21 +51,12 @@ class TokenView:
           batch,
           temperature=step_cfg.temperature,
           group_size=step_cfg.group_size,
-          chunk_size=step_cfg.chunk_size,
-          reference=step_cfg.reference,
+          chunk_size=ict.chunk_size,
+          reference=ict.reference,
           kl=score == "kl",
       )
       mask = batch.completion_mask
-      sel, _ = selection.select_tokens(
-          "ict",
-          mask=mask,
-          u=stats["js"],
-          kl=stats.get("kl"),
-          entropy=stats["entropy"],
-          ict_top_fraction=step_cfg.top_fraction,
-          ict_score=score,
-          ict_keep=step_cfg.keep,
-      )
+      sel, _ = selection.select_tokens(ict, mask=mask, u=stats["js"], kl=stats.get("kl"), entropy=stats["entropy"])
       return {"prob": jnp.exp(logp) * mask, "entropy": stats["entropy"], "js": stats["js"], "selected": sel}
 
     if mesh is None:

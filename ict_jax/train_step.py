@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ict_jax import answer_positions, grpo, lm_head, selection
 from ict_jax.batch import TrainBatch
-from ict_jax.config import Config, OptimConfig
+from ict_jax.config import Config, IctConfig, LossConfig, OptimConfig
 from ict_jax.models.axes import constrain
 from ict_jax.sharding import put_global
 
@@ -53,48 +53,23 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """Static hyper-parameters of the compiled step."""
+  """Static hyper-parameters of the compiled step (frozen, hashable): the run config's `ict` and
+  `loss` sections as they are, and the step's facts from other sections."""
 
-  group_size: int = 8
-  temperature: float = 1.0
-  method: str = "ict"
-  top_fraction: float = 0.1
-  warmup_steps: int = 10
-  entropy_top_fraction: float = 0.2
-  stapo_tau_p: float = 0.002
-  stapo_tau_h_quantile: float = 0.8
-  loss_type: str = "grpo"
-  beta: float = 0.0
-  epsilon_low: float = 0.2
-  epsilon_high: float = 0.2
-  chunk_size: int = 128
-  micro_batch_size: int = 0
-  sparse_backward: bool = True
+  ict: IctConfig = IctConfig()
+  loss: LossConfig = LossConfig()
+  group_size: int = 8  # rollout.group_size
+  temperature: float = 1.0  # rollout.temperature (0, greedy: 1)
+  micro_batch_size: int = 0  # train.micro_batch_size
   max_completion_length: int = 0  # dr_grpo's T (rollout.max_new_tokens); 0: the batch's width
-  score: str = "js"  # ICT ablations: selection.SCORES / KEEPS / REFERENCES
-  keep: str = "unique"
-  reference: str = "active_mean"
 
   @classmethod
   def from_config(cfg_cls, cfg: Config) -> "StepConfig":
     return cfg_cls(
+        ict=cfg.ict,
+        loss=cfg.loss,
         group_size=cfg.rollout.group_size,
         temperature=cfg.rollout.temperature or 1.0,
-        method=cfg.ict.method,
-        top_fraction=cfg.ict.top_fraction,
-        warmup_steps=cfg.ict.warmup_steps,
-        entropy_top_fraction=cfg.ict.entropy_top_fraction,
-        stapo_tau_p=cfg.ict.stapo_tau_p,
-        stapo_tau_h_quantile=cfg.ict.stapo_tau_h_quantile,
-        loss_type=cfg.loss.loss_type,
-        beta=cfg.loss.beta,
-        epsilon_low=cfg.loss.epsilon_low,
-        epsilon_high=cfg.loss.epsilon_high,
-        chunk_size=cfg.ict.chunk_size,
-        sparse_backward=cfg.ict.sparse_backward,
-        score=cfg.ict.score,
-        keep=cfg.ict.keep,
-        reference=cfg.ict.reference,
         micro_batch_size=cfg.train.micro_batch_size,
         max_completion_length=cfg.rollout.max_new_tokens,
     )
@@ -189,10 +164,11 @@ def completion_logp_and_stats(
 # ---- the loss of one micro-batch -------------------------------------------------------------
 def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
+  ict, loss = cfg.ict, cfg.loss
   n, c = batch.completion_ids.shape
   grad_rows = (
-      lm_head.sparse_grad_rows(cfg.method, cfg.top_fraction, cfg.entropy_top_fraction, n, c)
-      if cfg.sparse_backward
+      lm_head.sparse_grad_rows(ict.method, ict.top_fraction, ict.entropy_top_fraction, n, c)
+      if ict.sparse_backward
       else 0
   )
   logp, stats = completion_logp_and_stats(
@@ -200,50 +176,44 @@ def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref
       batch,
       temperature=cfg.temperature,
       group_size=cfg.group_size,
-      chunk_size=cfg.chunk_size,
+      chunk_size=ict.chunk_size,
       grad_rows=grad_rows,
-      reference=cfg.reference,
-      kl=cfg.method == "ict" and cfg.score == "kl",
+      reference=ict.reference,
+      kl=ict.method == "ict" and ict.score == "kl",
   )
   mask = batch.completion_mask
   adv = batch.advantages
   sg_logp = jax.lax.stop_gradient(logp)
   old_logp = sg_logp if batch.old_logp is None else batch.old_logp
   ref_logp = None
-  if cfg.beta > 0:
+  if loss.beta > 0:
     ref_model = nnx.merge(graphdef, ref_params)
     ref_logp, _ = completion_logp_and_stats(
-        ref_model, batch, temperature=cfg.temperature, group_size=None, chunk_size=cfg.chunk_size
+        ref_model, batch, temperature=cfg.temperature, group_size=None, chunk_size=ict.chunk_size
     )
     ref_logp = jax.lax.stop_gradient(ref_logp)
   token_mask, loss_type = selection.select_tokens(
-      cfg.method,
+      ict,
+      loss.loss_type,
       mask=mask,
       u=stats["js"],
       entropy=stats["entropy"],
       token_prob=jnp.exp(sg_logp),
       advantages=adv,
-      ict_top_fraction=cfg.top_fraction,
-      entropy_top_fraction=cfg.entropy_top_fraction,
-      stapo_tau_p=cfg.stapo_tau_p,
-      stapo_tau_h_quantile=cfg.stapo_tau_h_quantile,
-      dense_loss_type=cfg.loss_type,
       kl=stats.get("kl"),
       noise=batch.score_noise,
-      ict_score=cfg.score,
-      ict_keep=cfg.keep,
   )
-  if cfg.method == "ict" and cfg.warmup_steps > 0:  # dense GRPO for the first steps
-    token_mask = jnp.where(step < cfg.warmup_steps, mask.astype(bool), token_mask)
+  if ict.method == "ict" and ict.warmup_steps > 0:  # dense GRPO for the first steps
+    token_mask = jnp.where(step < ict.warmup_steps, mask.astype(bool), token_mask)
   terms = grpo.policy_loss_terms(
       logp,
       old_logp,
       adv,
       mask,
       ref_logp=ref_logp,
-      beta=cfg.beta,
-      epsilon_low=cfg.epsilon_low,
-      epsilon_high=cfg.epsilon_high,
+      beta=loss.beta,
+      epsilon_low=loss.epsilon_low,
+      epsilon_high=loss.epsilon_high,
       loss_type=loss_type,
       token_mask=token_mask,
       max_completion_length=cfg.max_completion_length or None,
@@ -312,7 +282,7 @@ def make_train_step(
           f"micro_batch_size {mb} must divide the batch ({n} rows) and be a " f"multiple of group_size {cfg.group_size}"
       )
     check_micro_batch(mb, jax.sharding.get_abstract_mesh())
-    if cfg.method == "ict" and cfg.score == "random":  # the "random" ablation's scores
+    if cfg.ict.method == "ict" and cfg.ict.score == "random":  # the "random" ablation's scores
       key = jax.random.fold_in(jax.random.key(0), state.step)
       batch = batch.replace(score_noise=jax.random.uniform(key, batch.completion_mask.shape))
     batch = jax.tree.map(lambda v: constrain(v, ("act_batch",) + (None,) * (v.ndim - 1)), batch)

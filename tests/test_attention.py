@@ -22,6 +22,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 from compilers import LIBS_DIR, SKIP_REASON, libtpu_found
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax import sampling, setup, sharding
 from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
@@ -305,7 +306,7 @@ def test_model_with_dot_product_attention_matches_einsum():
 
 
 def test_auto_is_resolved_in_setup_from_the_mesh_devices():
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   assert c.model.attention == "auto"
   cfg = config_lib.validate(c)
   assert setup.model_config(cfg, "", sharding.make_mesh((1, -1, 1))).attention == "einsum"  # CPU
@@ -341,7 +342,7 @@ _TPU_COMPILE = textwrap.dedent("""
                                       chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
                                       num_slices=1)
   mesh = sharding.make_mesh((1, 2, 2), devices=list(topo.devices))
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   mcfg = setup.model_config(config_lib.validate(c), "", mesh)
   assert mcfg.attention == "splash", mcfg.attention  # auto on TPU devices
   mcfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

@@ -80,6 +80,7 @@ def test_chain_steps_verifier_checks_every_step():
   """reward.kind=chain_steps: 1 only when each worked step's arithmetic, the chain over the
   problem's operands and the box are right; the answer-only verifier is the contrast."""
   from ict_jax import config as config_lib
+  from ict_jax import configs
   from ict_jax.rewards import score
   from ict_jax.rewards.registry import gold_text
 
@@ -117,7 +118,7 @@ def test_chain_steps_verifier_checks_every_step():
         assert score("chain_steps", s, gold_text("chain_steps", ex)) == 1.0, (ex["prompt"], s)
         wrong = STEP.sub(lambda m: f"{m[1]}{m[2]}{m[3]}={int(m[4]) + 1}", s, count=1)
         assert score("chain_steps", wrong, gold_text("chain_steps", ex)) == 0.0, (ex["prompt"], wrong)
-  c = config_lib.chain_config()
+  c = configs.chain_config()
   c.reward.kind = "chain_steps"
   assert config_lib.validate(c).reward.kind == "chain_steps"
   c.data.name = "synthetic_arith"

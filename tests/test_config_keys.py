@@ -5,6 +5,7 @@ import dataclasses
 import sys
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax.train import train
 
 
@@ -43,16 +44,37 @@ def test_the_recorder_sees_reads_not_whole_config_copies():
   assert read == {"train.steps", "optim.b1"}
 
 
+def _select_with_every_method(ict: config_lib.IctConfig, dense_loss_type: str) -> None:
+  """The token selection of each method on a few rows, with the run's `ict` section (the step holds
+  the section and reads a method's settings only where that method selects)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from ict_jax import selection
+
+  rows = np.random.default_rng(0).random((4, 6)).astype(np.float32)
+  arrays = dict(u=rows, entropy=rows, token_prob=rows, advantages=rows[:, 0], kl=rows, noise=rows)
+  for method in selection.SELECTORS:
+    selection.select_tokens(
+        dataclasses.replace(ict, method=method),
+        dense_loss_type,
+        mask=jnp.ones((4, 6)),
+        **{k: jnp.asarray(v) for k, v in arrays.items()},
+    )
+
+
 def test_every_config_key_is_read_by_a_training_run(tmp_path, monkeypatch):
   read: set[str] = set()
   validate = config_lib.validate
-  monkeypatch.setattr(config_lib, "validate", lambda cd: _recording(validate(cd), read))
-  c = config_lib.tiny_config()
+  runs = []
+  monkeypatch.setattr(config_lib, "validate", lambda cd: runs.append(_recording(validate(cd), read)) or runs[-1])
+  c = configs.tiny_config()
   c.warm_start.sft_steps = 2
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 2  # 8 rows: one per simulated device
   c.train.steps = c.train.checkpoint_every = 1
   c.train.async_checkpointing = False
   c.train.token_budget = 20  # data.max_prompt_len 16 + max_new_tokens 4: the loop's packed path runs too
   train(c, str(tmp_path / "run"), progress=False)
+  _select_with_every_method(runs[-1].ict, runs[-1].loss.loss_type)  # the run trains with ict's only
   unread = sorted(_all_keys() - read)
   assert not unread, f"config keys that nothing reads (wire them or remove them): {unread}"

@@ -393,7 +393,7 @@ def test_cli_argument_and_input_errors(tmp_path, ab_model_dir, capsys):
 def test_cli_workdir_after_one_training_step(tmp_path, ab_model_dir, capsys):
   import jax
   from flax import nnx
-  from ict_jax.config import tiny_config
+  from ict_jax.configs import tiny_config
   from ict_jax.eval.loading import load_workdir
   from ict_jax.models.hf import load_pretrained
   from ict_jax.train import train

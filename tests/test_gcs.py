@@ -202,7 +202,8 @@ def test_export_to_the_bucket_equals_a_local_export(gcs, gcs_environ, runs, tmp_
 
 
 def test_gs_data_dir_is_one_error_before_compiling(gcs, gcs_environ):
-  from ict_jax.config import ConfigError, tiny_config
+  from ict_jax.config import ConfigError
+  from ict_jax.configs import tiny_config
   from ict_jax.train import train
 
   c = tiny_config()

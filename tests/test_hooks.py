@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax.hooks import Hook
 from ict_jax.logs import read_log
 from ict_jax.train import train
@@ -74,7 +74,7 @@ class Recorder(Hook):
 
 
 def _quick(steps=4, every=2):
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps, c.train.eval_every = 10, 0
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every = steps, every

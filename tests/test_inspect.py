@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax import inspect as ins
 from ict_jax.inspect import reader
 from ict_jax import sharding
@@ -41,7 +42,7 @@ def run(tmp_path_factory):
   """-> dict(workdir, cfg (the validated run config), mesh, mcfg, params {step: host numpy pure dict},
   optimizer, shardings)."""
   workdir = str(tmp_path_factory.mktemp("run"))
-  cfg = config_lib.tiny_config()
+  cfg = configs.tiny_config()
   cfg.loss.beta = 0.04  # the trainer then saves a frozen "ref_params" copy too
   run_cfg = config_lib.validate(cfg)
   mcfg = Qwen2Config.preset("tiny")
@@ -295,7 +296,7 @@ def task_run(tmp_path_factory):
   from ict_jax import task_vocab
 
   workdir = str(tmp_path_factory.mktemp("task_run"))
-  cfg = config_lib.validate(config_lib.chain_config())
+  cfg = config_lib.validate(configs.chain_config())
   tok = task_vocab.build(["3+1+4=", "3+1=4,4+4=8;\\boxed{8}"])
   tok.save(workdir)
   mcfg = Qwen2Config.preset("tiny", vocab_size=task_vocab.model_vocab_size(tok.vocab_size))

@@ -15,6 +15,7 @@ from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
+from tiny import step_config as tiny_step_config
 from tiny import tiny_config
 
 G, N, V = 4, 8, 128
@@ -39,7 +40,7 @@ def make_step(method, loss_type):
   graphdef, state = nnx.split(init_model(CFG, seed=0))
   # b1 = 0: Adam's first moment is the gradient
   opt = ts.make_optimizer(OptimConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=0.0), 10)
-  cfg = ts.StepConfig(
+  cfg = tiny_step_config(
       group_size=G,
       method=method,
       loss_type=loss_type,

@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent("""
     import jax
     from ict_jax import config as C
     from ict_jax.train import train
-    c = C.tiny_config()
+    from ict_jax import configs
+    c = configs.tiny_config()
     c.warm_start.sft_steps = 0
     c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
     c.train.steps = c.train.checkpoint_every = 2
@@ -59,7 +60,8 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     from ict_jax.setup import abstract_params, make_mesh, model_config
     from ict_jax.tokenizer import Tokenizer
     from ict_jax.build import init_params
-    cfg = C.validate(C.tiny_config())
+    from ict_jax import configs
+    cfg = C.validate(configs.tiny_config())
     mesh = make_mesh(cfg)
     mcfg = model_config(cfg, "")
     graphdef, _, params_sharding = abstract_params(mcfg, mesh)

@@ -53,6 +53,8 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
   for module in (
       "ict_jax/train.py",
       "ict_jax/paper_config.py",
+      "ict_jax/configs/tiny.py",  # the presets: `python -m ict_jax.train` with no --config runs tiny.py's
+      "ict_jax/configs/tiny_arith.py",
       "ict_jax/eval/__main__.py",
       "ict_jax/models/qwen2.py",
       "ict_jax/rewards/worker.py",
@@ -80,7 +82,7 @@ def test_console_commands(wheel):
     assert callable(getattr(importlib.import_module(module), func)), target
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_0_5b_math", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "tiny"])
+@pytest.mark.parametrize("name", ["qwen2_5_0_5b_math", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "tiny", "tiny_arith"])
 def test_configs_load_without_sys_path_edits(name):
   path = os.path.join(REPO, "configs", f"{name}.py")
   assert "sys.path" not in open(path).read()

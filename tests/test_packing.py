@@ -19,10 +19,11 @@ from ict_jax import config as config_lib
 from ict_jax import packing, selection, sharding
 from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
-from ict_jax.config import OptimConfig
+from ict_jax.config import IctConfig, OptimConfig
 from ict_jax.models import attention
 from ict_jax.models.qwen2 import init_model
 from tiny import COMPILE_OPTIONS, tiny_config
+from tiny import step_config as tiny_step_config
 
 G, N, PROMPT, C, V = 4, 16, 6, 24, 128
 BUDGET = 64  # the most tokens a packed row holds: rows of min(64, PROMPT + C) = 30 tokens
@@ -51,9 +52,9 @@ def model():
   return graphdef, jax.tree_util.tree_map_with_path(scale, state.to_pure_dict())
 
 
-def step_config(method, mb):
-  return ts.StepConfig(
-      group_size=G, method=method, warmup_steps=0, chunk_size=8, micro_batch_size=mb, entropy_top_fraction=0.3
+def step_config(method, mb, **kw):
+  return tiny_step_config(
+      group_size=G, method=method, warmup_steps=0, chunk_size=8, micro_batch_size=mb, entropy_top_fraction=0.3, **kw
   )
 
 
@@ -124,7 +125,7 @@ def test_packed_step_with_the_kl_term_equals_padded_step():
   ref = jax.tree.map(lambda x: x * 0.9, state.params)  # a reference the policy has moved from
   step = ts.make_train_step(
       graphdef,
-      dataclasses.replace(step_config("grpo", 0), beta=0.05),
+      step_config("grpo", 0, beta=0.05),
       opt,
       mesh=mesh,
       state_sharding=state_sharding,
@@ -212,17 +213,13 @@ def test_packed_selection_masks_equal_padded():
   def select(method, lp, st, rows):  # the selection the step makes on the micro-batch `rows`
     rows = slice(*rows)
     return selection.select_tokens(
-        method,
+        IctConfig(method=method, top_fraction=0.2, entropy_top_fraction=0.2, stapo_tau_p=0.3, stapo_tau_h_quantile=0.5),
+        "grpo",
         mask=mask[rows],
         u=st["js"][rows],
         entropy=st["entropy"][rows],
         token_prob=jnp.exp(lp[rows]),
         advantages=jnp.asarray(batch.advantages)[rows],
-        ict_top_fraction=0.2,
-        entropy_top_fraction=0.2,
-        stapo_tau_p=0.3,
-        stapo_tau_h_quantile=0.5,
-        dense_loss_type="grpo",
     )[0]
 
   # the ablation's others_mean reference, over each piece's other rows (stacked slots hold two)

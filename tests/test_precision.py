@@ -20,6 +20,7 @@ from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
+from tiny import step_config as tiny_step_config
 from tiny import tiny_config
 
 G, N, P, C, V = 4, 8, 4, 12, 128
@@ -49,7 +50,7 @@ def run(dtype: str):
   params = state.to_pure_dict()
   opt = ts.make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=0.0), total_steps=10)
   step = ts.make_train_step(
-      graphdef, ts.StepConfig(group_size=G, method="grpo", chunk_size=4, micro_batch_size=G), opt, donate=False
+      graphdef, tiny_step_config(group_size=G, method="grpo", chunk_size=4, micro_batch_size=G), opt, donate=False
   )
   st = ts.init_train_state(params, opt)
   for _ in range(STEPS):
@@ -104,6 +105,6 @@ def test_training_refuses_non_float32_parameters():
 def test_step_refuses_bf16_parameters():
   graphdef, state = nnx.split(init_model(dataclasses.replace(CFG, param_dtype="bfloat16"), seed=0))
   opt = ts.make_optimizer(OptimConfig(), total_steps=10)
-  step = ts.make_train_step(graphdef, ts.StepConfig(group_size=G, method="grpo"), opt, donate=False)
+  step = ts.make_train_step(graphdef, tiny_step_config(group_size=G, method="grpo"), opt, donate=False)
   with pytest.raises(ValueError, match="float32 master weights"):
     step(ts.init_train_state(state.to_pure_dict(), opt), batch())

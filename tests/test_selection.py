@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy.spatial.distance import jensenshannon
 
 from ict_jax import selection, token_masks
+from ict_jax.config import IctConfig
 
 js_scores = jax.jit(selection.js_scores, static_argnames=("group_size", "chunk_size"))
 token_stats = jax.jit(selection.token_stats, static_argnames=("chunk_size",))
@@ -285,9 +286,11 @@ def test_select_tokens_registry():
   kw = dict(mask=mask, u=u, entropy=h, token_prob=prob, advantages=adv)
   loss_types = {}
 
-  @functools.partial(jax.jit, static_argnames=("method", "ict_top_fraction"))
-  def select(method, ict_top_fraction=0.1, **arrays):
-    token_mask, loss_types[method] = selection.select_tokens(method, ict_top_fraction=ict_top_fraction, **arrays)
+  @functools.partial(jax.jit, static_argnames=("method", "top_fraction"))
+  def select(method, top_fraction=0.1, **arrays):
+    token_mask, loss_types[method] = selection.select_tokens(
+        IctConfig(method=method, top_fraction=top_fraction), **arrays
+    )
     return token_mask
 
   expected = {
@@ -303,12 +306,12 @@ def test_select_tokens_registry():
     assert got_mask.dtype == jnp.bool_
     assert loss_types[method] == want_loss == selection.loss_type_for(method)
   assert selection.loss_type_for("grpo", dense_loss_type="grpo") == "grpo"
-  got = select("ict", ict_top_fraction=0.3, mask=mask, u=u)
+  got = select("ict", top_fraction=0.3, mask=mask, u=u)
   np.testing.assert_array_equal(np.asarray(got), np_ict(np.asarray(u), np.asarray(mask), 0.3))
   with pytest.raises(ValueError, match=r"'entropy', 'grpo', 'ict', 'stapo'"):
-    selection.select_tokens("random", mask=mask)
+    selection.select_tokens(IctConfig(method="random"), mask=mask)
   with pytest.raises(ValueError, match="needs"):
-    selection.select_tokens("stapo", mask=mask, entropy=h)
+    selection.select_tokens(IctConfig(method="stapo"), mask=mask, entropy=h)
   with pytest.raises(ValueError, match="dense_loss_type"):
     selection.loss_type_for("grpo", dense_loss_type="ppo")
   with pytest.raises(ValueError, match="top_fraction"):
@@ -475,9 +478,7 @@ def test_select_tokens_ict_ablations(score, keep):
   arrays = {name: rng.random((b, t)).astype(np.float32) for name in ("u", "kl", "entropy", "noise")}
   got, loss_type = (
       jax.jit(
-          lambda m, a: selection.select_tokens(
-              "ict", mask=m, ict_top_fraction=0.2, ict_score=score, ict_keep=keep, **a
-          )[0]
+          lambda m, a: selection.select_tokens(IctConfig(top_fraction=0.2, score=score, keep=keep), mask=m, **a)[0]
       )(jnp.asarray(mask), {k: jnp.asarray(v) for k, v in arrays.items()}),
       "grpo",
   )
@@ -485,17 +486,22 @@ def test_select_tokens_ict_ablations(score, keep):
   want = np_ict(chosen if keep == "unique" else -chosen, mask, 0.2)
   np.testing.assert_array_equal(np.asarray(got), want)
   with pytest.raises(ValueError, match="needs"):
-    selection.select_tokens("ict", mask=jnp.asarray(mask), ict_score=score, **{k: None for k in arrays})
-  with pytest.raises(ValueError, match="ict_score"):
-    selection.select_tokens("ict", mask=jnp.asarray(mask), ict_score="wasserstein")
+    selection.select_tokens(IctConfig(score=score), mask=jnp.asarray(mask), **{k: None for k in arrays})
+  with pytest.raises(ValueError, match="ict.score"):
+    selection.select_tokens(IctConfig(score="wasserstein"), mask=jnp.asarray(mask))
+  with pytest.raises(ValueError, match="ict.keep"):
+    selection.select_tokens(IctConfig(keep="rare"), mask=jnp.asarray(mask), u=jnp.asarray(arrays["u"]))
 
 
 def test_config_choices_match_the_registries():
   from ict_jax import config as config_lib
 
-  assert set(config_lib._CHOICES["ict.score"]) == set(selection.SCORES)
-  assert set(config_lib._CHOICES["ict.keep"]) == set(selection.KEEPS)
-  assert set(config_lib._CHOICES["ict.reference"]) == set(selection.REFERENCES)
+  (score,), (keep,), (reference,) = (
+      config_lib.rules_of(config_lib.IctConfig)[name] for name in ("score", "keep", "reference")
+  )
+  assert score.choices == tuple(selection.SCORES)
+  assert keep.choices == tuple(selection.KEEPS)
+  assert reference.choices == tuple(selection.REFERENCES)
   c = config_lib.default_config()
   c.ict.score = "wasserstein"
   with pytest.raises(config_lib.ConfigError, match="config.ict.score"):

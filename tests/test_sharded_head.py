@@ -20,6 +20,7 @@ from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import init_model
+from tiny import step_config as tiny_step_config
 
 G, N, P, C, K = 4, 16, 4, 15, 5  # K: the LM-head chunk (C = 3 chunks of 5)
 D, V = 48, 512  # sizes no other dimension of the step has
@@ -62,7 +63,7 @@ def compiled_text(mesh_shape, method="ict", micro_batch=N, tied=False, sparse_ba
   state = ts.init_train_state(params, opt, mesh=mesh, params_sharding=params_sharding)
   step = ts.make_train_step(
       graphdef,
-      ts.StepConfig(
+      tiny_step_config(
           group_size=G, method=method, chunk_size=K, micro_batch_size=micro_batch, sparse_backward=sparse_backward
       ),
       opt,

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax import task_vocab
 from ict_jax.logs import read_log
 from ict_jax.tokenizer import Tokenizer
@@ -76,7 +76,7 @@ def test_model_vocab_size_pads_to_128():
 
 
 def _chain(**overrides):
-  c = config_lib.chain_config()
+  c = configs.chain_config()
   c.warm_start.sft_steps = 20
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every, c.train.eval_every = 2, 2, 0

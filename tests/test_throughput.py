@@ -10,7 +10,7 @@ import types
 import jax
 import pytest
 
-from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax import logs, throughput
 from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import ConfigError
@@ -77,7 +77,7 @@ class _FakeWandb(types.ModuleType):
 
 
 def _short(**overrides):
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps = 2
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 2
   c.train.steps = c.train.checkpoint_every = 2
@@ -113,7 +113,7 @@ def test_metrics_profile_and_wandb_of_a_run(tmp_path, monkeypatch):
   train(_short(**{"train.profile_steps": "2,2", "log.wandb_project": "ict-test"}), workdir, progress=False)
   assert [r["step"] for r in logged_at_save[2]] == [1, 2]  # flushed before the checkpoint of step 2
   rows = read_log(workdir, "metrics")
-  lr = config_lib.tiny_config().optim.learning_rate
+  lr = configs.tiny_config().optim.learning_rate
   assert [r["learning_rate"] for r in rows] == pytest.approx([lr, lr / 2])
   for r in rows:
     assert r["model_tflops_per_chip"] > 0 and 0 < r["mfu"] < 1

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ict_jax import config as config_lib
+from ict_jax import configs
 from ict_jax.logs import read_log
 from ict_jax.train import train
 
@@ -19,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _quick(**overrides):
   """The tiny default, shortened: few SFT steps, small batches."""
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps = 20
   c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
   c.train.steps, c.train.checkpoint_every = 4, 2

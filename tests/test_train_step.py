@@ -30,6 +30,7 @@ from ict_jax.batch import TrainBatch
 from ict_jax.config import OptimConfig
 from ict_jax.models.qwen2 import init_model
 from tiny import COMPILE_OPTIONS, tiny_config
+from tiny import step_config as tiny_step_config
 
 G, N, PROMPT, C, V = 4, 16, 5, 23, 256
 TEMP = 0.7
@@ -236,15 +237,25 @@ def compile_step(cfg: ts.StepConfig, *, mesh=None, state_sharding=None, donate=F
 
 
 def step_config(method, loss_type="grpo", **kw):
-  return ts.StepConfig(
-      group_size=G,
-      temperature=TEMP,
-      method=method,
-      loss_type=loss_type,
-      warmup_steps=kw.pop("warmup_steps", 2),
-      chunk_size=3,
-      **kw,
-  )
+  kw.setdefault("warmup_steps", 2)
+  return tiny_step_config(group_size=G, temperature=TEMP, method=method, loss_type=loss_type, chunk_size=3, **kw)
+
+
+def test_step_config_holds_the_run_config_sections():
+  """The step reads `cfg.ict` / `cfg.loss` as they are, and is a static jit argument (hashable)."""
+  from ict_jax import config as config_lib
+  from ict_jax import configs
+
+  cd = configs.tiny_config()
+  cfg = config_lib.validate(cd)
+  scfg = ts.StepConfig.from_config(cfg)
+  assert scfg.ict is cfg.ict and scfg.loss is cfg.loss
+  assert (scfg.group_size, scfg.temperature, scfg.micro_batch_size, scfg.max_completion_length) == (8, 1.0, 0, 4)
+  again = ts.StepConfig.from_config(config_lib.validate(cd))
+  assert again == scfg and hash(again) == hash(scfg)
+  cd.rollout.temperature, cd.ict.top_fraction = 0.0, 0.5  # greedy rollouts: the step's logits at T = 1
+  other = ts.StepConfig.from_config(config_lib.validate(cd))
+  assert other.temperature == 1.0 and other.ict.top_fraction == 0.5 and other != scfg
 
 
 @functools.cache

@@ -27,3 +27,21 @@ def tiny_config(vocab_size: int, max_position_embeddings: int = 64, **overrides)
       max_position_embeddings=max_position_embeddings,
       **overrides,
   )
+
+
+def step_config(**overrides):
+  """A `train_step.StepConfig` with `overrides`, each a field of the step, of its `ict` section or of
+  its `loss` section (method="grpo", beta=0.05, group_size=4, ...): the tests' short way to one."""
+  import dataclasses
+
+  from ict_jax import train_step as ts
+  from ict_jax.config import IctConfig, LossConfig
+
+  parts = {"ict": {}, "loss": {}, "step": {}}
+  names = {"ict": IctConfig, "loss": LossConfig, "step": ts.StepConfig}
+  for name, value in overrides.items():
+    (part,) = [p for p, cls in names.items() if name in {f.name for f in dataclasses.fields(cls)}] or [None]
+    if part is None:
+      raise TypeError(f"step_config: {name!r} is no field of StepConfig, IctConfig or LossConfig")
+    parts[part][name] = value
+  return ts.StepConfig(ict=IctConfig(**parts["ict"]), loss=LossConfig(**parts["loss"]), **parts["step"])

@@ -56,10 +56,10 @@ class FaultHook(Hook):
 
 def _nonfinite_child(workdir: str, steps: int, nan_step: int, inf_step: int) -> None:
   """Runs in a subprocess: train() with `FaultHook`, recording per step whether the parameters changed."""
-  from ict_jax import config as config_lib
+  from ict_jax import configs
   from ict_jax.train import train
 
-  c = config_lib.tiny_config()
+  c = configs.tiny_config()
   c.warm_start.sft_steps, c.rollout.prompts_per_step, c.rollout.group_size = 20, 4, 4
   c.train.steps, c.train.checkpoint_every, c.mesh.fsdp = steps, steps, 1
   faults = FaultHook(nan_step, inf_step)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-STYLES = ("chat", "plain")
+STYLES = ("plain", "chat")  # data.prompt_style
 
 
 class ChatTokenizer(Protocol):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ict_jax.cpu_paths import KERNELS
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # compute and parameter dtypes
 REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
 ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
 DECODE_ATTENTION = ("xla", "pallas", "pallas_interpret")  # see models/decode_kernel.py
@@ -83,8 +83,8 @@ class Qwen2Config:
     if self.kernels not in KERNELS:
       raise ValueError(f"Qwen2Config.kernels: expected one of {KERNELS}, got {self.kernels!r}")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"Qwen2Config.{name}: expected one of {_DTYPES}, got {getattr(self, name)!r}")
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"Qwen2Config.{name}: expected one of {DTYPES}, got {getattr(self, name)!r}")
 
   @property
   def head_dim(self) -> int:

@@ -24,6 +24,9 @@ REWARDS: dict[str, RewardFn] = {
     "answer": answer_reward,
     "chain_steps": chain_steps_reward,
 }
+# what a run's reward.kind may name: every verifier but "format", which is added on top of one
+# (reward.format_weight)
+KINDS = tuple(kind for kind in REWARDS if kind != "format")
 
 
 def gold_text(kind: str, example: dict) -> object:
