@@ -147,8 +147,7 @@ def warm_started_hf(s: Setting, sft_steps: int) -> str:
   from flax import nnx
   from ict_jax.models.hf import save_pretrained
   from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config
-  from ict_jax.build import init_params, warm_start
-  from ict_jax.data.splits import load_examples
+  from ict_jax.build import init_params, load_examples, warm_start
 
   hf_dir = os.path.join(s.out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
@@ -216,7 +215,7 @@ def test_one(s: Setting, variant: str, lr: float | None, seed: int, hf_dir: str)
   from ict_jax.rewards.pool import RewardPool
   from ict_jax.setup import make_mesh
   from ict_jax.task_vocab import load_tokenizer
-  from ict_jax.data.splits import load_examples
+  from ict_jax.build import load_examples
 
   workdir = run_dir(s, variant, lr, seed)
   done = os.path.join(workdir, "test.json")

@@ -22,17 +22,13 @@ from typing import Any, Callable
 import ml_collections
 
 from ict_jax.cpu_paths import KERNELS
+from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 from ict_jax.data.prompts import STYLES
 from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES
 from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
 from ict_jax.rewards.registry import KINDS
 from ict_jax.selection import KEEPS, REFERENCES, SCORES, SELECTORS, SEQUENCE_REFERENCE
 from ict_jax.task_vocab import VOCABS
-
-
-class ConfigError(ValueError):
-  """A bad configuration value; the message names the key (`config.a.b`)."""
-
 
 # ---- the rules a field carries -------------------------------------------------------------------
 _CHOICE, _POSITIVE, _NON_NEGATIVE, _FRACTION, _OTHER = range(5)  # the order validate checks them in

@@ -166,7 +166,7 @@ def _summary_writer(logdir: str):
 
 def import_wandb():
   """The `wandb` module, or one ConfigError saying how to get it (imported only when asked for)."""
-  from ict_jax.config import ConfigError
+  from ict_jax.errors import ConfigError
 
   try:
     import wandb

@@ -136,7 +136,7 @@ class PeriodicEvalHook(Hook):
     self.run, self.periodic = run, None
 
   def on_run_start(self, learner) -> None:
-    from ict_jax.data.splits import load_examples
+    from ict_jax.build import load_examples
     from ict_jax.eval.periodic import PeriodicEval
 
     cfg = self.run.cfg

@@ -35,7 +35,7 @@ def check_backend(path: str | os.PathLike, what: str) -> None:
     return
   import fsspec
 
-  from ict_jax.config import ConfigError
+  from ict_jax.errors import ConfigError
 
   protocol = os.fspath(path).split("://", 1)[0]
   try:
@@ -49,7 +49,7 @@ def check_backend(path: str | os.PathLike, what: str) -> None:
 def check_data_dir(data_dir: str | None, what: str) -> None:
   """A tfds data_dir must be local: tfds builds ArrayRecord files with local file calls."""
   if data_dir and is_url(data_dir):
-    from ict_jax.config import ConfigError
+    from ict_jax.errors import ConfigError
 
     raise ConfigError(
         f"{what}={data_dir}: tfds writes its datasets with local file calls and cannot build them in a "

@@ -20,7 +20,9 @@ SIZED_DIRS = ("ict_jax", "benchmarks", "tests")
 # ict_jax's layers, bottom first. A unit is a top-level module or subpackage of ict_jax ("" is the
 # package itself: its lazily resolved public names); a unit may import units of its own layer and
 # of lower layers, never of a higher one, at module level or inside a function. The layers are
-# what each unit uses: the checkpoint store is a leaf library (Orbax, files) that setup reads a saved
+# what each unit uses: the config schema reads its choices from the registries that define them
+# (selection, grpo, rewards, models, data's prompt styles), so it sits with the learner, and a
+# lower unit that raises its ConfigError takes it from `errors`; the checkpoint store is a leaf library (Orbax, files) that setup reads a saved
 # run's config with and the learner writes through; the reward functions and the advantages are libraries under the collector,
 # which calls them while it samples (a step's data flows data -> collector -> rewards ->
 # advantages -> learner.update -> checkpoint, each stage consuming the one before); the train step
@@ -31,11 +33,9 @@ LAYERS = (
     (
         "foundation",
         (
+            "errors",
             "cpu_paths",
             "models",
-            "config",
-            "cli_config",
-            "paper_config",
             "sharding",
             "storage",
             "tokenizer",
@@ -47,7 +47,22 @@ LAYERS = (
     ("rewards", ("rewards", "answer_positions")),
     ("advantages", ("grpo",)),
     ("collector", ("sampling", "batch", "rollout")),
-    ("learner", ("token_masks", "selection", "lm_head", "packing", "train_step", "warm_start", "setup")),
+    (
+        "learner",  # and its configuration, whose fields take their choices from these registries
+        (
+            "token_masks",
+            "selection",
+            "lm_head",
+            "packing",
+            "train_step",
+            "warm_start",
+            "setup",
+            "config",
+            "cli_config",
+            "paper_config",
+            "configs",
+        ),
+    ),
     ("run services", ("health", "logs", "throughput", "preemption", "token_view")),
     ("evaluation", ("eval",)),
     ("run", ("build", "hooks", "learner", "run_hooks")),
@@ -58,7 +73,7 @@ LAYERS = (
 # TEMPORARY: violations still to mend, each by name; the lists must shrink to empty. An entry that
 # is no longer a violation fails the test, so none outlives its fix.
 TEMPORARY_LONG_FUNCTIONS = frozenset()
-TEMPORARY_LONG_FILES = frozenset({"benchmarks/faults.py"})
+TEMPORARY_LONG_FILES = frozenset()
 TEMPORARY_UPWARD_IMPORTS = frozenset()
 
 
@@ -66,6 +81,7 @@ class Import(NamedTuple):
   source: str  # the importing module, dotted ("ict_jax.sampling.host"; a package: its __init__)
   target: str  # the imported ict_jax module
   in_function: bool  # inside a function (runs when called), not at module level (runs on import)
+  typing_only: bool = False  # under `if TYPE_CHECKING:` (never runs: a type annotation's import)
 
 
 def _python_files(*dirs: str) -> list[Path]:
@@ -141,6 +157,13 @@ def package_imports() -> tuple[Import, ...]:
   for path in paths:
     source, tree = _module_name(path), _tree(path)
     in_function = {id(n) for _, f in _functions(tree) for n in ast.walk(f) if n is not f}
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
       if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
@@ -153,7 +176,7 @@ def package_imports() -> tuple[Import, ...]:
         if name == PACKAGE or name.startswith(PACKAGE + "."):
           target = module_of(name)
           if target != source:
-            out.append(Import(source, target, id(node) in in_function))
+            out.append(Import(source, target, id(node) in in_function, id(node) in typing_only))
   return tuple(out)
 
 
@@ -219,14 +242,14 @@ def test_every_python_file_is_at_most_600_lines():
 
 def test_no_circle_between_modules_at_import_time():
   """Module-level imports (what runs on `import`) between ict_jax's modules form no cycle."""
-  cycle = find_cycle({(i.source, i.target) for i in package_imports() if not i.in_function})
+  cycle = find_cycle({(i.source, i.target) for i in package_imports() if not (i.in_function or i.typing_only)})
   assert cycle is None, " -> ".join(cycle)
 
 
 def test_no_circle_between_top_level_units():
   """No cycle between ict_jax's top-level modules and subpackages, function-level imports included
   (a function-level import does not make a circle acceptable, it only defers it)."""
-  edges = {(unit(i.source), unit(i.target)) for i in package_imports()}
+  edges = {(unit(i.source), unit(i.target)) for i in package_imports() if not i.typing_only}
   cycle = find_cycle({(a, b) for a, b in edges if a != b})
   assert cycle is None, " -> ".join(cycle)
 

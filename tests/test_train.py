@@ -292,7 +292,7 @@ def test_init_from_hf_first_rollout_equals_generate(tmp_path):
   out = train(c, workdir, init_from_hf=hf_dir, progress=False)
   assert out[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
   cfg = config_lib.validate(c)
-  src = __import__("ict_jax.data.splits", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
+  src = __import__("ict_jax.build", fromlist=["load_examples"]).load_examples(cfg, "train", workdir)
   examples = next(PromptIterator(src, cfg.rollout.prompts_per_step, seed=cfg.train.seed))
   with RewardPool(num_workers=0) as pool:
     collector = Collector(
