@@ -106,6 +106,7 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
 # test_every_benchmark_script_has_a_smoke_run.
 SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
+    "compare_logs.py": "test_compare_logs_identical_and_different",
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
@@ -366,3 +367,27 @@ def test_warm_start_sweep_one_spec(tmp_path):
     r = out[split]
     assert 0 <= r["pass@1"] <= r["pass@8"] <= 1 and r["mean_response_tokens"] > 0
   assert " -> " in out["example"]
+
+
+def test_compare_logs_identical_and_different(tmp_path):
+  """benchmarks/compare_logs.py: two runs' metrics logs, every non-timing metric exact."""
+  from ict_jax.logs import JsonlLog
+  from etils import epath
+
+  rows = [{"step": s, "loss": 0.5 / s, "entropy": float("nan"), "step_s": 1.0 + s} for s in (1, 2, 3)]
+  for name, table in (
+      ("a", rows),
+      ("b", [dict(r, step_s=9.0) for r in rows]),
+      ("c", rows[:2] + [dict(rows[2], loss=0.1)]),
+  ):
+    JsonlLog(epath.Path(tmp_path / name / "metrics"), 0).write(3, table)
+  same = _run_script("compare_logs.py", str(tmp_path / "a"), str(tmp_path / "b"))
+  assert same.returncode == 0, same.stderr
+  out = json.loads(same.stdout)
+  assert out["identical"] and out["steps_compared"] == 3 and out["keys_compared"] == ["entropy", "loss", "step"]
+  script = os.path.join(ROOT, "benchmarks", "compare_logs.py")
+  other = subprocess.run(
+      [sys.executable, script, str(tmp_path / "a"), str(tmp_path / "c")], capture_output=True, text=True
+  )
+  assert other.returncode == 1, other.stderr
+  assert json.loads(other.stdout)["differences"] == [{"step": 3, "key": "loss", "a": 0.5 / 3, "b": 0.1}]
