@@ -324,3 +324,15 @@ def test_an_unimportable_function_exits_2_in_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == want, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(f"{tmp_path}/w/checkpoints")
+
+
+def test_a_worker_that_cannot_load_a_function_names_it(tmp_path):
+  """A spec that loaded in the trainer but not in a worker (the file is gone): the pool's start-up
+  fails with the function's name and the worker's reason, not a bare dead worker."""
+  path = tmp_path / "gone.py"
+  path.write_text("def gone(prompts, completions, **columns):\n    return [1.0] * len(completions)\n")
+  fs = resolve(f"{path}:gone", "", num_workers=1)
+  path.unlink()
+  with pytest.raises(RuntimeError) as e:
+    RewardPool(num_workers=1, functions=fs)
+  assert f"reward function gone: ConfigError: config.reward.funcs: {path}:gone: cannot import it" in str(e.value)
