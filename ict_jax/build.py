@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ from ict_jax.config import Config, ConfigError
 from ict_jax.logs import import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import Qwen2
+from ict_jax.rewards.functions import RewardFunction, resolve
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint
 from ict_jax.setup import resolve_decode_attention
 from ict_jax.setup import rollout_dtype as resolve_rollout_dtype
@@ -68,6 +69,7 @@ class Run:
   train_source: Any  # the train split without over-long prompts (random access)
   model: ModelSetup
   rollout_dtype: str
+  reward_funcs: tuple[RewardFunction, ...] = ()  # reward.funcs or train(reward_funcs=...), weighted
 
   @property
   def rows(self) -> int:
@@ -176,11 +178,14 @@ def check_workdir(workdir: str) -> None:
     raise ConfigError(f"--workdir {workdir}: not writable ({e.strerror or e})") from None
 
 
-def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "") -> Run:
+def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs: Sequence[Any] = ()) -> Run:
   """Check the workdir and the config against the devices, join the other processes, make the
   mesh, read the train split and the tokenizer, and lay out the model: raises ConfigError on the
-  first bad setting, before any data is prepared where the setting is about the devices."""
+  first bad setting, before any data is prepared where the setting is about the devices.
+  reward_funcs: reward functions (callables or "module:fn") in place of reward.funcs."""
   check_workdir(workdir)
+  rc = cfg.reward  # an unimportable reward function is one error before anything else
+  funcs = resolve(rc.funcs, rc.weights, reward_funcs, num_workers=rc.num_workers)
   storage.check_data_dir(cfg.data.data_dir, "config.data.data_dir")
   if storage.is_url(workdir):
     log.info("tfds data in %s (local: the workdir is a URL)", storage.data_dir(cfg.data.data_dir, workdir))
@@ -210,7 +215,7 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "") -> Run:
   if cfg.train.token_budget:
     config_lib.check_packing_attention(mcfg.attention, mesh.local_devices)  # "auto" resolved for these devices
   model = build_model(cfg, mesh, mcfg)
-  return Run(cfg, workdir, hf_dir, mesh, tok, train_src, model, roll_dtype)
+  return Run(cfg, workdir, hf_dir, mesh, tok, train_src, model, roll_dtype, funcs)
 
 
 def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):

@@ -26,6 +26,7 @@ from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.Confi
 from ict_jax.data.prompts import STYLES
 from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES
 from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
+from ict_jax.rewards.functions import parse_list, parse_weights
 from ict_jax.rewards.registry import KINDS
 from ict_jax.selection import KEEPS, REFERENCES, SCORES, SELECTORS, SEQUENCE_REFERENCE
 from ict_jax.task_vocab import VOCABS
@@ -218,6 +219,17 @@ class OptimConfig:
   max_grad_norm: float = field(1.0, non_negative)
 
 
+def _weights_ok(text: str) -> bool:
+  try:
+    parse_weights(text)
+  except ValueError:
+    return False
+  return True
+
+
+weight_list = rule(_weights_ok, 'comma-separated finite numbers ("1.0,0.2")')
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   kind: str = field("math", choices(KINDS))  # math (last \\boxed{}) | choice (letter) | answer (bare
@@ -229,6 +241,24 @@ class RewardConfig:
   # token is scored by the verifier like any other; False: it gets `truncated_reward` instead
   # (DAPO's overlong punishment with a negative value), so running on past the answer never pays
   truncated_reward: float = 0.0
+  funcs: str = ""  # "pkg.module:fn,path/to/file.py:fn2": reward functions with TRL's signature
+  # fn(prompts, completions, **columns) -> list[float | None] (ict_jax/rewards/functions.py), run in
+  # the reward workers; the reward is their weighted sum and replaces reward.kind (as TRL: only the
+  # given functions); each one that cannot be imported is a ConfigError at start-up
+  weights: str = field("", weight_list)  # "1.0,0.2": one weight per function (default: all 1)
+
+  def check(self) -> None:
+    funcs, weights = parse_list(self.funcs), parse_list(self.weights)
+    if funcs and weights and len(weights) != len(funcs):
+      raise ConfigError(
+          f"config.reward.weights: {len(weights)} weights for the {len(funcs)} functions of reward.funcs "
+          f"({', '.join(funcs)}); give one weight per function"
+      )
+    if funcs and self.format_weight:
+      raise ConfigError(
+          f"config.reward.format_weight: {self.format_weight} adds the format reward to reward.kind, which "
+          f"reward.funcs replaces; set it to 0 and give a format function in reward.funcs"
+      )
 
 
 @dataclasses.dataclass(frozen=True)

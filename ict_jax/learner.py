@@ -88,7 +88,9 @@ class Learner:
     cfg = self.cfg = run.cfg
     self.run, self.hooks = run, Hooks(hooks)
     self.graphdef = run.model.graphdef
-    self.collector = Collector.from_config(cfg, run.tokenizer, mesh=run.mesh, rollout_dtype=run.rollout_dtype)
+    self.collector = Collector.from_config(
+        cfg, run.tokenizer, mesh=run.mesh, rollout_dtype=run.rollout_dtype, reward_funcs=run.reward_funcs
+    )
     self.throughput = Throughput(run.model.config)  # the chip's peak: the table, or a matmul measured now (CPU)
     self.ckpt = Checkpointer(run.workdir, keep=cfg.train.keep_checkpoints, async_save=cfg.train.async_checkpointing)
     self.state = self.ref_params = self.data = self.reward_pool = self.step_fn = None
@@ -289,7 +291,8 @@ class Learner:
           mesh=run.mesh,
           state_sharding=run.model.state_sharding,
       )
-      with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as self.reward_pool:
+      pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, functions=run.reward_funcs)
+      with pool as self.reward_pool:
         try:
           self.hooks.run_start(self)
           for step in range(self.start_step, cfg.train.steps):

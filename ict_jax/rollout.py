@@ -25,6 +25,7 @@ from flax import nnx
 from ict_jax import answer_positions, grpo
 from ict_jax.batch import TrainBatch
 from ict_jax.data.prompts import encode_prompts
+from ict_jax.rewards.functions import RewardFunction, batch_inputs
 from ict_jax.rewards.registry import gold_text
 from ict_jax.sampling import (
     RolloutPolicy,
@@ -151,6 +152,9 @@ class Scoring:
 
   reward_kind: str  # a RewardPool kind (ict_jax/rewards/registry.py)
   format_weight: float = 0.0  # weight of the "format" reward added to it
+  # reward functions (ict_jax/rewards/functions.py; the pool's `functions`): when given, the reward
+  # is their weighted sum, in place of reward_kind's (+ format)
+  functions: tuple[RewardFunction, ...] = ()
   advantage_scale: str = "group"  # grpo.group_advantages' scale
   mask_truncated: bool = False  # TRL's mask_truncated_completions
   score_truncated: bool = True
@@ -172,7 +176,8 @@ class _Sampled:
   mask: list
   texts: list  # per sub-batch: [n_j] str
   golds: list
-  futures: list  # per sub-batch: [reward future, (format future)]
+  futures: list  # per sub-batch: [reward future, (format future)] (none with reward functions)
+  calls: list = dataclasses.field(default_factory=list)  # per sub-batch: the reward functions' future
 
 
 class Collector:
@@ -204,8 +209,11 @@ class Collector:
     self.mesh, self.rollout_dtype, self.decode_batch_size = mesh, rollout_dtype, decode_batch_size
 
   @classmethod
-  def from_config(cls, cfg, tokenizer, *, mesh=None, rollout_dtype: str | None = None) -> "Collector":
-    """The rollout of a validated `ict_jax.config.Config` (its rollout, data, reward and loss sections)."""
+  def from_config(
+      cls, cfg, tokenizer, *, mesh=None, rollout_dtype: str | None = None, reward_funcs: Sequence[RewardFunction] = ()
+  ) -> "Collector":
+    """The rollout of a validated `ict_jax.config.Config` (its rollout, data, reward and loss
+    sections); `reward_funcs` (`functions.resolve`'s) in place of reward.kind."""
     rc = cfg.rollout
     return cls(
         tokenizer,
@@ -217,6 +225,7 @@ class Collector:
             mask_truncated=cfg.loss.mask_truncated_completions,
             score_truncated=cfg.reward.score_truncated,
             truncated_reward=cfg.reward.truncated_reward,
+            functions=tuple(reward_funcs),
         ),
         group_size=rc.group_size,
         prompt_style=cfg.data.prompt_style,
@@ -305,7 +314,7 @@ class Collector:
     if isinstance(dbs, int) and n % dbs:  # prompts were skipped
       dbs = math.gcd(dbs, n)  # smaller sub-batches: still fits
     all_golds = [gold_text(scoring.reward_kind, ex) for ex in kept for _ in range(g)]
-    kinds = [scoring.reward_kind] + (["format"] if scoring.format_weight else [])
+    kinds = [] if scoring.functions else [scoring.reward_kind] + (["format"] if scoring.format_weight else [])
     parts, out = [], _Sampled(None, None, [], [], [], [], [], [])
     for part in generate_sub_batches(
         policy,
@@ -326,19 +335,40 @@ class Collector:
       out.mask.append(part_mask[keep])
       out.texts.append(decode_completions(tok, out.ids[-1], out.mask[-1], tok.eos_ids))
       out.golds.append([all_golds[i] for i in out.rows[-1]])
-      out.futures.append([reward_pool.submit(kind, out.texts[-1], out.golds[-1]) for kind in kinds])
+      if kinds:
+        out.futures.append([reward_pool.submit(kind, out.texts[-1], out.golds[-1]) for kind in kinds])
+      else:  # reward functions
+        prompts, columns = batch_inputs(kept, out.rows[-1] // g)
+        out.calls.append(reward_pool.submit_functions(prompts, out.texts[-1], columns))
     out.c_ids, out.c_mask = join_sub_batches(parts)
     return out
 
+  def _function_scores(self, results: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One sub-batch's `RewardPool.score_functions` -> (rewards [n]: the weighted sum, None as 0;
+    values [n, K], NaN where a function returned None; counts [K, 2]: each one's timeouts, errors)."""
+    funcs = self.scoring.functions
+    values = np.stack([results[f.name][0] for f in funcs], axis=1).astype(np.float32)  # [n, K]
+    weights = np.asarray([f.weight for f in funcs], np.float32)
+    counts = np.asarray([[results[f.name][1][k] for k in ("timeouts", "errors")] for f in funcs], np.float32)
+    return (np.nan_to_num(values, nan=0.0) * weights).sum(axis=1), values, counts
+
   def _scores(self, sampled: _Sampled, n: int) -> dict[str, Any]:
     """Wait for this host's scores, then gather every host's per-row numbers: {column: [N]} the
-    same on every host (`_ROW_COLUMNS`), this host's rows sorted, and the wait in "reward_s"."""
-    t0, fw = time.perf_counter(), self.scoring.format_weight
+    same on every host (`_ROW_COLUMNS`, then each reward function's values "fn<k>" and its
+    "fn<k>_timeouts" / "fn<k>_errors"), this host's rows sorted, and the wait in "reward_s"."""
+    t0, fw, funcs = time.perf_counter(), self.scoring.format_weight, self.scoring.functions
     local, counts = [], np.zeros(2, np.float32)  # timeouts, errors
+    f_values, f_counts = [], np.zeros((len(funcs), 2), np.float32)  # reward functions: [n_j, K], [K, 2]
     for (scores, rstats), *fmt in ([f.result() for f in fs] for fs in sampled.futures):  # fmt: [] or [(scores, stats)]
       local.append(scores + fw * fmt[0][0] if fmt else scores)
       for _, st in [(scores, rstats), *fmt]:
         counts += [st.get("timeouts", 0), st.get("errors", 0)]
+    for call in sampled.calls:  # reward functions (then sampled.futures is empty)
+      rewards, values, per_function = self._function_scores(call.result())
+      local.append(rewards)
+      f_values.append(values)
+      f_counts += per_function
+    counts += f_counts.sum(axis=0)
     reward_s = time.perf_counter() - t0
     rows = np.concatenate(sampled.rows)
     order = np.argsort(rows, kind="stable")  # ascending rows, as before the sub-batches were split
@@ -348,16 +378,21 @@ class Collector:
     sampled.texts, sampled.golds = [texts[i] for i in order], [golds[i] for i in order]
     tok = self.tokenizer
     stopped = ((mask != 0) & np.isin(ids, np.asarray(tok.eos_ids, ids.dtype))).any(axis=1)
-    column = dict.fromkeys(_ROW_COLUMNS, 0.0)
+    names = _ROW_COLUMNS + tuple(f"fn{k}{what}" for k in range(len(funcs)) for what in ("", "_timeouts", "_errors"))
+    column = dict.fromkeys(names, 0.0)
     column.update(reward=local, length=mask.sum(axis=1), truncated=~stopped)
     column["stop_pos"], column["answer_end"] = answer_positions.positions(tok, ids, mask, tok.eos_ids)
-    per_row = np.zeros((len(rows), len(_ROW_COLUMNS)), np.float32)
-    for i, name in enumerate(_ROW_COLUMNS):
+    if funcs:
+      column.update({f"fn{k}": v for k, v in enumerate(np.concatenate(f_values)[order].T)})
+    per_row = np.zeros((len(rows), len(names)), np.float32)
+    for i, name in enumerate(names):
       per_row[:, i] = column[name]
     if len(rows):  # the host's timeout and error counts ride on its first row
-      per_row[0, _ROW_COLUMNS.index("timeouts") : _ROW_COLUMNS.index("errors") + 1] = counts
+      per_row[0, names.index("timeouts") : names.index("errors") + 1] = counts
+      for k in range(len(funcs)):
+        per_row[0, names.index(f"fn{k}_timeouts") : names.index(f"fn{k}_errors") + 1] = f_counts[k]
     whole = gather_rows(rows, per_row, n)
-    return {**dict(zip(_ROW_COLUMNS, whole.T)), "reward_s": reward_s}
+    return {**dict(zip(names, whole.T)), "reward_s": reward_s}
 
   def _assemble(self, sampled: _Sampled, whole: dict[str, Any], p_ids, p_mask, *, skipped: int) -> Rollout:
     """Rewards (truncated ones as `Scoring` says), group advantages and the statistics."""
@@ -384,6 +419,13 @@ class Collector:
         reward_timeouts=int(whole["timeouts"].sum()),
         reward_errors=int(whole["errors"].sum()),
     )
+    for k, f in enumerate(sc.functions):  # each function's mean over the completions it applies to
+      values = whole[f"fn{k}"]
+      applied = values[~np.isnan(values)]
+      stats[f"reward/{f.name}"] = _mean_or_nan(applied)
+      stats[f"reward/{f.name}/nones"] = int(values.size - applied.size)
+      stats[f"reward/{f.name}/timeouts"] = int(whole[f"fn{k}_timeouts"].sum())
+      stats[f"reward/{f.name}/errors"] = int(whole[f"fn{k}_errors"].sum())
     return Rollout(
         np.repeat(p_ids, g, 0),
         np.repeat(p_mask, g, 0),

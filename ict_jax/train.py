@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 
@@ -35,16 +35,26 @@ log = logging.getLogger("ict_jax.train")
 
 
 def train(
-    config_dict, workdir: str, *, init_from_hf: str = "", progress: bool = True, hooks: Sequence[Hook] = ()
+    config_dict,
+    workdir: str,
+    *,
+    init_from_hf: str = "",
+    progress: bool = True,
+    hooks: Sequence[Hook] = (),
+    reward_funcs: Sequence[Callable | str] = (),
 ) -> list[dict]:
   """Run (or resume) training; returns the metrics of the steps run in this call.
 
   config_dict: a ConfigDict or dict (validated here: a bad key is one ConfigError before anything
   compiles). hooks: your own `ict_jax.hooks.Hook`s, called at each step after the built-in ones
-  that read or add metrics (periodic eval, health) and before logging and checkpointing."""
+  that read or add metrics (periodic eval, health) and before logging and checkpointing.
+  reward_funcs: reward functions with TRL's signature (ict_jax/rewards/functions.py), callables or
+  "module:fn" strings, in place of reward.funcs (weighted by reward.weights); with
+  reward.num_workers > 0 a callable must be importable by name (a module-level function of a module,
+  not a lambda or the script's __main__): a ConfigError otherwise."""
   cfg = config_lib.validate(config_dict)
   Hooks(hooks)  # a wrong type is an error now, before any data is prepared
-  run = build_run(cfg, workdir, init_from_hf=init_from_hf)
+  run = build_run(cfg, workdir, init_from_hf=init_from_hf, reward_funcs=reward_funcs)
   return Learner(run, default_hooks(run, list(hooks), progress=progress)).fit()
 
 

@@ -15,6 +15,12 @@ multiprocessing's "spawn"/"forkserver" they do not re-import the trainer's ``__m
 takes about a second to start (it imports sympy and math-verify); replacements start in the
 background while the other workers carry on. On Linux a worker is SIGKILLed if the parent dies.
 
+Reward functions with TRL's signature (``functions=``, ``rewards/functions.py``) run in the same
+workers, one call a function and batch (``score_functions`` / ``submit_functions``), the calls of a
+batch on as many workers at once; a call of ``n`` completions has ``n * timeout_s`` seconds. A
+worker loads a function named by a spec itself and unpickles a callable; one that cannot is a
+start-up failure naming it.
+
 ``num_workers=0`` runs in-process for tests and debugging: there is no way to stop a running
 verifier without signals, so an item that overruns ``timeout_s`` is detected after it returns,
 gets reward 0 and counts as a timeout; hostile inputs are still cheap thanks to the guards in
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import math
 import os
 import pickle
@@ -39,10 +46,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ict_jax.rewards.functions import RewardFunction, run_call, settle
 from ict_jax.rewards.registry import MAX_COMPLETION_CHARS, REWARDS, RewardFn, sanitize, score
 
 _THREAD = "ict_jax-rewards"  # the thread scoring `submit`ted batches
 _POLL_S = 0.5  # the longest wait for a reply: how soon a batch scored in the background sees close()
+log = logging.getLogger("ict_jax.rewards")
 
 
 def _pythonpath() -> str:
@@ -58,6 +67,36 @@ class _Worker:
     self.proc, self.conn, self.deadline = proc, conn, deadline
     self.state = "starting"  # starting -> idle <-> busy
     self.index = -1
+
+
+class _Items:
+  """Where `_poll` puts the replies of verifier items: their rewards and the batch's counts."""
+
+  def __init__(self, out: np.ndarray, stats: dict[str, int]):
+    self.out, self.stats = out, stats
+
+  def reply(self, index: int, status: str, value) -> None:
+    self.out[index] = value if status == "ok" else 0.0
+    if status != "ok":
+      self.stats["errors"] += 1
+
+  def lost(self, index: int, why: str) -> None:  # why: "timeouts" (killed) or "errors" (died)
+    self.out[index] = 0.0
+    self.stats[why] += 1
+
+
+class _Calls:
+  """Where `_poll` puts the replies of function calls: function index -> `run_call`'s result, or
+  "timeouts" / "errors" when its worker was killed or died."""
+
+  def __init__(self):
+    self.results: dict[int, tuple | str] = {}
+
+  def reply(self, index: int, status: str, value) -> None:
+    self.results[index] = value if status == "ok" else "errors"
+
+  def lost(self, index: int, why: str) -> None:
+    self.results[index] = why
 
 
 def _kill_all(procs: list) -> None:
@@ -77,6 +116,7 @@ class RewardPool:
 
   ``rewards`` overrides the registry (``{kind: fn(completion, gold) -> float}``; functions must be
   importable by name in a fresh interpreter so that they can be pickled to the workers).
+  ``functions`` are the run's TRL-style reward functions (`score_functions`).
   """
 
   def __init__(
@@ -87,6 +127,7 @@ class RewardPool:
       max_chars: int = MAX_COMPLETION_CHARS,
       max_memory_mb: int | None = 4096,
       rewards: dict[str, RewardFn] | None = None,
+      functions: Sequence[RewardFunction] = (),
       startup_timeout_s: float = 120.0,
   ):
     if num_workers < 0:
@@ -96,6 +137,7 @@ class RewardPool:
     self.num_workers, self.timeout_s, self.max_chars = num_workers, float(timeout_s), max_chars
     self.max_memory_mb, self.startup_timeout_s = max_memory_mb, startup_timeout_s
     self.rewards = dict(REWARDS if rewards is None else rewards)
+    self.functions = tuple(functions)
     custom = rewards is not None and num_workers > 0
     try:
       self._pickled_rewards = pickle.dumps(self.rewards) if custom else None
@@ -103,6 +145,10 @@ class RewardPool:
       raise ValueError(
           "RewardPool: custom rewards must be module-level functions that a " f"fresh interpreter can import ({e})"
       ) from e
+    try:
+      self._function_payloads = [f.payload() for f in self.functions] if num_workers else []
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+      raise ValueError(f"RewardPool: a reward function cannot be pickled to the workers ({e})") from e
     self._lock = threading.Lock()
     self._workers: list[_Worker] = []
     self._procs: list[subprocess.Popen] = []  # every worker ever started, for the finaliser
@@ -130,7 +176,8 @@ class RewardPool:
       theirs.close()
     self._procs[:] = [p for p in self._procs if p.poll() is None] + [proc]
     conn = mp_connection.Connection(ours.detach())
-    conn.send(("init", list(sys.path), self.max_memory_mb, self._pickled_rewards))
+    init = ("init", list(sys.path), self.max_memory_mb, self._pickled_rewards)
+    conn.send(init + (self._function_payloads,) if self.functions else init)
     return _Worker(proc, conn, time.monotonic() + self.startup_timeout_s)
 
   def _kill(self, w: _Worker) -> None:
@@ -155,9 +202,9 @@ class RewardPool:
 
   def _wait_started(self) -> None:
     while any(w.state == "starting" for w in self._workers):
-      self._poll(np.zeros(0, np.float32), {})
+      self._poll(_Items(np.zeros(0, np.float32), {}))
 
-  def _poll(self, out: np.ndarray, stats: dict[str, int]) -> None:
+  def _poll(self, sink: _Items | _Calls) -> None:
     """Wait for one round of replies or deadlines and handle them."""
     active = [w for w in self._workers if w.state in ("starting", "busy")]
     if not active:
@@ -172,23 +219,22 @@ class RewardPool:
       except (EOFError, OSError):  # the worker died
         if w.state == "starting":
           self._startup_failed(w, "died")
-        stats["errors"] += 1
+        sink.lost(w.index, "errors")
         self._replace(w)
         continue
       if w.state == "starting":
+        if status == "failed":  # a reward function could not be loaded: the message names it
+          self._startup_failed(w, value)
         w.state = "idle"
         continue
-      out[index] = value if status == "ok" else 0.0
-      if status != "ok":
-        stats["errors"] += 1
+      sink.reply(index, status, value)
       w.state, w.index = "idle", -1
       if status == "fatal":  # the worker is exiting (it ran out of memory)
         self._replace(w)
     now = time.monotonic()
     for w in list(self._workers):
       if w.state == "busy" and now > w.deadline:
-        out[w.index] = 0.0
-        stats["timeouts"] += 1
+        sink.lost(w.index, "timeouts")
         self._replace(w)
       elif w.state == "starting" and now > w.deadline:
         self._startup_failed(w, f"not ready after {self.startup_timeout_s} s")
@@ -241,9 +287,73 @@ class RewardPool:
     caller goes on (e.g. fetching the next decode sub-batch). Errors surface at ``result()``."""
     if self._closed:
       raise RuntimeError("RewardPool.submit: the pool is closed")
+    return self._executor().submit(self.score_batch, kind, list(completions), list(golds))
+
+  def score_functions(
+      self, prompts: Sequence[Any], completions: Sequence[str], columns: dict[str, Sequence[Any]]
+  ) -> dict[str, tuple[np.ndarray, dict[str, float]]]:
+    """Each of the pool's reward functions on one batch -> {name: (values float32[N], NaN where it
+    returned None; stats {"n", "nones", "timeouts", "errors", "respawns", "seconds"})}: one call a
+    function, on as many workers at once, each with ``N * timeout_s`` seconds. A failure is logged
+    with the function's name and its completions score 0 (`functions.settle`); never raises for
+    what a function does, ``ValueError`` for columns not aligned with the completions."""
+    if self._closed:
+      raise RuntimeError("RewardPool.score_functions: the pool is closed")
+    n = len(completions)
+    prompts, completions = list(prompts), list(completions)
+    columns = {k: list(v) for k, v in columns.items()}
+    for key, values in [("prompts", prompts), *columns.items()]:
+      if len(values) != n:
+        raise ValueError(f"RewardPool.score_functions: {n} completions but {len(values)} {key}")
+    with self._lock:
+      start, respawns0 = time.monotonic(), self.total_respawns
+      calls = _Calls()
+      if self.num_workers == 0:
+        self._call_inline(prompts, completions, columns, calls)
+      else:
+        message = lambda item: ("call", item[0], prompts, completions, columns)
+        items = collections.deque((k,) for k in range(len(self.functions)))
+        try:
+          self._dispatch(items, message, lambda item: self.timeout_s * max(n, 1), calls)
+        except BaseException:  # as score_batch: no stale replies in the next batch
+          if not self._closed and not self._cancel.is_set():
+            for w in list(self._workers):
+              if w.state == "busy":
+                self._replace(w)
+          raise
+      out = {}
+      for k, f in enumerate(self.functions):
+        values, stats, warning = settle(f.name, calls.results.get(k, "errors"), n)
+        if warning:
+          log.warning("%s", warning)
+        out[f.name] = (values, {"n": n, **stats})
+      seconds, respawns = time.monotonic() - start, self.total_respawns - respawns0
+      for _, stats in out.values():
+        stats.update(seconds=seconds, respawns=respawns)
+      return out
+
+  def submit_functions(
+      self, prompts: Sequence[Any], completions: Sequence[str], columns: dict[str, Sequence[Any]]
+  ) -> concurrent.futures.Future:
+    """`score_functions` in the pool's scoring thread (in order with `submit`), returning at once."""
+    if self._closed:
+      raise RuntimeError("RewardPool.submit_functions: the pool is closed")
+    return self._executor().submit(self.score_functions, list(prompts), list(completions), dict(columns))
+
+  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
     if self._thread is None:
       self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_THREAD)
-    return self._thread.submit(self.score_batch, kind, list(completions), list(golds))
+    return self._thread
+
+  def _call_inline(self, prompts: list, completions: list, columns: dict, calls: _Calls) -> None:
+    """In-process calls: an overrun is seen after the call returns (nothing can stop it)."""
+    for k, f in enumerate(self.functions):
+      if self._cancel.is_set():
+        raise concurrent.futures.CancelledError("RewardPool: closed while scoring")
+      t0 = time.monotonic()
+      result = run_call(f.fn, prompts, completions, columns)
+      overran = time.monotonic() - t0 > self.timeout_s * max(len(completions), 1)
+      calls.results[k] = "timeouts" if overran else result
 
   def _run_inline(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
     for index, completion, gold in items:
@@ -263,6 +373,12 @@ class RewardPool:
         out[index] = value
 
   def _run_workers(self, kind: str, items: collections.deque, out: np.ndarray, stats: dict[str, int]) -> None:
+    message = lambda item: (item[0], kind, item[1], item[2])
+    self._dispatch(items, message, lambda item: self.timeout_s, _Items(out, stats))
+
+  def _dispatch(self, items: collections.deque, message, timeout_s, sink: _Items | _Calls) -> None:
+    """Hand `items` (index first) to idle workers as `message(item)`, each with `timeout_s(item)`
+    seconds, until every reply or deadline is in `sink`."""
     while items or any(w.state == "busy" for w in self._workers):
       if self._cancel.is_set():
         raise concurrent.futures.CancelledError("RewardPool: closed while scoring")
@@ -271,16 +387,16 @@ class RewardPool:
           break
         if w.state != "idle":
           continue
-        index, completion, gold = items.popleft()
+        item = items.popleft()
         try:
-          w.conn.send((index, kind, completion, gold))
+          w.conn.send(message(item))
         except (BrokenPipeError, EOFError, OSError):  # died while idle: retry elsewhere
-          items.appendleft((index, completion, gold))
+          items.appendleft(item)
           self._replace(w)
           continue
-        w.state, w.index = "busy", index
-        w.deadline = time.monotonic() + self.timeout_s
-      self._poll(out, stats)
+        w.state, w.index = "busy", item[0]
+        w.deadline = time.monotonic() + timeout_s(item)
+      self._poll(sink)
 
   # -- lifetime ----------------------------------------------------------------------------
   def close(self) -> None:
