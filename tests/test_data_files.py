@@ -292,3 +292,106 @@ def test_a_bad_file_stops_the_trainer_before_anything_compiles(tmp_path):
   assert f"ict_jax.train: error: config.data.train_files: no file matches '{tmp_path}/data/*.jsonl'" in proc.stderr
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(f"{tmp_path}/w/checkpoints") or not os.listdir(f"{tmp_path}/w/checkpoints")
+
+
+def _arith_rows(pairs, chat_every=3):
+  """TRL-style rows ("problem", "solution", an extra column): every `chat_every`-th problem is a
+  conversation with a short system turn (the tiny run's prompts stay within max_prompt_len)."""
+  rows = []
+  for k, (a, b) in enumerate(pairs):
+    text = f"{a}+{b}="
+    problem = (
+        [{"role": "system", "content": "Add."}, {"role": "user", "content": text}] if k % chat_every == 0 else text
+    )
+    rows.append({"problem": problem, "solution": str(a + b), "source": f"row{k}"})
+  return rows
+
+
+def _rendered(problem):
+  return _messages_text(problem) if isinstance(problem, list) else problem
+
+
+def test_a_run_and_its_evaluation_on_jsonl_files(tmp_path):
+  """`train()` on a JSONL train file (string and chat-message prompts, other column names), with
+  the periodic eval on a JSONL eval file, then `python -m ict_jax.eval --workdir W --benchmarks
+  files` on the run: the logged samples are the file's prompts with the file's answers as the gold,
+  and pass@k checks the answer column."""
+  from ict_jax.eval.__main__ import main as eval_main
+  from ict_jax.logs import read_log
+  from ict_jax.train import train
+
+  train_rows = _arith_rows([(a, b) for a in range(1, 5) for b in range(1, 4)])
+  test_rows = _arith_rows([(5, 1), (2, 6), (3, 3), (4, 4)])
+  _lines(tmp_path / "train.jsonl", [json.dumps(r) for r in train_rows] + ["", "{broken"])
+  _lines(tmp_path / "test.jsonl", [json.dumps(r) for r in test_rows])
+  c = _files_config(
+      train_files=str(tmp_path / "train.jsonl"),
+      eval_files=str(tmp_path / "test.jsonl"),
+      prompt_field="problem",
+      answer_field="solution",
+      max_prompt_len=32,
+  )
+  c.warm_start.sft_steps = 2
+  c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
+  c.train.steps, c.train.checkpoint_every, c.train.async_checkpointing = 2, 2, False
+  c.train.eval_every, c.train.eval_samples, c.train.eval_prompts = 2, 2, 4
+  workdir = str(tmp_path / "run")
+  out = train(c, workdir, progress=False)
+
+  assert [r["step"] for r in out] == [1, 2] and 0.0 <= out[-1]["eval_pass_at_1"] <= out[-1]["eval_pass_at_2"] <= 1
+  gold_of = {_rendered(r["problem"]): r["solution"] for r in train_rows}
+  samples = read_log(workdir, "samples")
+  assert {s["step"] for s in samples} == {1, 2} and len(samples) == 2 * 16
+  assert {s["prompt"] for s in samples} <= set(gold_of)  # the file's prompts, rendered
+  assert {s["prompt"].startswith("<|im_start|>system\nAdd.<|im_end|>") for s in samples} == {True, False}  # both kinds
+  for s in samples:
+    assert s["gold"] == gold_of[s["prompt"]]  # the answer column reaches the reward
+    if s["completion"].strip() == s["gold"]:
+      assert s["reward"] == 1.0
+    elif not any(ch.isdigit() for ch in s["completion"]):
+      assert s["reward"] == 0.0
+
+  report = eval_main(
+      ["--workdir", workdir, "--benchmarks", "files", "--n", "2", "--k", "1,2", "--max_new_tokens", "4"]
+      + ["--batch_size", "4", "--reward_workers", "0", "--no_progress", "--out", str(tmp_path / "eval")]
+  )
+  files = report["benchmarks"]["files"]
+  assert files["num_problems"] == len(test_rows) and files["num_skipped"] == 0
+  assert (
+      report["settings"]["files"] == str(tmp_path / "test.jsonl") and report["settings"]["answer_field"] == "solution"
+  )
+  problems = [json.loads(line) for line in (tmp_path / "eval" / "samples_files.jsonl").read_text().splitlines()]
+  assert [(p["prompt"], p["gold"]) for p in problems] == [(_rendered(r["problem"]), r["solution"]) for r in test_rows]
+  for p in problems:
+    for completion, correct in zip(p["completions"], p["correct"]):
+      if completion.strip() == p["gold"]:
+        assert correct
+      elif not any(ch.isdigit() for ch in completion):
+        assert not correct
+  counts = [p["num_correct"] for p in problems]  # pass@1 = mean c/n (the unbiased estimator at k=1)
+  assert files["pass@1"] == pytest.approx(sum(counts) / (2 * len(problems)))
+
+
+def test_eval_cli_file_errors_are_one_line(tmp_path, capsys):
+  """`python -m ict_jax.eval`: the files are read before any model is loaded (exit 2, one line)."""
+  from ict_jax.eval.__main__ import main as eval_main
+
+  hf = str(tmp_path / "no_model_needed")
+  cases = [
+      (["--files", f"{tmp_path}/nope.jsonl"], f"ict_jax.eval: error: --files: {tmp_path}/nope.jsonl: no such file"),
+      (
+          ["--benchmarks", "files"],
+          "ict_jax.eval: error: benchmark files: no files given (--files PATHS, or a --workdir whose run has "
+          "data.eval_files)",
+      ),
+      (
+          ["--benchmarks", "gsm8k", "--files", "x.jsonl"],
+          "error: --files / --prompt_field / --answer_field / --answer_type: the files benchmark is not in --benchmarks",
+      ),
+  ]
+  for args, message in cases:
+    with pytest.raises(SystemExit) as e:
+      eval_main(["--hf", hf, "--no_progress", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
