@@ -28,6 +28,7 @@ from ict_jax import config as config_lib
 from ict_jax import sharding, storage
 from ict_jax import train_step as ts
 from ict_jax.config import Config, ConfigError
+from ict_jax.data.prompts import PromptError
 from ict_jax.logs import import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import Qwen2
@@ -79,8 +80,10 @@ class Run:
 
 # ---- the run's splits -------------------------------------------------------------------------
 def load_examples(cfg: Config, split: str, workdir: str):
-  """The split as a random-access source; on several hosts process 0 builds it first."""
+  """The split as a random-access source; on several hosts process 0 builds it first (or, for
+  data.name "files", reads the files and fills the `datasets` cache first)."""
   from ict_jax.data import load_split
+  from ict_jax.data.files import FILES, config_split
 
   data_dir = storage.data_dir(cfg.data.data_dir, workdir)
   manual_dir = os.path.expanduser(cfg.data.manual_dir) if cfg.data.manual_dir else None
@@ -88,6 +91,9 @@ def load_examples(cfg: Config, split: str, workdir: str):
   def load():
     sources = []
     for name in cfg.data.name.split("+"):
+      if name == FILES:  # data.train_files / data.eval_files (ConfigError naming them)
+        sources.append(config_split(cfg.data, split).load())
+        continue
       try:
         sources.append(
             load_split(
@@ -140,6 +146,8 @@ def fitting_prompts(cfg: Config, tok, train_src):
         max_len=cfg.data.max_prompt_len,
         dataset=f"{cfg.data.name} {cfg.data.train_split}",
     )
+  except PromptError as e:
+    raise ConfigError(f"config.data.prompt_field: {e}") from None
   except ValueError as e:
     raise ConfigError(f"config.data.max_prompt_len: {e}") from None
   return src
@@ -201,12 +209,15 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
   roll_dtype = resolve_rollout_dtype(cfg, mesh)
   hf_dir = init_from_hf or cfg.model.path
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
-  tok = make_tokenizer(
-      cfg,
-      workdir,
-      hf_dir,
-      lambda split: train_src if split == cfg.data.train_split else load_examples(cfg, split, workdir),
-  )
+  try:
+    tok = make_tokenizer(
+        cfg,
+        workdir,
+        hf_dir,
+        lambda split: train_src if split == cfg.data.train_split else load_examples(cfg, split, workdir),
+    )
+  except PromptError as e:  # model.vocab="task" formats every prompt of both splits
+    raise ConfigError(f"config.data.prompt_field: {e}") from None
   if isinstance(tok, TaskTokenizer):
     log.info("task vocabulary: %d tokens (%s/task_vocab.json)", tok.vocab_size, workdir)
   train_src = fitting_prompts(cfg, tok, train_src)

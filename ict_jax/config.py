@@ -23,6 +23,7 @@ import ml_collections
 
 from ict_jax.cpu_paths import KERNELS
 from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
+from ict_jax.data.files import FILES
 from ict_jax.data.prompts import STYLES
 from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES
 from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
@@ -103,6 +104,11 @@ decode_rows = rule(
     "'auto', 'all' or a positive int (as a string)",
 )
 a_group = Rule(lambda value: value >= 2, lambda value: "expected >= 2 (group advantages need a group)")
+file_specs = rule(
+    lambda text: not text or all(part.strip() for part in text.split(",")),
+    "comma-separated paths, globs or hf:NAME[:SPLIT], none empty",
+)
+column = rule(lambda text: bool(text.strip()), "a column name")
 profile_steps = rule(lambda text: not text or _profile_ok(text), '"a,b" with 1 <= a <= b (steps to trace)')
 SCHEDULES = ("constant", "cosine", "linear")  # train_step.learning_rate_schedule's
 
@@ -142,7 +148,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  name: str = "synthetic_arith"  # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes
+  name: str = "synthetic_arith"  # a builder in ict_jax.data.BUILDERS; "gsm8k+math" mixes; "files": the
+  # user's files (train_files / eval_files, ict_jax/data/files.py)
   config: str = "level1"  # builder config (e.g. synthetic level), "" for the default
   data_dir: str = ""  # local tfds data_dir; "": <workdir>/data, or ~/tensorflow_datasets for a gs:// workdir
   manual_dir: str = ""  # where the downloaded GSM8K / MATH files are
@@ -150,6 +157,35 @@ class DataConfig:
   train_split: str = "train"
   eval_split: str = "test"
   max_prompt_len: int = field(512, positive)  # longer prompts are skipped and counted
+  # data.name="files": comma-separated paths or globs of .jsonl / .json / .parquet files, or hf:NAME[:SPLIT]
+  # (hf:NAME:CONFIG:SPLIT; datasets.load_dataset; SPLIT defaults to train_split / eval_split)
+  train_files: str = field("", file_specs)  # the train split
+  eval_files: str = field("", file_specs)  # the eval split (periodic eval, `ict_jax.eval --benchmarks files`)
+  prompt_field: str = field("prompt", column)  # the prompt's column: a string (data.prompt_style applies)
+  # or a list of chat messages [{"role", "content"}] (TRL's conversational format: the chat template)
+  answer_field: str = field("answer", column)  # the column the built-in rewards and pass@k compare against
+
+  def check(self) -> None:
+    names = self.name.split("+")
+    if FILES in names and not self.train_files:
+      raise ConfigError(
+          "config.data.train_files: data.name='files' reads its train split from data.train_files; give "
+          "paths or globs of .jsonl / .json / .parquet files, or hf:NAME[:SPLIT]"
+      )
+    if FILES not in names:
+      for key, default in (
+          ("train_files", ""),
+          ("eval_files", ""),
+          ("prompt_field", "prompt"),
+          ("answer_field", "answer"),
+      ):
+        if getattr(self, key) != default:
+          raise ConfigError(
+              f"config.data.{key}: read with data.name='files' only; data.name is {self.name!r} "
+              f"(set --config.data.name=files)"
+          )
+    if self.prompt_field == self.answer_field:
+      raise ConfigError(f"config.data.answer_field: {self.answer_field!r} is data.prompt_field too")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,6 +460,11 @@ def _check_across(cfg: Config) -> None:
         "config.ict.reference: 'sequence_mean' averages each response over its own positions, and "
         "the packed LM head (train.token_budget) lays several responses' column blocks side by side "
         "in one row; use train.token_budget=0 with it, or reference active_mean / others_mean"
+    )
+  if FILES in cfg.data.name.split("+") and cfg.train.eval_every and not cfg.data.eval_files:
+    raise ConfigError(
+        "config.data.eval_files: train.eval_every runs pass@k on the eval split, which data.name='files' "
+        "reads from data.eval_files; give its files, or set train.eval_every=0"
     )
   if cfg.reward.kind == "chain_steps" and cfg.data.name != "synthetic_chain":
     raise ConfigError(

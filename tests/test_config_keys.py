@@ -76,5 +76,11 @@ def test_every_config_key_is_read_by_a_training_run(tmp_path, monkeypatch):
   c.train.token_budget = 20  # data.max_prompt_len 16 + max_new_tokens 4: the loop's packed path runs too
   train(c, str(tmp_path / "run"), progress=False)
   _select_with_every_method(runs[-1].ict, runs[-1].loss.loss_type)  # the run trains with ict's only
+  # a run on the user's files (data.name="files") reads its files and columns
+  (tmp_path / "rows.jsonl").write_text("".join(f'{{"q": "{a}+1=", "a": "{a + 1}"}}\n' for a in range(8)))
+  c.data.name, c.data.train_files = "files", str(tmp_path / "rows.jsonl")
+  c.data.eval_files, c.data.prompt_field, c.data.answer_field = c.data.train_files, "q", "a"
+  c.train.token_budget = 0
+  train(c, str(tmp_path / "files_run"), progress=False)
   unread = sorted(_all_keys() - read)
   assert not unread, f"config keys that nothing reads (wire them or remove them): {unread}"

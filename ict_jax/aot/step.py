@@ -147,13 +147,11 @@ def _task_tokenizer(cfg: Config):
   temporary folder, unless `data.data_dir` holds it)."""
   import tempfile
 
-  from ict_jax.data import load_split
+  from ict_jax.build import load_examples
   from ict_jax.setup import make_tokenizer
 
-  with tempfile.TemporaryDirectory(prefix="ict_jax_aot_") as tmp:
-    data_dir = cfg.data.data_dir or tmp
-    load = lambda split: load_split(cfg.data.name, split, data_dir=data_dir, config=cfg.data.config or None)
-    return make_tokenizer(cfg, tmp, "", load)
+  with tempfile.TemporaryDirectory(prefix="ict_jax_aot_") as tmp:  # data.data_dir, else tmp/data
+    return make_tokenizer(cfg, tmp, "", lambda split: load_examples(cfg, split, tmp))
 
 
 def _setup(cfg: Config, target: Target) -> _Setup:

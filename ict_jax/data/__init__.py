@@ -2,6 +2,7 @@
 
     src = load_split("synthetic_arith", "train", data_dir)            # builds on first use
     src = load_split("gsm8k", "test", data_dir, manual_dir="~/gsm8k")  # from the user's files
+    src = load_files("train.jsonl", prompt_field="prompt", answer_field="solution")  # data.name="files"
     src[0] -> {"id": ..., "question": ..., "answer": ..., "prompt": ..., ...}   (str / int values)
     for batch in PromptIterator(src, batch_size=8, seed=0): ...
 
@@ -32,6 +33,7 @@ _LAZY = {
     "format_prompt": "ict_jax.data.prompts",
     "build_prompt": "ict_jax.data.prompts",
     "MATH_INSTRUCTION": "ict_jax.data.prompts",
+    "load_files": "ict_jax.data.files",
 }
 
 
@@ -44,7 +46,7 @@ def __getattr__(name: str) -> Any:
 def builder_class(name: str) -> type:
   """The tfds builder class registered as ``name`` (without a ``/config`` suffix)."""
   if name not in BUILDERS:
-    raise KeyError(f"unknown dataset {name!r}; known: {sorted(BUILDERS)}")
+    raise KeyError(f"unknown dataset {name!r}; known: {sorted(BUILDERS)}, or 'files' (data.train_files)")
   module, cls = BUILDERS[name]
   return getattr(importlib.import_module(module), cls)
 

@@ -3,12 +3,19 @@
 ``chat``: Qwen2.5's chat template around one user message, the question followed by Qwen2.5-Math's
 instruction ``Please reason step by step, and put your final answer within \\boxed{}.``
 ``plain``: the example's short ``prompt`` field as is (``"3+5="``), for tiny models with tiny context.
+
+A ``prompt`` that is a list of chat messages (TRL's conversational format, ``data.name="files"``)
+is the tokenizer's chat template around those messages with the generation prompt, in either
+style (the messages are the whole prompt: no instruction is added). A string prompt of a file
+(`files.FileExample`) is its ``prompt`` in either style, wrapped with the instruction for ``chat``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+from ict_jax.data.files import FileExample
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 STYLES = ("plain", "chat")  # data.prompt_style
@@ -43,14 +50,31 @@ def build_prompt(
     instruction: str = MATH_INSTRUCTION,
     system: str | None = None,
 ) -> str:
-  """Prompt text of a dataset example (a dict with ``question`` and ``prompt``) in ``style``."""
+  """Prompt text of a dataset example (a dict with ``question`` and ``prompt``; a file's example:
+  with ``prompt``, a string or chat messages) in ``style``."""
+  if style not in STYLES:
+    raise ValueError(f"unknown prompt style {style!r}; expected one of {STYLES}")
+  prompt = example.get("prompt")
+  if isinstance(prompt, list):  # chat messages
+    if tokenizer is None:
+      raise ValueError("a prompt of chat messages needs a tokenizer with apply_chat_template")
+    return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
   if style == "plain":
     return str(example["prompt"])
-  if style != "chat":
-    raise ValueError(f"unknown prompt style {style!r}; expected one of {STYLES}")
   if tokenizer is None:
     raise ValueError("prompt style 'chat' needs a tokenizer with apply_chat_template")
-  return format_prompt(str(example["question"]), tokenizer, instruction=instruction, system=system)
+  question = example["prompt"] if isinstance(example, FileExample) else example["question"]
+  return format_prompt(str(question), tokenizer, instruction=instruction, system=system)
+
+
+class PromptError(ValueError):
+  """An example whose prompt the tokenizer's chat template refuses (e.g. a role it has no turn for)."""
+
+
+def _field_needed(example, style: str) -> str:
+  if style == "plain" or isinstance(example, FileExample) or isinstance(example.get("prompt"), list):
+    return "prompt"
+  return "question"
 
 
 def encode_prompts(
@@ -63,13 +87,19 @@ def encode_prompts(
 ) -> tuple[list, list[str], list[list[int]]]:
   """-> (kept examples, their prompt texts, their token ids), the one prompt encoding of training,
   rollouts and evaluation. Prompts over ``max_len`` tokens are left out (the caller counts them);
-  KeyError naming the example when a field the style needs is missing."""
+  KeyError naming the example when a field the style needs is missing, PromptError naming it when
+  the chat template refuses its messages."""
   kept, texts, ids = [], [], []
   for i, ex in enumerate(examples):
-    for field in ("answer", "prompt" if style == "plain" else "question"):
+    for field in ("answer", _field_needed(ex, style)):
       if field not in ex:
         raise KeyError(f"example {i} has no {field!r} field (it has {sorted(ex)})")
-    text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
+    try:
+      text = build_prompt(ex, tokenizer, style=style, instruction=instruction)
+    except (ValueError, TypeError) as e:
+      if not isinstance(ex.get("prompt"), list):
+        raise
+      raise PromptError(f"{ex.get('id', f'example {i}')}: the chat template refuses its messages ({e})") from None
     toks = tokenizer.encode(text)
     if max_len is None or len(toks) <= max_len:
       kept.append(ex)

@@ -3,9 +3,12 @@
     python -m ict_jax.eval --workdir W [--step S] --benchmarks math500,gsm8k --k 1,4 --n 8 \\
         --temperature 0.6 [--max_new_tokens 1024] [--limit 50] [--out DIR] [--seed 0]
     python -m ict_jax.eval --hf DIR --benchmarks gsm8k --manual_dir ~/eval_data
+    python -m ict_jax.eval --workdir W --files test.jsonl [--prompt_field q --answer_field solution]
 
 Benchmark files are read from `<manual_dir>/<benchmark>/` (e.g. ~/eval_data/gsm8k/test.jsonl),
-or from the folder given by `--manual NAME=DIR`. Writes results.json, results.md and
+or from the folder given by `--manual NAME=DIR`. The `files` benchmark is your own files
+(`--files`; with --workdir, the run's data.eval_files and columns by default), checked as the run's
+reward.kind checks its answer column. Writes results.json, results.md and
 samples_<benchmark>.jsonl into --out (default `<workdir>/eval/step_<S>/` or `<hf>/eval/`).
 """
 
@@ -38,7 +41,20 @@ def parser() -> argparse.ArgumentParser:
   src.add_argument("--hf", help="a local Hugging Face Qwen2 folder")
   p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   p.add_argument(
-      "--benchmarks", default="math500,gsm8k", help=f"comma-separated, from: {', '.join(registry.BENCHMARKS)}"
+      "--benchmarks",
+      help=f"comma-separated, from: {', '.join(registry.BENCHMARKS)} (default: math500,gsm8k, or files with --files)",
+  )
+  p.add_argument(
+      "--files",
+      help="the files benchmark's files: comma-separated paths or globs (.jsonl, .json, .parquet) or "
+      "hf:NAME[:SPLIT] (default with --workdir: the run's data.eval_files)",
+  )
+  p.add_argument("--prompt_field", help="the files' prompt column (default: the run's data.prompt_field, or prompt)")
+  p.add_argument("--answer_field", help="the files' answer column (default: the run's data.answer_field, or answer)")
+  p.add_argument(
+      "--answer_type",
+      choices=("math_boxed", "choice", "answer"),
+      help="how the files' answers are checked (default: the run's reward.kind, or math_boxed)",
   )
   p.add_argument("--k", type=_ints, default=[1, 4], help="pass@k values, e.g. 1,4")
   p.add_argument("--n", type=int, default=8, help="samples per problem (>= every k)")
@@ -97,10 +113,14 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> list:
   """Everything that can be checked before loading a model; p.error (exit 2) otherwise."""
   from ict_jax.eval.run import check_ks
 
+  if a.benchmarks is None:
+    a.benchmarks = registry.FILES if a.files else "math500,gsm8k"
   try:
     benches = registry.parse(a.benchmarks)
   except KeyError as e:
     p.error(f"--benchmarks: {e.args[0]}")
+  if (a.files or a.prompt_field or a.answer_field or a.answer_type) and registry.FILES not in a.benchmarks.split(","):
+    p.error(f"--files / --prompt_field / --answer_field / --answer_type: the files benchmark is not in --benchmarks")
   try:
     a.k = list(check_ks(a.k, a.n))
   except ValueError as e:
@@ -116,13 +136,38 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> list:
   manual = {}
   for item in a.manual:
     name, sep, folder = item.partition("=")
-    if not sep or not folder or name not in registry.BENCHMARKS:
-      p.error(f"--manual {item!r}: expected NAME=DIR with NAME one of {', '.join(registry.BENCHMARKS)}")
+    if not sep or not folder or name not in registry.BENCHMARKS or name == registry.FILES:
+      names = ", ".join(b for b in registry.BENCHMARKS if b != registry.FILES)
+      p.error(f"--manual {item!r}: expected NAME=DIR with NAME one of {names} (the files benchmark: --files)")
     manual[name] = folder
   a.manual = manual
   if a.mesh is not None and len(a.mesh) != 3:
     p.error(f"--mesh: expected three sizes data,fsdp,tensor, got {a.mesh}")
   return benches
+
+
+def _files_benchmark(a: argparse.Namespace, cfg, benches: list):
+  """-> (the `FileSplit` the files benchmark reads, or None; the benchmarks with its answer type):
+  --files / --prompt_field / --answer_field / --answer_type, else the run's data.eval_files, columns
+  and reward.kind (a run on files), else prompt / answer / math_boxed."""
+  import dataclasses
+
+  from ict_jax.data.files import FILES, FileSplit
+
+  if not any(b.name == FILES for b in benches):
+    return None, benches
+  data = cfg.data if cfg is not None and FILES in cfg.data.name.split("+") else None
+  spec = a.files or (data.eval_files if data is not None else "")
+  split = FileSplit(
+      spec,
+      a.prompt_field or (data.prompt_field if data is not None else "prompt"),
+      a.answer_field or (data.answer_field if data is not None else "answer"),
+      "test" if data is None else data.eval_split,
+      "--files" if a.files or data is None else f"{a.workdir}: config.data.eval_files",
+  )
+  kind = {"math": "math_boxed"}.get(cfg.reward.kind, cfg.reward.kind) if cfg is not None else "math_boxed"
+  answer_type = a.answer_type or (kind if kind in ("math_boxed", "choice", "answer") else "math_boxed")
+  return split, [dataclasses.replace(b, answer_type=answer_type) if b.name == FILES else b for b in benches]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -173,7 +218,8 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
     workers = 4 if a.reward_workers is None else a.reward_workers
   manual_root = os.path.expanduser(a.manual_dir or os.path.join(data_dir, "manual"))
   manual = {b.name: a.manual.get(b.name) or os.path.join(manual_root, b.name) for b in benches}
-  examples = load_benchmarks(benches, data_dir=data_dir, manual_dirs=manual, limit=a.limit)
+  files, benches = _files_benchmark(a, cfg, benches)
+  examples = load_benchmarks(benches, data_dir=data_dir, manual_dirs=manual, limit=a.limit, files=files)
 
   mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, a.mesh))) if a.mesh is not None else None
   if cfg is not None:
@@ -197,6 +243,8 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
       dtype=str(loaded.model.cfg.dtype),
       source=a.workdir or a.hf,
   )
+  if files is not None:
+    settings.update(files=files.spec, prompt_field=files.prompt_field, answer_field=files.answer_field)
   with RewardPool(num_workers=workers, timeout_s=a.reward_timeout) as pool:
     results = evaluate_benchmarks(
         loaded.model,

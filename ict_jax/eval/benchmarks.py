@@ -5,7 +5,9 @@
 Math500, GSM8K and AIME are checked on the last ``\\boxed{}`` (answer type ``math_boxed``);
 MMLU-STEM and GPQA list their options as ``(A) ...`` lines and are checked on the committed letter
 (``choice``); ``synthetic`` (one-step arithmetic) and ``chain`` (the default task, worked
-solutions; no files) on the bare or boxed answer.
+solutions; no files) on the bare or boxed answer. ``files`` is the user's own files
+(`ict_jax.data.files`: `--files`, or the run's ``data.eval_files``), checked on their answer column
+as the run's ``reward.kind`` checks it (``math_boxed`` unless said otherwise).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import os
 from typing import Any
 
+from ict_jax.data.files import FILES, FileSplit
 from ict_jax.data.prompts import MATH_INSTRUCTION
 
 CHOICE_INSTRUCTION = "Please reason step by step, and put the letter of the correct option " "within \\boxed{}."
@@ -43,6 +46,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("aime25", "AIME25", "aime/2025", "test", "math_boxed", MATH_INSTRUCTION),
         Benchmark("synthetic", "Synthetic", "synthetic_arith/level1", "test", "answer", "", needs_files=False),
         Benchmark("chain", "Chain", "synthetic_chain/level1", "test", "answer", "", needs_files=False),
+        Benchmark(FILES, "Files", FILES, "test", "math_boxed", MATH_INSTRUCTION),  # the rollouts' instruction
     )
 }
 
@@ -65,14 +69,28 @@ def parse(names: str) -> list[Benchmark]:
 
 
 def load(
-    bench: Benchmark, *, data_dir: str | None, manual_dir: str | None, limit: int | None = None
+    bench: Benchmark,
+    *,
+    data_dir: str | None,
+    manual_dir: str | None,
+    limit: int | None = None,
+    files: FileSplit | None = None,
 ) -> list[dict[str, Any]]:
   """The benchmark's examples (dicts with id / question / prompt / answer), the first ``limit``.
 
   Builds the tfds dataset under ``data_dir`` from the files in ``manual_dir`` on first use; a
-  missing or empty manual directory raises FileNotFoundError with the dataset's instructions."""
+  missing or empty manual directory raises FileNotFoundError with the dataset's instructions.
+  The ``files`` benchmark reads ``files`` (ConfigError naming a bad file)."""
   from ict_jax.data import load_split
 
+  if bench.dataset == FILES:
+    if files is None or not files.spec:
+      raise FileNotFoundError(
+          "benchmark files: no files given (--files PATHS, or a --workdir whose run has data.eval_files)"
+      )
+    source = files.load()
+    count = len(source) if limit is None else min(limit, len(source))
+    return [source[i] for i in range(count)]
   manual = os.path.expanduser(manual_dir) if (manual_dir and bench.needs_files) else None
   if bench.needs_files and manual is None:
     raise FileNotFoundError(f"benchmark {bench.name}: no manual directory given for its files")

@@ -243,12 +243,21 @@ def benchmark_rng(seed: int, name: str) -> jax.Array:
 
 
 def load_benchmarks(
-    benches: Sequence, *, data_dir: str | None, manual_dirs: Mapping[str, str], limit: int | None = None
+    benches: Sequence,
+    *,
+    data_dir: str | None,
+    manual_dirs: Mapping[str, str],
+    limit: int | None = None,
+    files=None,
 ) -> dict[str, list[dict[str, Any]]]:
-  """Every benchmark's examples (built from its files first), before any model time is spent."""
+  """Every benchmark's examples (built from its files first), before any model time is spent;
+  `files` (an `ict_jax.data.files.FileSplit`) is what the ``files`` benchmark reads."""
   from ict_jax.eval import benchmarks as registry
 
-  return {b.name: registry.load(b, data_dir=data_dir, manual_dir=manual_dirs.get(b.name), limit=limit) for b in benches}
+  return {
+      b.name: registry.load(b, data_dir=data_dir, manual_dir=manual_dirs.get(b.name), limit=limit, files=files)
+      for b in benches
+  }
 
 
 def evaluate_benchmarks(
