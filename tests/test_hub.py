@@ -224,6 +224,13 @@ def test_train_one_step_from_a_hub_id(hub_run):
   assert samples and all(s["prompt"] in rendered for s in samples)  # the checkpoint's chat template
   # the run keeps the checkpoint's tokenizer: a resume, eval and export read it from the workdir
   assert isinstance(load_tokenizer(hub_run), HFTokenizer)
+  from ict_jax import setup
+
+  resumed = setup.make_tokenizer(config_lib.validate(_hub_run_config(**{"model.path": ""})), hub_run, "", None)
+  assert isinstance(resumed, HFTokenizer) and resumed.source == os.path.join(hub_run, "tokenizer")
+  assert resumed.apply_chat_template(CHATS[1], tokenize=True) == list(
+      ref.apply_chat_template(CHATS[1], add_generation_prompt=True, tokenize=True, return_dict=False)
+  )
   assert (
       open(os.path.join(hub_run, "tokenizer", "tokenizer.json")).read()
       == open(os.path.join(resolve_model_dir(REPO_ID), "tokenizer.json")).read()

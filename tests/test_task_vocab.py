@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from ict_jax import config as config_lib
 from ict_jax import configs
 from ict_jax import task_vocab
 from ict_jax.logs import read_log
