@@ -33,7 +33,7 @@ from ict_jax.logs import import_wandb
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.functions import RewardFunction, resolve
-from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint
+from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint, model_dir
 from ict_jax.setup import resolve_decode_attention
 from ict_jax.setup import rollout_dtype as resolve_rollout_dtype
 from ict_jax.task_vocab import TaskTokenizer
@@ -207,7 +207,7 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
   except ValueError as e:
     raise ConfigError(str(e)) from None
   roll_dtype = resolve_rollout_dtype(cfg, mesh)
-  hf_dir = init_from_hf or cfg.model.path
+  hf_dir = model_dir(init_from_hf, "--init_from_hf") or model_dir(cfg.model.path, "config.model.path")
   train_src = load_examples(cfg, cfg.data.train_split, workdir)
   try:
     tok = make_tokenizer(

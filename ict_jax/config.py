@@ -117,7 +117,7 @@ SCHEDULES = ("constant", "cosine", "linear")  # train_step.learning_rate_schedul
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   preset: str = "tiny"  # Qwen2Config preset when `path` is empty
-  path: str = ""  # local Hugging Face folder (config.json + *.safetensors)
+  path: str = ""  # Hugging Face folder (config.json + *.safetensors) or hub id (org/name: its snapshot)
   dtype: str = field("float32", choices(DTYPES))  # compute dtype
   param_dtype: str = field("float32", choices(DTYPES), float32_weights)  # master weights: float32 only
   remat_policy: str = field("none", choices(REMAT_POLICIES))  # the scanned layer's remat in the train step

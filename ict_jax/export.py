@@ -1,10 +1,14 @@
 """`python -m ict_jax.export`: a training checkpoint -> a Hugging Face folder.
 
-    python -m ict_jax.export --workdir W [--step S] --out DIR [--dtype bfloat16] [--mesh 1,-1,1]
+    python -m ict_jax.export --workdir W [--step S] --out DIR [--dtype float32] [--mesh 1,-1,1]
 
 Reads only `state.params` of `<W>/checkpoints/<S>/` (default: the latest step), each tensor into
-its sharding on the mesh, and writes `config.json` + safetensors that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads. Run it on every host of a
+its sharding on the mesh, and writes a folder transformers serves: `config.json`, the weights as
+safetensors (bfloat16 unless --dtype says otherwise), `generation_config.json` (the stop ids),
+`tokenizer.json` and `tokenizer_config.json` with the chat template (the run's tokenizer: its
+checkpoint's own, else Qwen2.5's, a task vocabulary renumbered to its ids), so that
+`AutoTokenizer.from_pretrained(DIR)` gives the run's ids and
+`AutoModelForCausalLM.from_pretrained(DIR).generate(...)` runs. Run it on every host of a
 multi-host job (the parameters are gathered; process 0 writes).
 """
 
@@ -31,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
       "--dtype",
       choices=("float32", "bfloat16", "float16"),
-      help="dtype of the written tensors (default: the saved one)",
+      default="bfloat16",
+      help="dtype of the written tensors (float32: the saved float32 weights exactly)",
   )
   p.add_argument(
       "--mesh",
@@ -72,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ckpt_inspect.open_checkpoint(args.workdir, args.step) as ckpt:
       out = ckpt_inspect.to_hf(ckpt, args.out, dtype=args.dtype, mesh=mesh, item="ref_params" if args.ref else "params")
       print(f"wrote step {ckpt.step} of {args.workdir} to {out}")
-  except (CheckpointError, KeyError, ValueError) as e:
+  except (CheckpointError, KeyError, ValueError, FileNotFoundError, ConfigError) as e:
     message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) is quoted
     print(f"ict_jax.export: error: {message}", file=sys.stderr)
     return 2

@@ -170,12 +170,45 @@ def _saved_task_vocab(workdir: str | os.PathLike) -> task_vocab.TaskTokenizer:
     raise ConfigError(str(e)) from None
 
 
+def model_dir(path: str, what: str) -> str:
+  """The local folder of the model folder or Hugging Face hub id `path` (`models.hf.resolve_model_dir`:
+  a hub id is downloaded, or read from the cache offline); "" stays ""; ConfigError naming `what`."""
+  from ict_jax.models.hf import resolve_model_dir
+
+  try:
+    return resolve_model_dir(path)
+  except FileNotFoundError as e:
+    raise ConfigError(f"{what}: {e}") from None
+
+
+def _checkpoint_tokenizer(workdir: str, hf_dir: str):
+  """The tokenizer of a run on the full vocabulary: the Hugging Face folder's own (its
+  tokenizer.json and chat template; a copy is kept in `<workdir>/tokenizer/`, which a resume
+  without the folder reads), else the workdir's copy, else the bundled Qwen2.5 tokenizer."""
+  from ict_jax import hf_tokenizer
+  from ict_jax.tokenizer import Tokenizer
+
+  folder = hf_dir if hf_tokenizer.has_tokenizer(hf_dir) else ""
+  if not folder and hf_tokenizer.has_tokenizer(os.path.join(workdir, hf_tokenizer.WORKDIR_SUBDIR)):
+    folder = os.path.join(workdir, hf_tokenizer.WORKDIR_SUBDIR)
+  if not folder:
+    return Tokenizer()
+  try:
+    tok = hf_tokenizer.HFTokenizer(folder)
+    if folder == hf_dir and sharding.is_main_process():
+      tok.save(os.path.join(workdir, hf_tokenizer.WORKDIR_SUBDIR))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return tok
+
+
 def make_tokenizer(cfg: Config, workdir: str, hf_dir: str, load_split: Callable[[str], Any]):
   """The run's tokenizer. A Hugging Face folder with a `task_vocab.json` brings its own task
   vocabulary (copied to the workdir, whose checkpoints are this model's); `model.vocab="task"`
   reads the workdir's (a resume) or builds one from the texts of the train and eval splits
   (`load_split(name)` -> a random-access source) and saves it there before any checkpoint;
-  otherwise the full Qwen2.5 tokenizer."""
+  otherwise the checkpoint's own tokenizer and chat template when the folder has a
+  tokenizer.json, else the full Qwen2.5 tokenizer (`_checkpoint_tokenizer`)."""
   from ict_jax.tokenizer import Tokenizer
 
   saved = task_vocab.find([hf_dir] if hf_dir else [workdir])
@@ -183,9 +216,9 @@ def make_tokenizer(cfg: Config, workdir: str, hf_dir: str, load_split: Callable[
     if cfg.model.vocab == "task":
       raise ConfigError(
           f"config.model.vocab='task': {hf_dir} has no {task_vocab.FILENAME}; a pretrained model keeps "
-          "Qwen2.5's vocabulary (model.vocab='qwen')"
+          "its own vocabulary (model.vocab='qwen')"
       )
-    return Tokenizer()
+    return _checkpoint_tokenizer(workdir, hf_dir)
   if saved:
     try:
       tok = task_vocab.TaskTokenizer.load(saved)

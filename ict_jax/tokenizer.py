@@ -59,6 +59,64 @@ FIRST_ADDED_ID = 151643
 NUM_SPECIAL = 14
 
 DEFAULT_SYSTEM_MESSAGE = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen2.5's chat template, as its tokenizer_config.json holds it: `apply_chat_template` below
+# renders it for system, user and assistant messages; exported folders carry it
+# (`ict_jax/hf_tokenizer_files.py`), and Hugging Face renders it with jinja2.
+CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _CHAT_ROLES = ("system", "user", "assistant")
 
@@ -79,9 +137,8 @@ def default_vocab_file() -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_encoding(vocab_file: str):
-  import tiktoken
-
+def mergeable_ranks(vocab_file: str) -> dict[bytes, int]:
+  """{token bytes: BPE rank (= id)} of a ``qwen.tiktoken`` file, checked to be Qwen2.5's."""
   ranks: dict[bytes, int] = {}
   with open(vocab_file, "rb") as f:
     for line_no, line in enumerate(f, start=1):
@@ -96,6 +153,14 @@ def _load_encoding(vocab_file: str):
         f"{vocab_file}: expected {FIRST_ADDED_ID} BPE ranks 0..{FIRST_ADDED_ID - 1} (Qwen2.5), "
         f"got {len(ranks)} ranks up to {max(ranks.values())}"
     )
+  return ranks
+
+
+@functools.lru_cache(maxsize=4)
+def _load_encoding(vocab_file: str):
+  import tiktoken
+
+  ranks = mergeable_ranks(vocab_file)
   special = {tok: FIRST_ADDED_ID + i for i, tok in enumerate(ADDED_TOKENS)}
   return tiktoken.Encoding("qwen2_5", pat_str=PRETOKENIZE_REGEX, mergeable_ranks=ranks, special_tokens=special)
 

@@ -40,6 +40,8 @@ LAYERS = (
             "storage",
             "tokenizer",
             "task_vocab",
+            "hf_tokenizer",
+            "hf_tokenizer_files",
         ),
     ),
     ("data", ("data",)),

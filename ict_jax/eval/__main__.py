@@ -38,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
   )
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a training workdir (config.json + checkpoints/)")
-  src.add_argument("--hf", help="a local Hugging Face Qwen2 folder")
+  src.add_argument(
+      "--hf", help="a Hugging Face Qwen2 folder, or a hub id (org/name; from the cache with HF_HUB_OFFLINE=1)"
+  )
   p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   p.add_argument(
       "--benchmarks",
@@ -195,7 +197,8 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   from ict_jax.eval import loading
   from ict_jax.eval.run import evaluate_benchmarks, load_benchmarks, markdown_table, summary, write_results
   from ict_jax.rewards.pool import RewardPool
-  from ict_jax import task_vocab
+  from ict_jax import hf_tokenizer
+  from ict_jax.models.hf import resolve_model_dir
 
   from ict_jax import storage
 
@@ -205,6 +208,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   storage.check_data_dir(a.data_dir, "--data_dir")
   sharding.maybe_initialize_distributed()
   cfg = setup.read_run_config(a.workdir, a.step) if a.workdir else None
+  hf_dir = ""
   if cfg is not None:
     prompt_style = a.prompt_style or cfg.data.prompt_style
     max_new_tokens = a.max_new_tokens or cfg.rollout.max_new_tokens
@@ -212,9 +216,13 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
     data_dir = storage.data_dir(a.data_dir or cfg.data.data_dir, a.workdir)
     workers = cfg.reward.num_workers if a.reward_workers is None else a.reward_workers
   else:
+    hf_dir = resolve_model_dir(a.hf)  # a hub id: its snapshot, one line when it cannot be had
+    # results next to a local folder; a hub id's in ./eval/<org--name>, never inside the hub cache
+    local = os.path.isdir(os.path.expanduser(a.hf))
+    home = os.path.join(a.hf, "eval") if local else os.path.join("eval", a.hf.replace("/", "--"))
     prompt_style = a.prompt_style or "chat"
     max_new_tokens = a.max_new_tokens or 1024
-    data_dir = a.data_dir or os.path.join(a.hf, "eval", "data")
+    data_dir = a.data_dir or os.path.join(home, "data")
     workers = 4 if a.reward_workers is None else a.reward_workers
   manual_root = os.path.expanduser(a.manual_dir or os.path.join(data_dir, "manual"))
   manual = {b.name: a.manual.get(b.name) or os.path.join(manual_root, b.name) for b in benches}
@@ -228,7 +236,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   else:
     mesh = mesh if mesh is not None else sharding.make_mesh()
     loaded = loading.load_hf(a.hf, dtype=a.dtype or "bfloat16", mesh=mesh)
-    out = a.out or os.path.join(a.hf, "eval")
+    out = a.out or home
   settings = dict(
       n=a.n,
       ks=a.k,
@@ -248,7 +256,7 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   with RewardPool(num_workers=workers, timeout_s=a.reward_timeout) as pool:
     results = evaluate_benchmarks(
         loaded.model,
-        task_vocab.load_tokenizer(a.workdir or a.hf),
+        hf_tokenizer.load_tokenizer(a.workdir or hf_dir),  # the checkpoint's own, else Qwen2.5's
         benches,
         examples,
         seed=a.seed,

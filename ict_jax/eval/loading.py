@@ -33,15 +33,18 @@ class LoadedModel:
 
 
 def load_hf(hf_dir: str, *, dtype: str = "bfloat16", mesh=None) -> LoadedModel:
-  """A local Hugging Face Qwen2 folder, parameters and compute in `dtype`; the kernels are
-  `model.kernels`'s "auto" for the devices of `mesh` (default jax.devices())."""
-  from ict_jax.models.hf import load_pretrained
+  """A Hugging Face Qwen2 folder or hub id (`models.hf.resolve_model_dir`), parameters and
+  compute in `dtype`; the kernels are `model.kernels`'s "auto" for the devices of `mesh`
+  (default jax.devices()). A hub id is the row's label."""
+  from ict_jax.models.hf import load_pretrained, resolve_model_dir
 
   devices = None if mesh is None else list(mesh.devices.flat)
   kernels = setup.resolve_kernels("auto", devices)
   decode_attention = setup.resolve_decode_attention("auto", devices)
-  model = load_pretrained(hf_dir, jnp.dtype(dtype), mesh=mesh, kernels=kernels, decode_attention=decode_attention)
-  return LoadedModel(model, os.path.basename(os.path.normpath(hf_dir)) or hf_dir, None, None)
+  local = resolve_model_dir(hf_dir)
+  model = load_pretrained(local, jnp.dtype(dtype), mesh=mesh, kernels=kernels, decode_attention=decode_attention)
+  label = os.path.basename(os.path.normpath(hf_dir)) if os.path.isdir(os.path.expanduser(hf_dir)) else hf_dir
+  return LoadedModel(model, label or hf_dir, None, None)
 
 
 def load_workdir(

@@ -1,5 +1,10 @@
 """Hugging Face folder <-> Qwen2 NNX model: config.json + *.safetensors (single or sharded).
 
+A model is a local folder or a hub id (`Qwen/Qwen2.5-1.5B-Instruct`): `resolve_model_dir` turns an
+id into its snapshot folder with `huggingface_hub.snapshot_download` (downloaded when online, from
+the local cache with HF_HUB_OFFLINE=1); every entry point (train, eval, export, `load_pretrained`)
+goes through it.
+
 Loading reads tensor by tensor through `safetensors.safe_open(...).get_slice`, and with a mesh
 each device's shard is read straight into place (`jax.make_array_from_callback`): the model is
 never gathered on one host. Saving writes a folder `transformers.AutoModelForCausalLM` loads.
@@ -120,8 +125,44 @@ def _to_hf(kind: str, x: np.ndarray) -> np.ndarray:
   raise ValueError(kind)
 
 
+# ---- a folder or a hub id ---------------------------------------------------------------------
+# What a snapshot downloads: the weights, configs, tokenizer and chat template files (never the
+# *.bin / *.pt / *.gguf copies some repositories also hold).
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
+
+
+def resolve_model_dir(path_or_id: str | os.PathLike) -> str:
+  """A local model folder as it is ("" stays ""); anything else is a Hugging Face hub id
+  (`org/name`), resolved to its snapshot folder by `huggingface_hub.snapshot_download`: downloaded
+  when online, read from the local cache (HF_HUB_CACHE / HF_HOME) with HF_HUB_OFFLINE=1.
+  FileNotFoundError, one line naming it, when it is neither a folder nor a model it can get."""
+  path = os.path.expanduser(os.fspath(path_or_id))
+  if not path or os.path.isdir(path):
+    return path
+  from huggingface_hub import constants, snapshot_download
+  from huggingface_hub.errors import HFValidationError
+  from huggingface_hub.utils import validate_repo_id
+
+  try:
+    validate_repo_id(path)
+  except HFValidationError:
+    raise FileNotFoundError(
+        f"{path}: not a directory (expected a Hugging Face model folder or a hub id such as Qwen/Qwen2.5-0.5B)"
+    ) from None
+  try:
+    return snapshot_download(path, allow_patterns=list(HUB_PATTERNS))
+  except Exception as e:  # pylint: disable=broad-except  # offline miss, unknown repo, gated, network
+    if constants.HF_HUB_OFFLINE:
+      why = f"not in the Hugging Face cache {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1"
+    else:
+      why = f"cannot be downloaded from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    raise FileNotFoundError(f"{path}: not a local folder, and the hub model {path!r} {why}") from None
+
+
 # ---- reading ----------------------------------------------------------------------------------
 def read_config(path: str, **overrides) -> Qwen2Config:
+  """The `Qwen2Config` of the model folder or hub id `path` (its config.json) with `overrides`."""
+  path = resolve_model_dir(path)
   cfg_file = os.path.join(path, "config.json")
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{path}: not a directory (expected a Hugging Face model folder)")
@@ -175,12 +216,13 @@ def load_pretrained(
     kernels: str = "portable",
     decode_attention: str = "xla",
 ) -> Qwen2:
-  """Load a local Hugging Face Qwen2/Qwen2.5 folder into a `Qwen2` model.
+  """Load a Hugging Face Qwen2/Qwen2.5 folder or hub id (`resolve_model_dir`) into a `Qwen2` model.
 
   dtype: compute dtype; param_dtype: storage dtype (default: dtype). With `mesh`, each
   parameter is created directly in its `NamedSharding` from the logical-axis rules.
   remat_policy, attention, kernels: concrete `Qwen2Config` choices (`setup.resolve_kernels`
   turns "auto" into one for a set of devices)."""
+  path = resolve_model_dir(path)
   dt = jnp.dtype(dtype).name
   pdt = jnp.dtype(param_dtype or dtype).name
   cfg = read_config(
@@ -271,8 +313,12 @@ def _host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_pretrained(model: Qwen2, out_dir: str, *, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
+def save_pretrained(
+    model: Qwen2, out_dir: str, *, dtype=None, max_shard_bytes: int = 4 << 30, token_ids: dict | None = None
+) -> None:
   """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`).
+  `token_ids` ({"bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...}) replace Qwen2.5's
+  ids in config.json (a task vocabulary's ids differ).
 
   Every process must call it with a sharded model (arrays are gathered); process 0 writes."""
   cfg = model.cfg
@@ -308,4 +354,4 @@ def save_pretrained(model: Qwen2, out_dir: str, *, dtype=None, max_shard_bytes: 
     with open(os.path.join(out_dir, _INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(cfg.to_hf_dict(torch_dtype=np_dtype.name), f, indent=2)
+    json.dump({**cfg.to_hf_dict(torch_dtype=np_dtype.name), **(token_ids or {})}, f, indent=2)
