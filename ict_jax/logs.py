@@ -203,7 +203,8 @@ def import_wandb():
   except ImportError:
     raise ConfigError(
         "config.log.wandb_project is set but the wandb package is not installed: "
-        "pip install wandb (or leave log.wandb_project empty)"
+        "pip install wandb (or leave log.wandb_project empty; launch/tpu_pod.sh installs it with --wandb, "
+        "launch/gpu_slurm.sbatch with INSTALL_WANDB=1)"
     ) from None
   return wandb
 
