@@ -12,13 +12,14 @@ import types
 from pathlib import Path
 
 import pytest
+import wandb  # requirements-dev.txt
+from etils import epath
+from wandb.proto import wandb_internal_pb2
 
-wandb = pytest.importorskip("wandb", reason="requirements-dev.txt pins wandb")
-from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=wrong-import-position
-
-from ict_jax import config as config_lib, configs, logs, run_hooks, sharding  # noqa: E402  pylint: disable=wrong-import-position
-from ict_jax.config import ConfigError  # noqa: E402  pylint: disable=wrong-import-position
-from ict_jax.train import train  # noqa: E402  pylint: disable=wrong-import-position
+from ict_jax import config as config_lib, configs, logs, run_hooks, sharding
+from ict_jax.config import ConfigError
+from ict_jax.train import train
+from test_logs import NoAppendFS, gs  # noqa: F401  pylint: disable=unused-import  # the fixture
 
 BLOCK = 32768  # LevelDB log blocks; each chunk: crc32c (4), length (2), type (1), then the bytes
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -177,6 +178,20 @@ def test_a_logger_resumed_behind_what_wandb_has_logs_every_step(tmp_path, offlin
   assert first["run"].run_id == second["run"].run_id == (Path(workdir) / logs.WANDB_ID_FILE).read_text().strip()
   assert [(h["step"], h["loss"]) for h in second["history"]] == [(4, 4.0), (5, 5.0), (6, 6.0)]
   assert [r["step"] for r in logs.read_log(workdir)] == [1, 2, 3, 4, 5, 6]  # the log drops the lost 4, 5
+
+
+def test_the_run_id_is_kept_in_a_bucket_workdir(gs, offline):
+  """A gs:// workdir (an object store that refuses appends, tests/test_logs.py): the id is one
+  object there, and the restarted logger continues the W&B run it names."""
+  for initial, step in ((0, 1), (1, 2)):
+    logger = logs.MetricsLogger(gs, progress=False, tensorboard=False, initial=initial, wandb_project="p")
+    logger.write({"step": step, "loss": 0.25 * step})
+    logger.close()
+  run_id = (epath.Path(gs) / logs.WANDB_ID_FILE).read_text().strip()
+  first, second = _offline_runs(offline)
+  assert first["run"].run_id == second["run"].run_id == run_id and first["run"].display_name == "run"
+  assert [h["loss"] for h in first["history"] + second["history"]] == [0.25, 0.5]
+  assert not any("a" in m or "+" in m for m in NoAppendFS.opened_modes)
 
 
 @pytest.mark.parametrize("text", ["", "has/slash", "x" * 65])
