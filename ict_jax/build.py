@@ -29,7 +29,7 @@ from ict_jax import sharding, storage
 from ict_jax import train_step as ts
 from ict_jax.config import Config, ConfigError
 from ict_jax.data.prompts import PromptError
-from ict_jax.logs import import_wandb
+from ict_jax.logs import import_wandb, read_wandb_run_id
 from ict_jax.models.config import Qwen2Config
 from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.functions import RewardFunction, resolve
@@ -199,6 +199,7 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
     log.info("tfds data in %s (local: the workdir is a URL)", storage.data_dir(cfg.data.data_dir, workdir))
   if cfg.log.wandb_project:
     import_wandb()  # a missing package is one error now, not after the compile
+    read_wandb_run_id(workdir)  # and a damaged run id kept in the workdir
   sharding.maybe_initialize_distributed(cfg.train.heartbeat_timeout_s)
   mesh = make_mesh(cfg)
   resolve_decode_attention(cfg.model.decode_attention, mesh.devices.flat)  # refused off TPU before any data

@@ -351,7 +351,9 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  wandb_project: str = ""  # also log to this Weights & Biases project (needs `pip install wandb`)
+  # also log to this Weights & Biases project from process 0 (needs `pip install wandb`); the W&B run's
+  # id is kept in <workdir>/wandb_run_id.txt, so a restart continues the same W&B run
+  wandb_project: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,15 @@ the next step. `flush` waits until every queued write is done; the trainer calls
 checkpoint save (a resume keeps the lines up to the checkpoint's step, so they must be stored
 first), and `close` (also run at interpreter exit) flushes. A failed write is raised by the next
 `write`, `flush` or `close`.
+
+Weights & Biases (process 0 only): the run's W&B id is kept in ``<workdir>/wandb_run_id.txt``
+(made at the first start, read through `epath` like the other workdir files), and every start
+calls ``wandb.init(id=..., resume="allow")``, so a run restarted after a preemption continues the
+same W&B run. The W&B x-axis is the training step, logged as the metric ``step``
+(``define_metric("*", step_metric="step")``) rather than as ``wandb.log(step=...)``: W&B's own
+``_step`` must only grow, and a resume from the checkpoint of step k logs steps k+1, ... again
+when the lost attempt had logged past k (W&B keeps those points too: it cannot delete them, the
+metrics log drops them).
 """
 
 from __future__ import annotations
@@ -164,6 +173,27 @@ def _summary_writer(logdir: str):
   return SummaryWriter(logdir)
 
 
+WANDB_ID_FILE = "wandb_run_id.txt"
+_WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # W&B refuses / \ # ? % : in an id
+
+
+def read_wandb_run_id(workdir: str | os.PathLike) -> str | None:
+  """The W&B run id kept in the workdir, or None before the first start; a damaged file is one
+  ConfigError naming it (checked at start-up, before anything compiles)."""
+  from ict_jax.errors import ConfigError
+
+  path = epath.Path(workdir) / WANDB_ID_FILE
+  if not path.exists():
+    return None
+  run_id = path.read_text().strip()
+  if not _WANDB_ID.match(run_id):
+    raise ConfigError(
+        f"{path}: {run_id[:80]!r} is not a W&B run id (1-64 letters, digits, '-' or '_'); "
+        "write the id of the W&B run to continue, or delete the file to start a new W&B run"
+    )
+  return run_id
+
+
 def import_wandb():
   """The `wandb` module, or one ConfigError saying how to get it (imported only when asked for)."""
   from ict_jax.errors import ConfigError
@@ -173,7 +203,8 @@ def import_wandb():
   except ImportError:
     raise ConfigError(
         "config.log.wandb_project is set but the wandb package is not installed: "
-        "pip install wandb (or leave log.wandb_project empty)"
+        "pip install wandb (or leave log.wandb_project empty; launch/tpu_pod.sh installs it with --wandb, "
+        "launch/gpu_slurm.sbatch with INSTALL_WANDB=1)"
     ) from None
   return wandb
 
@@ -184,6 +215,28 @@ def _numbers(record: dict[str, Any]):
       for k, v in record.items()
       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
   }
+
+
+WANDB_STEP = "step"  # the W&B metric every other one is plotted against
+
+
+def _wandb_run(root: epath.Path, project: str, config: dict | None):
+  """The workdir's W&B run: the one of the id kept there, else a new one whose id (W&B's, or
+  WANDB_RUN_ID) is kept there at once; the training step is the x-axis of every metric."""
+  wandb = import_wandb()
+  kept = read_wandb_run_id(root)
+  run = wandb.init(
+      project=project,
+      id=kept,
+      resume="allow",  # the id's run when W&B has it, else a new run with that id
+      config=config,
+      name=os.path.basename(os.fspath(root).rstrip("/")) or None,
+  )
+  if kept is None:
+    _write_whole(root / WANDB_ID_FILE, run.id + "\n")
+  run.define_metric(WANDB_STEP)
+  run.define_metric("*", step_metric=WANDB_STEP)
+  return run
 
 
 class MetricsLogger:
@@ -205,12 +258,10 @@ class MetricsLogger:
     self._eval: dict[str, str] = {}
     if not enabled:
       return
-    if wandb_project:
-      self._wandb = import_wandb().init(
-          project=wandb_project, config=config, name=os.path.basename(os.fspath(workdir).rstrip("/")) or None
-      )
     root = epath.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
+    if wandb_project:
+      self._wandb = _wandb_run(root, wandb_project, config)
     if config is not None:
       _write_whole(root / "config.json", json.dumps(config, indent=2))
     self._metrics = JsonlLog(root / "metrics", initial)
@@ -250,7 +301,7 @@ class MetricsLogger:
     if self._tb is not None:
       self._tensorboard(lambda: [self._tb.add_scalar(k, v, step) for k, v in numbers.items()], "write")
     if self._wandb is not None:
-      self._wandb.log(numbers, step=step)
+      self._wandb.log({WANDB_STEP: step, **numbers})  # no step=: see the module docstring
     if self._bar is not None:
       nan = float("nan")
       self._eval = {

@@ -9,7 +9,11 @@
 # Steps, each a gcloud command printed before it runs (`--dry-run` prints them and runs none):
 #   1. describe the TPU VM; create it when describe finds none;
 #   2. put the code on every worker: `git archive HEAD` + scp, or `git clone --repo URL`;
-#   3. install a Python 3.11 venv with requirements.txt and jax[tpu] on every worker;
+#   3. install a Python 3.11 venv with requirements.txt and jax[tpu] on every worker (and wandb
+#      when the run logs to Weights & Biases: --wandb, or log.wandb_project set in the config
+#      file or the train arguments; WANDB_API_KEY, WANDB_ENTITY, WANDB_MODE and WANDB_BASE_URL,
+#      when set here, reach the trainer on every worker through a file of mode 600, never a
+#      command line);
 #   4. start `python -m ict_jax.train` on all workers at once, under nohup, logging to a file, with
 #      JAX_PLATFORMS=tpu (a TPU runtime that fails to start is an error, never a run on the CPU)
 #      and JAX's persistent compilation cache in --compilation-cache (a restart loads the
@@ -19,6 +23,9 @@
 set -euo pipefail
 
 readonly JAX_VERSION="0.10.2"
+readonly WANDB_VERSION="0.31.0"  # requirements-dev.txt's pin (tests/test_launch.py checks they agree)
+# Weights & Biases settings handed to the workers when set here (never printed: the API key).
+readonly WANDB_VARS=(WANDB_API_KEY WANDB_ENTITY WANDB_MODE WANDB_BASE_URL)
 readonly PROG="tpu_pod.sh"
 # Paths on the workers, relative to the remote $HOME (expanded there, never here).
 readonly R_CODE='"$HOME/ict-jax"'
@@ -27,6 +34,7 @@ readonly R_LOGS='"$HOME/ict-jax-logs"'
 readonly R_PIDFILE='"$HOME/ict-jax-logs/train.pid"'
 readonly R_TARBALL='"$HOME/ict-jax.tar.gz"'
 readonly R_JAX_CACHE='"$HOME/.cache/ict_jax/jax_cache"'
+readonly R_WANDB_ENV='"$HOME/.ict-jax-wandb.env"'
 
 usage() {
   cat <<'EOF'
@@ -50,6 +58,9 @@ Options:
   --repo URL               git clone URL on every worker instead of copying this checkout
   --branch REF             branch or tag to clone (with --repo)
   --python VERSION         Python for the workers' venv (default 3.11; JAX 0.10 needs >= 3.11)
+  --wandb                  install wandb on the workers and hand them the W&B settings below
+                           (implied when the config file or the train arguments set
+                           log.wandb_project)
   --compilation-cache DIR  JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR);
                            default WORKDIR/jax_cache for a gs:// workdir (it outlives a
                            deleted Spot VM, and every worker reads what worker 0 writes: JAX
@@ -61,6 +72,11 @@ Options:
 
 Everything after `--` goes to `python -m ict_jax.train` unchanged, e.g.
   -- --config.model.path=/home/$USER/Qwen2.5-7B --config.mesh.fsdp=-1
+
+Weights & Biases: with --wandb (or log.wandb_project set), the variables WANDB_API_KEY,
+WANDB_ENTITY, WANDB_MODE and WANDB_BASE_URL that are set here reach the trainer on every
+worker (copied in ~/.ict-jax-wandb.env, mode 600, read and deleted when the run starts; the key
+is never on a command line), and W&B's local files go to ~/ict-jax-logs/wandb.
 EOF
 }
 
@@ -91,7 +107,7 @@ run() {
 
 # ---------------------------------------------------------------------------- flags
 NAME="" ZONE="" ACCEL="" VERSION="" PROJECT="" CONFIG="" WORKDIR="" REPO="" BRANCH="" JAX_CACHE=""
-PYTHON_VERSION="3.11" SPOT=0 RESERVED=0 STOP=0
+PYTHON_VERSION="3.11" SPOT=0 RESERVED=0 STOP=0 WANDB=0
 TRAIN_ARGS=()
 while (( $# )); do
   flag=$1 value="" has_value=0 nshift=1
@@ -117,10 +133,11 @@ while (( $# )); do
         --python) PYTHON_VERSION=$value ;;
         --compilation-cache) JAX_CACHE=$value ;;
       esac ;;
-    --spot|--reserved|--stop|--dry-run|-h|--help)
+    --spot|--reserved|--stop|--wandb|--dry-run|-h|--help)
       (( ! has_value )) || die "$flag takes no value"
       case $flag in
         --spot) SPOT=1 ;;
+        --wandb) WANDB=1 ;;
         --reserved) RESERVED=1 ;;
         --stop) STOP=1 ;;
         --dry-run) DRY_RUN=1 ;;
@@ -188,6 +205,31 @@ if [[ -z $REPO && ! -f $REPO_ROOT/$CONFIG ]]; then
   fi
 fi
 
+# ---------------------------------------------------------------------------- Weights & Biases
+# Asked for by --wandb, by a non-empty log.wandb_project in the train arguments, or by one set to
+# a string in the config file (read here: a config that computes it needs --wandb).
+for ((i = 0; i < ${#TRAIN_ARGS[@]}; i++)); do
+  arg=${TRAIN_ARGS[i]}
+  if [[ $arg == --config.log.wandb_project=?* ]] \
+    || [[ $arg == --config.log.wandb_project && -n ${TRAIN_ARGS[i + 1]:-} ]]; then
+    WANDB=1
+  fi
+done
+if [[ -f $REPO_ROOT/$CONFIG ]] \
+  && grep -Eq "wandb_project[[:space:]]*=[[:space:]]*[\"'][^\"']+[\"']" "$REPO_ROOT/$CONFIG"; then
+  WANDB=1
+fi
+WANDB_SET=()
+if (( WANDB )); then
+  for var in "${WANDB_VARS[@]}"; do
+    if [[ -n ${!var:-} ]]; then WANDB_SET+=("$var"); fi
+  done
+  if [[ -z ${WANDB_API_KEY:-} && ${WANDB_MODE:-} != offline && ${WANDB_MODE:-} != disabled ]]; then
+    warn "the run logs to Weights & Biases but WANDB_API_KEY is not set here: the workers log in" \
+         "only with credentials of their own (~/.netrc from 'wandb login'), else the trainer stops"
+  fi
+fi
+
 # ---------------------------------------------------------------------------- remote commands
 RUN_ID=$(date -u +%Y%m%d-%H%M%S)
 R_LOG="\"\$HOME/ict-jax-logs/train-$RUN_ID.log\""
@@ -210,6 +252,7 @@ command -v uv >/dev/null || python3 -m pip install --user --quiet --upgrade uv \
 || python3 -m pip install --user --quiet --upgrade --break-system-packages uv; \
 [ -x $R_VENV/bin/python ] || uv venv --python $PYTHON_VERSION $R_VENV; \
 cd $R_CODE; uv pip install --python $R_VENV/bin/python -r requirements.txt $(quote_word "jax[tpu]==$JAX_VERSION")"
+if (( WANDB )); then R_INSTALL+=" $(quote_word "wandb==$WANDB_VERSION")"; fi
 
 TRAIN=(-m ict_jax.train --config "$CONFIG" --workdir "$WORKDIR" "${TRAIN_ARGS[@]}")
 # ICT_JAX_DISTRIBUTED=1 asks ict_jax.sharding to call jax.distributed.initialize(): on TPU VMs
@@ -225,7 +268,15 @@ else
 fi
 TRAIN_ENV="PYTHONUNBUFFERED=1 JAX_PLATFORMS=tpu JAX_COMPILATION_CACHE_DIR=$R_CACHE_DIR"
 if (( MULTI_HOST )); then TRAIN_ENV+=" ICT_JAX_DISTRIBUTED=1"; fi
-R_RUN="$R_GUARD; cd $R_CODE && mkdir -p $R_LOGS && \
+# W&B's local files (an offline run, files not yet uploaded) outlive the code folder, replaced at
+# every launch; its settings come from the copied file, exported to the trainer only.
+R_WANDB=""
+if (( WANDB )); then TRAIN_ENV+=" WANDB_DIR=$R_LOGS"; fi
+if (( ${#WANDB_SET[@]} )); then
+  WANDB_ENV_FILE="${TMPDIR:-/tmp}/ict-jax-$NAME.wandb.env"
+  R_WANDB=". $R_WANDB_ENV && rm -f $R_WANDB_ENV && "
+fi
+R_RUN="$R_GUARD; cd $R_CODE && mkdir -p $R_LOGS && $R_WANDB\
 { nohup env $TRAIN_ENV $R_VENV/bin/python $(quote_words "${TRAIN[@]}") > $R_LOG 2>&1 < /dev/null & \
 echo \$! > $R_PIDFILE; }; echo \"started on \$(hostname): pid \$(cat $R_PIDFILE), log\" $R_LOG"
 R_TAIL="tail -n +1 -F $R_LOG"
@@ -261,6 +312,20 @@ if [[ -z $REPO ]]; then
 fi
 run "${SSH_ALL[@]}" --command="$R_FETCH"
 run "${SSH_ALL[@]}" --command="$R_INSTALL"
+if (( ${#WANDB_SET[@]} )); then
+  echo "# ${WANDB_SET[*]} from here go to every worker in ~/.ict-jax-wandb.env (mode 600, deleted" \
+       "when the run starts), written to $WANDB_ENV_FILE and deleted after the copy"
+  if (( ! DRY_RUN )); then
+    trap 'rm -f "$WANDB_ENV_FILE"' EXIT
+    (
+      umask 077
+      for var in "${WANDB_SET[@]}"; do printf 'export %s=%s\n' "$var" "$(quote_word "${!var}")"; done \
+        > "$WANDB_ENV_FILE"
+    )
+  fi
+  run "${GCLOUD_TPU[@]}" scp "$WANDB_ENV_FILE" "$NAME:.ict-jax-wandb.env" "${LOCATION[@]}" --worker=all
+  run rm -f "$WANDB_ENV_FILE"
+fi
 run "${SSH_ALL[@]}" --command="$R_RUN"
 echo "# following worker 0's log; Ctrl-C stops following, training keeps running." \
      "Stop it with: $STOP_HINT"

@@ -33,7 +33,7 @@ def fakes(tmp_path):
         f'#!/bin/sh\necho "FAKE {name} CALLED: $*" >> "{calls}"\n'
         f'echo "fake {name} must not run in a test" >&2\nexit 97\n',
     )
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "XLA_"))}
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "XLA_", "WANDB_"))}
   env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
   return dict(bin=bin_dir, calls=calls, env=env, tmp=tmp_path)
 

@@ -356,6 +356,7 @@ def test_tpu_help_lists_every_flag(fakes):
       "--branch",
       "--python",
       "--compilation-cache",
+      "--wandb",
       "--stop",
       "--dry-run",
       "--help",
@@ -400,6 +401,120 @@ def test_tpu_real_mode_runs_what_dry_run_prints(fakes, exists):
     expected = [c for c in expected if c[:5] != ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
   assert norm(recorded) == norm(expected)
   assert norm(commands(real.stdout)) == norm(expected)  # each printed before it ran
+
+
+def wandb_pin() -> str:
+  text = (REPO / "requirements-dev.txt").read_text()
+  return re.search(r"^wandb==(\S+)$", text, re.M).group(1)
+
+
+SECRET = "k3y-with 'quote' $HOME"  # a key a shell would split, quote or expand if mishandled
+
+
+def _tpu_copy(tmp: Path, config_text: str = "") -> Path:
+  """tpu_pod.sh in a repository of its own, with configs/w.py (the script reads the config file)."""
+  root = tmp / "repo"
+  (root / "launch").mkdir(parents=True)
+  (root / "configs").mkdir()
+  shutil.copy(TPU, root / "launch" / "tpu_pod.sh")
+  (root / "configs" / "w.py").write_text(config_text)
+  return root / "launch" / "tpu_pod.sh"
+
+
+@pytest.mark.parametrize(
+    "config_text,args,extra,asked",
+    [
+        ("", [], [], False),
+        ("", ["--wandb"], [], True),
+        ("", [], ["--config.log.wandb_project=ict"], True),
+        ("", [], ["--config.log.wandb_project", "ict"], True),
+        ("", [], ["--config.log.wandb_project="], False),  # empty: no W&B
+        ("def get_config():\n  c = base()\n  c.log.wandb_project = 'ict'\n", [], [], True),
+        ("def get_config():\n  c = base()\n  c.log.wandb_project = ''\n", [], [], False),
+    ],
+    ids=["no", "flag", "arg", "arg-two-words", "arg-empty", "config", "config-empty"],
+)
+def test_tpu_installs_wandb_and_hands_over_its_settings_when_asked(fakes, config_text, args, extra, asked):
+  script = _tpu_copy(fakes["tmp"], config_text)
+  env = dict(fakes["env"], WANDB_API_KEY=SECRET, WANDB_ENTITY="team")
+  argv = [
+      "bash",
+      str(script),
+      "--dry-run",
+      *[x for kv in dict(BASE, **{"--config": "configs/w.py"}).items() for x in kv],
+  ]
+  res = subprocess.run([*argv, *args, "--", *extra], env=env, capture_output=True, text=True, timeout=60)
+  assert res.returncode == 0, res.stderr
+  assert SECRET not in res.stdout + res.stderr
+  cmds = commands(res.stdout)
+  install = option(gcloud_tpu(cmds, "ssh")[1], "--command")
+  run = option(gcloud_tpu(cmds, "ssh")[2], "--command")
+  assert (f"wandb=={wandb_pin()}" in shlex.split(install.replace(";", " "))) == asked
+  copies = [c for c in gcloud_tpu(cmds, "scp") if c[6] == "ict-test:.ict-jax-wandb.env"]
+  assert len(copies) == int(asked) and ('WANDB_DIR="$HOME/ict-jax-logs"' in run) == asked
+  if asked:
+    assert option(copies[0], "--worker") == "all"
+    assert "WANDB_API_KEY WANDB_ENTITY from here go to every worker" in res.stdout
+    assert cmds.index(copies[0]) < cmds.index(gcloud_tpu(cmds, "ssh")[2])  # copied before the run starts
+  no_calls(fakes)
+
+
+def test_tpu_wandb_without_a_key_is_a_warning(fakes):
+  res = run_tpu(fakes, "--dry-run", "--wandb")
+  assert res.returncode == 0 and "WANDB_API_KEY is not set here" in res.stderr, res.stderr
+  assert not [c for c in gcloud_tpu(commands(res.stdout), "scp") if c[6].endswith("wandb.env")]
+  res = subprocess.run(
+      ["bash", str(TPU), "--dry-run", "--wandb", *[x for kv in BASE.items() for x in kv]],
+      cwd=REPO, env=dict(fakes["env"], WANDB_MODE="offline"), capture_output=True, text=True, timeout=60,
+  )  # fmt: skip
+  assert res.returncode == 0 and "WANDB_API_KEY" not in res.stderr, res.stderr
+
+
+def test_tpu_wandb_settings_reach_the_trainer_on_the_worker(fakes):
+  """Not a dry run: a fake gcloud plays one worker (scp copies into a sandbox HOME, ssh runs the
+  command there; the code fetch and the log tail are skipped), a fake uv records the install and
+  the venv's fake python the trainer's environment. The key arrives intact, was never on a
+  command line, and no copy of it is left on either side."""
+  home = _sandbox_home(fakes["tmp"])
+  local_bin = home / ".local" / "bin"
+  local_bin.mkdir(parents=True)
+  write_exe(local_bin / "uv", '#!/bin/bash\nprintf "%s\\0" "$@" > "$HOME/uv-argv"\n')
+  log = fakes["tmp"] / "gcloud.jsonl"
+  write_exe(
+      fakes["bin"] / "gcloud",
+      f"#!{sys.executable}\nimport json, os, shutil, subprocess, sys\n"
+      f"home, argv = {str(home)!r}, sys.argv[1:]\n"
+      f"open({str(log)!r}, 'a').write(json.dumps(argv) + '\\n')\n"
+      "verb = argv[3]\n"
+      "if verb == 'describe':\n  print('READY')\n"
+      "elif verb == 'scp' and os.path.exists(argv[4]):\n"
+      "  dest = os.path.join(home, argv[5].split(':', 1)[1])\n"
+      "  shutil.copyfile(argv[4], dest); os.chmod(dest, os.stat(argv[4]).st_mode & 0o777)\n"
+      "elif verb == 'ssh':\n"
+      "  command = [a.split('=', 1)[1] for a in argv if a.startswith('--command=')][0]\n"
+      "  if 'tar -xzf' in command or 'tail -n' in command:\n    sys.exit(0)\n"
+      "  sys.exit(subprocess.run(['bash', '-c', command], env=dict(os.environ, HOME=home)).returncode)\n",
+  )
+  write_exe(fakes["bin"] / "git", "#!/bin/sh\nexit 0\n")  # the checkout checks and the archive: not needed here
+  env = dict(fakes["env"], WANDB_API_KEY=SECRET, WANDB_MODE="online", TMPDIR=str(fakes["tmp"]))
+  flags = dict(BASE, **{"--config": "requirements.txt"})  # any file in the repository
+  argv = ["bash", str(TPU), *[x for kv in flags.items() for x in kv], "--", "--config.log.wandb_project=ict"]
+  res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr
+  _wait_for(home / "env")
+  child_env = dict(kv.split("=", 1) for kv in (home / "env").read_bytes().decode().split("\0") if kv)
+  assert child_env["WANDB_API_KEY"] == SECRET and child_env["WANDB_MODE"] == "online"
+  assert "WANDB_ENTITY" not in child_env  # not set here: nothing invented
+  assert child_env["WANDB_DIR"] == str(home / "ict-jax-logs")
+  assert f"wandb=={wandb_pin()}" in (home / "uv-argv").read_bytes().decode().split("\0")
+  assert (home / "argv").read_bytes().decode().split("\0")[-2] == "--config.log.wandb_project=ict"
+  assert not (home / ".ict-jax-wandb.env").exists()  # read and deleted on the worker
+  assert not list(fakes["tmp"].glob("ict-jax-*.wandb.env"))  # and here
+  assert SECRET not in res.stdout + res.stderr + log.read_text()  # never on a command line
+
+
+def test_launch_readme_names_the_installed_wandb_pin():
+  assert re.findall(r"wandb==([0-9.]+)", README.read_text()) == [wandb_pin()] * 2  # the TPU and the SLURM sections
 
 
 def _readme_tpu_commands() -> list[str]:

@@ -6,13 +6,14 @@ so a dry run that ran anything is caught."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 
 import pytest
 
-from launch_fakes import SLURM, fakes, no_calls, write_exe  # noqa: F401  pylint: disable=unused-import
+from launch_fakes import REPO, SLURM, fakes, no_calls, write_exe  # noqa: F401  pylint: disable=unused-import
 
 
 @pytest.fixture
@@ -186,3 +187,93 @@ def test_slurm_xla_flags_are_known_to_the_installed_jaxlib(slurm):
       timeout=120,
   )
   assert bad.returncode != 0 and "xla_gpu_no_such_flag_for_test" in bad.stderr
+
+
+SECRET = "k3y-with 'quote' $HOME"  # a key a shell would split, quote or expand if mishandled
+# A python without wandb until `-m pip install` ran (then `import wandb` works); every other call
+# is a task, recording its argv and environment as rank-$SLURM_PROCID.
+PYTHON_WITHOUT_WANDB = (
+    '#!/bin/bash\nif [[ $1 == -c ]]; then [[ -f "$FAKE_OUT/pip-argv" ]]; exit; fi\n'
+    'if [[ $1 == -m && $2 == pip ]]; then printf "%s\\0" "$@" > "$FAKE_OUT/pip-argv"; '
+    'echo "pip ran" >> "$FAKE_OUT/order"; exit 0; fi\n'
+    'd="$FAKE_OUT/rank-$SLURM_PROCID"; mkdir -p "$d"; echo "rank $SLURM_PROCID" >> "$FAKE_OUT/order"\n'
+    'printf "%s\\0" "$@" > "$d/argv"; env -0 > "$d/env"\n'
+)
+
+
+def wandb_pin() -> str:
+  return re.search(r"^wandb==(\S+)$", (REPO / "requirements-dev.txt").read_text(), re.M).group(1)
+
+
+@pytest.mark.parametrize(
+    "config_text,args,env,asked",
+    [
+        ("", [], {}, False),
+        ("", ["--config.log.wandb_project=ict"], {}, True),
+        ("", ["--config.log.wandb_project", "ict"], {}, True),
+        ("", ["--config.log.wandb_project="], {}, False),
+        ("", [], {"INSTALL_WANDB": "1"}, True),
+        ("c.log.wandb_project = 'ict'\n", [], {}, True),
+    ],
+    ids=["no", "arg", "arg-two-words", "arg-empty", "env", "config"],
+)
+def test_slurm_dry_run_installs_wandb_when_asked_and_missing(slurm, config_text, args, env, asked):
+  (slurm["repo"] / "configs" / "c.py").write_text(config_text)
+  out = slurm["tmp"] / "out"
+  out.mkdir()
+  write_exe(slurm["bin"] / "python-nowandb", PYTHON_WITHOUT_WANDB)
+  res = run_slurm(
+      slurm, *args, DRY_RUN="1", PYTHON="python-nowandb", FAKE_OUT=str(out), WANDB_API_KEY=SECRET,
+      WANDB_ENTITY="team", **env,
+  )  # fmt: skip
+  assert res.returncode == 0, res.stderr
+  assert SECRET not in res.stdout + res.stderr
+  printed, srun, _ = parse_dry_run(res.stdout)
+  assert printed["WANDB_ENTITY"] == "team" and printed["WANDB_API_KEY"] == "(set; not shown)"
+  pip = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ") and " pip " in line]
+  assert pip == ([["python-nowandb", "-m", "pip", "install", f"wandb=={wandb_pin()}"]] if asked else [])
+  assert srun[0] == "srun" and not (out / "pip-argv").exists()  # printed, not run
+  # a python that has wandb: nothing to install
+  res = run_slurm(slurm, *args, DRY_RUN="1", PYTHON=sys.executable, **env)
+  assert res.returncode == 0 and " pip " not in res.stdout, res.stdout
+  no_calls(slurm)
+
+
+def test_slurm_bad_install_wandb_value(slurm):
+  res = run_slurm(slurm, DRY_RUN="1", INSTALL_WANDB="yes")
+  assert res.returncode == 2 and "INSTALL_WANDB=yes: expected 0 or 1" in res.stderr
+
+
+def test_slurm_wandb_without_a_key_is_a_warning(slurm):
+  res = run_slurm(slurm, "--config.log.wandb_project=ict", DRY_RUN="1", PYTHON=sys.executable)
+  assert res.returncode == 0 and "WANDB_API_KEY is not set" in res.stderr, res.stderr
+  res = run_slurm(slurm, "--config.log.wandb_project=ict", DRY_RUN="1", PYTHON=sys.executable, WANDB_MODE="offline")
+  assert res.returncode == 0 and "WANDB_API_KEY" not in res.stderr, res.stderr
+
+
+def test_slurm_real_path_installs_wandb_once_and_every_task_gets_the_key(slurm):
+  """Not a dry run: wandb is installed once, before srun starts the tasks, and the W&B settings
+  reach every rank's environment intact."""
+  out = slurm["tmp"] / "tasks"
+  out.mkdir()
+  write_exe(
+      slurm["bin"] / "srun",
+      "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+      'for ((r = 0; r < SLURM_NNODES; r++)); do SLURM_PROCID=$r "$@" || exit $?; done\n',
+  )
+  write_exe(slurm["bin"] / "python", PYTHON_WITHOUT_WANDB)
+  res = run_slurm(slurm, "--config.log.wandb_project=ict", FAKE_OUT=str(out), WANDB_API_KEY=SECRET, WANDB_ENTITY="team")
+  assert res.returncode == 0, res.stderr
+  assert SECRET not in res.stdout + res.stderr
+  assert (out / "order").read_text().splitlines() == ["pip ran", "rank 0", "rank 1", "rank 2", "rank 3"]
+  assert (out / "pip-argv").read_bytes().decode().split("\0")[:-1] == [
+      "-m",
+      "pip",
+      "install",
+      f"wandb=={wandb_pin()}",
+  ]
+  for r in range(4):
+    env = dict(kv.split("=", 1) for kv in (out / f"rank-{r}" / "env").read_bytes().decode().split("\0") if kv)
+    assert env["WANDB_API_KEY"] == SECRET and env["WANDB_ENTITY"] == "team"
+    argv = (out / f"rank-{r}" / "argv").read_bytes().decode().split("\0")[:-1]
+    assert argv[-1] == "--config.log.wandb_project=ict"

@@ -64,13 +64,18 @@ class _FakeWandb(types.ModuleType):
   def __init__(self):
     super().__init__("wandb")
     self.calls = []
+    self.id = "fakeid01"  # the run's id, as wandb.init's run has it
 
   def init(self, **kw):
     self.calls.append(("init", kw))
     return self
 
-  def log(self, data, step):
-    self.calls.append(("log", step, dict(data)))
+  def define_metric(self, name, **kw):
+    self.calls.append(("define_metric", name, kw))
+
+  def log(self, data, step=None):
+    assert step is None  # the training step is the metric "step": W&B's own _step only grows
+    self.calls.append(("log", data["step"], dict(data)))
 
   def finish(self):
     self.calls.append(("finish",))
@@ -122,6 +127,9 @@ def test_metrics_profile_and_wandb_of_a_run(tmp_path, monkeypatch):
   traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), traces
   assert fake.calls[0][0] == "init" and fake.calls[0][1]["project"] == "ict-test"
+  assert fake.calls[0][1]["id"] is None and fake.calls[0][1]["resume"] == "allow"  # a new W&B run
+  assert open(os.path.join(workdir, "wandb_run_id.txt")).read() == "fakeid01\n"
+  assert ("define_metric", "*", {"step_metric": "step"}) in fake.calls
   logged = [c for c in fake.calls if c[0] == "log"]
   assert [c[1] for c in logged] == [1, 2]
   assert all(math.isfinite(c[2]["mfu"]) and "sample" not in c[2] for c in logged)
