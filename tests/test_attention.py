@@ -336,7 +336,7 @@ _TPU_COMPILE = textwrap.dedent("""
   import jax, jax.numpy as jnp
   from jax.experimental import topologies
   from flax import nnx
-  from ict_jax import config as config_lib, setup, sharding
+  from ict_jax import config as config_lib, configs, setup, sharding
   from ict_jax.models.config import Qwen2Config
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2",
                                       chip_config_name="default", chips_per_host_bounds=(2, 2, 1),

@@ -216,7 +216,6 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
     data_dir = storage.data_dir(a.data_dir or cfg.data.data_dir, a.workdir)
     workers = cfg.reward.num_workers if a.reward_workers is None else a.reward_workers
   else:
-    hf_dir = resolve_model_dir(a.hf)  # a hub id: its snapshot, one line when it cannot be had
     # results next to a local folder; a hub id's in ./eval/<org--name>, never inside the hub cache
     local = os.path.isdir(os.path.expanduser(a.hf))
     home = os.path.join(a.hf, "eval") if local else os.path.join("eval", a.hf.replace("/", "--"))
@@ -228,6 +227,8 @@ def _run(a: argparse.Namespace, benches: list) -> dict[str, Any]:
   manual = {b.name: a.manual.get(b.name) or os.path.join(manual_root, b.name) for b in benches}
   files, benches = _files_benchmark(a, cfg, benches)
   examples = load_benchmarks(benches, data_dir=data_dir, manual_dirs=manual, limit=a.limit, files=files)
+  if cfg is None:  # after the benchmarks' files are read: a bad file is said before any download
+    hf_dir = resolve_model_dir(a.hf)  # a hub id: its snapshot, one line when it cannot be had
 
   mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, a.mesh))) if a.mesh is not None else None
   if cfg is not None:
