@@ -13,7 +13,6 @@ builds the `jax.ShapeDtypeStruct` batch that `ict_jax.aot` compiles the step for
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import flax
@@ -129,14 +128,3 @@ class TrainBatch:
         stop_pos=s((rows,), jnp.int32),
         answer_end=s((rows,), jnp.int32),
     )
-
-
-def shapes(batch: TrainBatch) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """{field path: (shape, dtype)} of every array of `batch` (reports, tests)."""
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  name = lambda path: ".".join(getattr(k, "name", str(k)) for k in path)
-  return {name(path): (tuple(np.shape(x)), np.dtype(x.dtype)) for path, x in leaves}
-
-
-def fields(cls=TrainBatch) -> tuple[str, ...]:
-  return tuple(f.name for f in dataclasses.fields(cls))

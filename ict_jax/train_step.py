@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -40,7 +39,6 @@ from ict_jax.config import Config, IctConfig, LossConfig, OptimConfig
 from ict_jax.models.axes import constrain
 from ict_jax.sharding import put_global
 
-Batch = TrainBatch
 _NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite update
 
 
@@ -109,7 +107,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 # ---- per-token log-probs and statistics ------------------------------------------------------
 def completion_logp_and_stats(
     model,
-    batch: Batch,
+    batch: TrainBatch,
     *,
     temperature: float,
     group_size: int | None,
@@ -162,7 +160,7 @@ def completion_logp_and_stats(
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
-def _microbatch_terms(params, graphdef, batch: Batch, step, cfg: StepConfig, ref_params):
+def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig, ref_params):
   model = nnx.merge(graphdef, params)
   ict, loss = cfg.ict, cfg.loss
   n, c = batch.completion_ids.shape
