@@ -36,9 +36,111 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step as step_bench  # noqa: E402  (benchmarks/step.py: batch, step wrapper, pinning)
+
+
+class HeadPass(NamedTuple):
+  """`_head_variants`' result: the head's inputs, ICT's rows and the variants to time."""
+
+  h: Any  # [N, C, D] final hidden states at the completion positions
+  w: Any  # the head weight as the step takes it ([V, D] when tied)
+  n: int  # rows
+  c: int  # completion columns
+  ict_rows: Any  # [N, C] bool: ICT's selected tokens
+  capacity: int  # the sparse backward's row capacity
+  variants: dict  # name -> (h, w) -> loss, each timed forward + backward
+  forward: Any  # (h, w) -> the fused forward alone
+
+
+def _head_variants(mcfg, graphdef, params, batch: dict, chunk_size: int, base) -> HeadPass:
+  """The fused LM-head pass alone, on the model's final hidden states of `batch`: its variants
+  (log-probs only, with and without remat; the fused head with entropies and JS, its gradient on
+  every row or on ICT's selected rows) as (h, w) -> loss functions, the forward alone, and the
+  ICT rows and sparse-backward capacity they use."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from ict_jax import lm_head, selection
+  from ict_jax import train_step as ts
+  from ict_jax.batch import TrainBatch
+
+  model = nnx.merge(graphdef, params)
+  b = TrainBatch(**batch).map_rows(jnp.asarray)
+  n, p = b.prompt_ids.shape
+  c = b.completion_ids.shape[1]
+  h = model.hidden_states(
+      jnp.concatenate([b.prompt_ids, b.completion_ids], 1),
+      jnp.concatenate([b.prompt_mask, b.completion_mask], 1),
+  )
+  h = jax.block_until_ready(h[:, p - 1 : p + c - 1])  # [N, C, D]
+  w, vocab_major = model.head_weight()  # as the step takes it: [V, D] when tied
+  w_letters = "VD" if vocab_major else "DV"
+
+  def logp_only(h, w, remat=True):  # the same chunking as the step, no statistics
+    n_chunks = -(-c // min(chunk_size, c))
+    k = -(-c // n_chunks)
+    pad = n_chunks * k - c
+    hs = jnp.moveaxis(jnp.pad(h, [(0, 0), (0, pad), (0, 0)]).reshape(n, n_chunks, k, -1), 1, 0)
+    ids = jnp.pad(b.completion_ids, [(0, 0), (0, pad)])
+    ids = jnp.moveaxis(ids.reshape(n, n_chunks, k), 1, 0)
+
+    def chunk(hc, ic):
+      logits = jnp.einsum(f"BTD,{w_letters}->BTV", hc, w, preferred_element_type=jnp.float32)
+      return jnp.take_along_axis(logits, ic[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
+
+    chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
+    return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
+
+  class Head:  # duck-types what completion_logp_and_stats uses of the model: two methods and cfg
+
+    def __init__(self, h, w):
+      self.h, self.w = h, w
+      self.cfg = mcfg  # cfg.kernels picks the head's formulation, as the step's model does
+
+    def hidden_states(self, ids, mask):
+      return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
+
+    def head_weight(self):
+      return self.w, vocab_major
+
+  _, stats0 = ts.completion_logp_and_stats(
+      Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=chunk_size
+  )
+  # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
+  ict_rows = selection.ict_mask(stats0["js"], b.completion_mask.astype(bool), base.ict.top_fraction)
+  g_ict = ict_rows.astype(jnp.float32)
+  capacity = lm_head.sparse_grad_rows("ict", base.ict.top_fraction, base.ict.entropy_top_fraction, n, c)
+
+  def fused(h, w, weights, grad_rows=0):
+    logp, stats = ts.completion_logp_and_stats(
+        Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=chunk_size, grad_rows=grad_rows
+    )
+    return jnp.sum(weights * logp) + 0.0 * sum(jnp.sum(v) for v in stats.values())
+
+  ones = jnp.ones_like(g_ict)
+  variants = {
+      "logp_only_no_remat": lambda h, w: logp_only(h, w, remat=False),
+      "logp_only": logp_only,
+      "fused_dense": lambda h, w: fused(h, w, ones),  # what the grpo step's head pass runs
+      "fused_sparse": lambda h, w: fused(h, w, g_ict, capacity),  # ... the ict step's
+  }
+  forward = lambda h, w: fused(h, w, ones)  # log-probs + statistics, no backward
+  return HeadPass(h, w, n, c, ict_rows, capacity, variants, forward)
+
+
+def _time_interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
+  """Every run (all compiled) timed in interleaved rounds, so all see the same background load."""
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      t = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - t)
+  return times
 
 
 def main(argv=None) -> None:
@@ -60,7 +162,6 @@ def main(argv=None) -> None:
   from flax import nnx
 
   from ict_jax import train_step as ts
-  from ict_jax.batch import TrainBatch
   from ict_jax.config import IctConfig, OptimConfig
   from ict_jax.models.config import Qwen2Config
   from ict_jax.models.qwen2 import init_model
@@ -91,84 +192,18 @@ def main(argv=None) -> None:
     steps[name] = s.run()  # warm-up
 
   # ---- the fused LM-head pass alone: log-probs only / + entropies / + JS (as in the step)
-  model = nnx.merge(graphdef, params)
-  b = TrainBatch(**batch).map_rows(jnp.asarray)
-  n, p = b.prompt_ids.shape
-  c = b.completion_ids.shape[1]
-  h = model.hidden_states(
-      jnp.concatenate([b.prompt_ids, b.completion_ids], 1),
-      jnp.concatenate([b.prompt_mask, b.completion_mask], 1),
-  )
-  h = jax.block_until_ready(h[:, p - 1 : p + c - 1])  # [N, C, D]
-  w, vocab_major = model.head_weight()  # as the step takes it: [V, D] when tied
-  w_letters = "VD" if vocab_major else "DV"
-
-  def logp_only(h, w, remat=True):  # the same chunking as the step, no statistics
-    n_chunks = -(-c // min(args.chunk, c))
-    k = -(-c // n_chunks)
-    pad = n_chunks * k - c
-    hs = jnp.moveaxis(jnp.pad(h, [(0, 0), (0, pad), (0, 0)]).reshape(n, n_chunks, k, -1), 1, 0)
-    ids = jnp.pad(b.completion_ids, [(0, 0), (0, pad)])
-    ids = jnp.moveaxis(ids.reshape(n, n_chunks, k), 1, 0)
-
-    def chunk(hc, ic):
-      logits = jnp.einsum(f"BTD,{w_letters}->BTV", hc, w, preferred_element_type=jnp.float32)
-      return jnp.take_along_axis(logits, ic[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
-
-    chunk = jax.checkpoint(chunk) if remat else chunk  # remat: logits recomputed in backward
-    return jax.lax.map(lambda a: chunk(*a), (hs, ids)).sum()
-
-  class Head:  # duck-types what completion_logp_and_stats uses of the model: two methods and cfg
-
-    def __init__(self, h, w):
-      self.h, self.w = h, w
-      self.cfg = mcfg  # cfg.kernels picks the head's formulation, as the step's model does
-
-    def hidden_states(self, ids, mask):
-      return jnp.pad(self.h, [(0, 0), (p - 1, 1), (0, 0)])  # positions p-1 .. p+c-2 are h
-
-    def head_weight(self):
-      return self.w, vocab_major
-
-  from ict_jax import lm_head, selection
-
-  _, stats0 = ts.completion_logp_and_stats(
-      Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk
-  )
-  # ICT's gradient pattern: the top 10% of each response's tokens by JS carry the gradient
-  ict_rows = selection.ict_mask(stats0["js"], b.completion_mask.astype(bool), base.ict.top_fraction)
-  g_ict = ict_rows.astype(jnp.float32)
-  capacity = lm_head.sparse_grad_rows("ict", base.ict.top_fraction, base.ict.entropy_top_fraction, n, c)
-
-  def fused(h, w, weights, grad_rows=0):
-    logp, stats = ts.completion_logp_and_stats(
-        Head(h, w), b, temperature=1.0, group_size=base.group_size, chunk_size=args.chunk, grad_rows=grad_rows
-    )
-    return jnp.sum(weights * logp) + 0.0 * sum(jnp.sum(v) for v in stats.values())
-
-  ones = jnp.ones_like(g_ict)
-  variants = {
-      "logp_only_no_remat": lambda h, w: logp_only(h, w, remat=False),
-      "logp_only": logp_only,
-      "fused_dense": lambda h, w: fused(h, w, ones),  # what the grpo step's head pass runs
-      "fused_sparse": lambda h, w: fused(h, w, g_ict, capacity),  # ... the ict step's
-  }
+  head = _head_variants(mcfg, graphdef, params, batch, args.chunk, base)
+  h, w, variants, n, c, ict_rows, capacity = head.h, head.w, head.variants, head.n, head.c, head.ict_rows, head.capacity
   runs = {m: s.run for m, s in steps.items()}
   for name, fn in variants.items():
     g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     jax.block_until_ready(g(h, w))  # compile + warm-up
     runs[name] = lambda g=g: jax.block_until_ready(g(h, w))
-  forward = jax.jit(lambda h, w: fused(h, w, ones))  # log-probs + statistics, no backward
+  forward = jax.jit(head.forward)  # log-probs + statistics, no backward
   jax.block_until_ready(forward(h, w))
   runs["fused_forward"] = lambda: jax.block_until_ready(forward(h, w))
 
-  # everything compiled: time interleaved rounds, so all see the same background load
-  times: dict[str, list[float]] = {name: [] for name in runs}
-  for _ in range(args.repeats):
-    for name, run in runs.items():
-      t = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - t)
+  times = _time_interleaved(runs, args.repeats)
   med = {name: statistics.median(v) for name, v in times.items()}
   breakdown = {name + "_fwd_bwd_s": round(med[name], 4) for name in variants}
   breakdown["fused_forward_only_s"] = round(med["fused_forward"], 4)
