@@ -30,6 +30,7 @@ from benchmarks.faults import (
     registry,
     rewards,
     sigterm,
+    soak,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,6 +133,17 @@ def test_hostile_completions_score_zero_in_bounded_time_and_memory():
   out = rewards.hostile_rewards(rounds=2, workers=2, timeout_s=5.0)
   assert out["passed"], out["observed"]
   assert max(out["times"]) < 5.0 * 3 + 5.0
+
+
+def test_soak_keeps_disk_memory_and_open_files_bounded(root):
+  """soak.py at the smallest size that has later checkpoint cycles to compare (steps 20..24 the
+  first cycle, 24..32 the later ones): disk within keep + 1 checkpoints, the newest kept."""
+  out = soak.soak(root, steps=32, every=2, keep=3, data_dir=str(root / "data"), interval=0.1)
+  samples = out["samples"]
+  assert samples and max(s["step"] for s in samples) >= 24, out["observed"]
+  assert max(s["ckpt_dirs"] for s in samples) <= 4
+  assert harness.checkpoint_dirs(root / "soak")[0] == [28, 30, 32]
+  assert out["passed"], out["observed"]
 
 
 def test_bad_gsm8k_rows_are_skipped_and_an_empty_file_is_named(root):

@@ -184,7 +184,16 @@ def compare(a: list[dict], b: list[dict], keys=METRIC_KEYS) -> dict:
 
 
 def du(path) -> int:
-  return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+  """Bytes of the files under `path`, read while a run may be deleting them (an old checkpoint
+  removed mid-walk): a file or folder gone by the time it is read counts 0."""
+  total = 0
+  for folder, _, files in os.walk(path):  # os.walk skips a folder that vanished under it
+    for name in files:
+      try:
+        total += os.stat(os.path.join(folder, name)).st_size
+      except FileNotFoundError:
+        pass
+  return total
 
 
 def row(fault, done, expected, observed, passed, **details) -> dict:

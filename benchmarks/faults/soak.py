@@ -3,6 +3,7 @@ descriptors of the trainer sampled over time, whole checkpoint cycles compared."
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def soak(root, *, steps=200, every=10, keep=3, data_dir="", interval=0.5) -> dic
             "rss_mb": rss,
             "fds": fds,
             "ckpt_mb": disk,
-            "ckpt_dirs": sum(1 for _ in ck.iterdir()) if ck.exists() else 0,
+            "ckpt_dirs": len(os.listdir(ck)) if ck.exists() else 0,
         }
     )
     time.sleep(interval)
