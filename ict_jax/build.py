@@ -75,7 +75,7 @@ class Run:
   @property
   def rows(self) -> int:
     """A step's rows: prompts_per_step x group_size."""
-    return self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+    return self.cfg.rollout.rows
 
 
 # ---- the run's splits -------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
   mesh = make_mesh(cfg)
   resolve_decode_attention(cfg.model.decode_attention, mesh.devices.flat)  # refused off TPU before any data
   try:  # a micro-batch must split over the mesh's row axes (else activations replicate)
-    ts.check_micro_batch(cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size, mesh)
+    ts.check_micro_batch(cfg.train.micro_batch_size or cfg.rollout.rows, mesh)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   roll_dtype = resolve_rollout_dtype(cfg, mesh)

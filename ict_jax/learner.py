@@ -87,7 +87,7 @@ class Learner:
   def __init__(self, run: Run, hooks: Sequence[Hook] = ()):
     cfg = self.cfg = run.cfg
     self.run, self.hooks = run, Hooks(hooks)
-    self.graphdef = run.model.graphdef
+    self.base_key = jax.random.key(cfg.train.seed)  # step k samples with fold_in(base_key, k)
     self.collector = Collector.from_config(
         cfg, run.tokenizer, mesh=run.mesh, rollout_dtype=run.rollout_dtype, reward_funcs=run.reward_funcs
     )
@@ -108,6 +108,11 @@ class Learner:
         f"or 'auto' to size it from the free device memory) or config.rollout.max_new_tokens "
         f"(now {cfg.rollout.max_new_tokens})"
     )
+
+  @property
+  def graphdef(self):
+    """The model's graph definition (`nnx.merge(learner.graphdef, learner.state.params)`)."""
+    return self.run.model.graphdef
 
   # ---- the state -------------------------------------------------------------------------------
   def restore_or_init(self) -> None:
@@ -192,7 +197,7 @@ class Learner:
     """The next prompts, sampled and scored (`Collector.collect`) -> (the rollout, its batch at
     its real length: few compiled shapes)."""
     examples = next(self.data)
-    key = jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)
+    key = jax.random.fold_in(self.base_key, step)
     roll = self.collector.collect((self.graphdef, self.state.params), examples, self.reward_pool, rng=key)
     # the longest completion comes from the gathered lengths: no host reads the others' rows
     return roll, roll.batch().trim(completion_len=roll.stats["max_response_len"])

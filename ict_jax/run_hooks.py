@@ -14,6 +14,7 @@ import jax
 
 from ict_jax import config as config_lib
 from ict_jax import sharding
+from ict_jax import token_view as tv
 from ict_jax.build import Run
 from ict_jax.checkpoint import resolve_path
 from ict_jax.hooks import Hook
@@ -99,15 +100,12 @@ class TokenViewHook(Hook):
     self.run, self.tokens, self.view = run, None, None
 
   def on_run_start(self, learner) -> None:
-    from ict_jax import token_view as tv
     from ict_jax.train_step import StepConfig
 
     groups = max(1, SAMPLES_LOGGED // self.run.cfg.rollout.group_size)
     self.view = tv.TokenView(learner.graphdef, StepConfig.from_config(self.run.cfg), groups=groups, mesh=self.run.mesh)
 
   def on_batch(self, learner, step: int, rollout, batch):
-    from ict_jax import token_view as tv
-
     cfg, self.tokens = self.run.cfg, None
     if _checkpoint_due(cfg, step + 1):
       self.tokens = tv.records(
@@ -122,8 +120,6 @@ class TokenViewHook(Hook):
     return None
 
   def on_step_end(self, learner, step: int, metrics: dict[str, Any]) -> None:
-    from ict_jax import token_view as tv
-
     if self.tokens and sharding.is_main_process():
       tv.write(self.run.workdir, step, self.tokens)
 

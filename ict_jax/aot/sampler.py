@@ -348,7 +348,7 @@ def compile_sampler(
   cfg, mesh, mcfg, note = su.cfg, su.mesh, su.mcfg, su.note
   prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
   new_len = bucket_length(completion_len or cfg.rollout.max_new_tokens)
-  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  rows = cfg.rollout.rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   dtype = setup_lib.rollout_dtype(cfg, mesh)
   policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)

@@ -92,7 +92,7 @@ def _cudnn_tracing(mcfg):
 
 def train_batch(cfg: Config, prompt_len: int, completion_len: int, sharding=None) -> TrainBatch:
   """One step's batch as the rollout builds it (`TrainBatch.abstract`: shapes, no arrays)."""
-  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  rows = cfg.rollout.rows
   # the second pass of a batch also carries old log-probs
   return TrainBatch.abstract(rows, prompt_len, completion_len, old_logp=cfg.train.num_iterations > 1, sharding=sharding)
 
@@ -161,7 +161,7 @@ def _setup(cfg: Config, target: Target) -> _Setup:
     mesh = make_mesh(cfg, devices=devices)
   except ConfigError as e:
     raise AotError(f"--target {target.name} has {target.chips} chips: {e}") from None
-  mb = cfg.train.micro_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  mb = cfg.train.micro_batch_size or cfg.rollout.rows
   try:  # the trainer's own check, named for the target
     ts.check_micro_batch(mb, mesh)
   except ValueError as e:
@@ -190,7 +190,7 @@ def compile_train_step(cfg: Config, target: Target, *, prompt_len: int = 0, comp
   optimizer, state_sharding, state = su.optimizer, su.state_sharding, su.state
   prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
   completion_len = completion_len or cfg.rollout.max_new_tokens
-  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  rows = cfg.rollout.rows
   mb = cfg.train.micro_batch_size or rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
