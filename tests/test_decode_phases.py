@@ -45,6 +45,17 @@ def test_phase_bounds_and_the_slots_they_read():
   assert ratio((4,), 1, 2, 2) == pytest.approx(30 / 12)
 
 
+def test_compacted_rows_keep_every_live_row_in_eighths_of_a_shard():
+  # 128 rows a shard (1.5B v5e-8): units of 16 rows
+  got = [sampling.compacted_rows(n, 128) for n in range(129)]
+  for live, kept in enumerate(got):
+    assert kept >= live and kept % 16 == 0 and kept <= 128 and kept - live < 16 or (live == 0 and kept == 16)
+  assert sorted(set(got)) == list(range(16, 129, 16))  # at most 8 batch sizes
+  # shards smaller than 8 rows: units of one row; a ragged shard rounds its unit up
+  assert [sampling.compacted_rows(n, 4) for n in range(5)] == [1, 1, 2, 3, 4]
+  assert [sampling.compacted_rows(n, 12) for n in (1, 2, 3, 11, 12)] == [2, 2, 4, 12, 12]
+
+
 def _sharp_model(seed, cfg=CFG):
   """Weights of std 0.2 (norm scales left at 1): greedy decoding that does not repeat one token."""
   model = init_model(cfg, seed=seed)
