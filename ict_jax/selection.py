@@ -48,6 +48,7 @@ __all__ = [
     "selection_metrics",
     "sequence_reference",
     "sequence_stats",
+    "signature_metrics",
     "stapo_mask",
     "token_stats",
 ]
@@ -471,3 +472,31 @@ def selection_metrics(
     if x is not None:
       out[name] = (jnp.sum(jax.lax.stop_gradient(x.astype(jnp.float32)) * v), v.sum())
   return out
+
+
+def signature_metrics(
+    token_prob: jax.Array, entropy: jax.Array, mask: jax.Array, token_mask: jax.Array
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """The ICT paper's signature of the selected tokens, as (sum, count) pairs.
+
+  token_prob [N, T]: the sampled token's probability under the current policy (exp of its
+  log-prob); entropy [N, T]: its Shannon entropy; mask, token_mask [N, T] (bool or 0/1). Every
+  method has a selection: GRPO's is every valid token.
+
+  selected_prob: mean token_prob over the selected valid tokens (the paper reports ~0.18).
+  selected_high_entropy: the share of the selected valid tokens whose entropy is above the median
+    (``numpy.median``, linear interpolation) of the entropies of all valid tokens passed here
+    (the paper: ~50%). The train step passes the whole step's [N, C] (every micro-batch), so the
+    median is the step's, not a micro-batch's. Call it once per step: the median does not add
+    across calls, so these pairs must not be summed over micro-batches.
+  """
+  valid = mask.astype(bool)
+  sel = (valid & token_mask.astype(bool)).astype(jnp.float32)
+  entropy = jax.lax.stop_gradient(entropy.astype(jnp.float32))
+  median = masked_quantile(entropy, valid, 0.5)
+  high = (entropy > median).astype(jnp.float32)
+  prob = jax.lax.stop_gradient(token_prob.astype(jnp.float32))
+  return {
+      "selected_prob": (jnp.sum(prob * sel), sel.sum()),
+      "selected_high_entropy": (jnp.sum(high * sel), sel.sum()),
+  }

@@ -225,7 +225,8 @@ def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig
     metrics.update(
         answer_positions.where_metrics(token_mask, mask, stats["entropy"], batch.stop_pos, batch.answer_end, adv)
     )
-  return terms.numerator, (terms.denominator, metrics, sg_logp)
+  # per-token outputs [N, C]: the whole step's signature metrics are taken after the scan
+  return terms.numerator, (terms.denominator, metrics, (sg_logp, stats["entropy"], token_mask.astype(bool)))
 
 
 def check_micro_batch(micro_batch: int, mesh) -> None:
@@ -295,9 +296,9 @@ def make_train_step(
 
     def accumulate(carry, mbatch):
       grads, num, den, metrics = carry
-      (num_i, (den_i, metrics_i, logp_i)), g_i = grad_fn(state.params, graphdef, mbatch, state.step, cfg, ref_params)
+      (num_i, (den_i, metrics_i, tokens_i)), g_i = grad_fn(state.params, graphdef, mbatch, state.step, cfg, ref_params)
       add = lambda a, b: a + b
-      return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i, jax.tree.map(add, metrics, metrics_i)), logp_i
+      return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i, jax.tree.map(add, metrics, metrics_i)), tokens_i
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     first = jax.tree.map(lambda x: x[0], micro)
@@ -305,9 +306,11 @@ def make_train_step(
         lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params)[1][1]
     )
     init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
-    (grads, num, den, msum), logp = jax.lax.scan(
+    (grads, num, den, msum), tokens = jax.lax.scan(
         accumulate, (zeros, jnp.float32(0), jnp.float32(0), init_metrics), micro
     )
+    logp, entropy, selected = (x.reshape(n, -1) for x in tokens)  # [N, C] each
+    msum = {**msum, **selection.signature_metrics(jnp.exp(logp), entropy, batch.completion_mask, selected)}
     scale = 1.0 / jnp.maximum(den, 1.0)
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     loss = num * scale
@@ -324,7 +327,7 @@ def make_train_step(
         total_skipped=opt_state.total_notfinite,
     )
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, metrics, logp.reshape(n, -1)
+    return new_state, metrics, logp
 
   kwargs: dict = {}
   if mesh is not None and state_sharding is not None:

@@ -342,6 +342,37 @@ def test_selection_metrics_match_numpy():
   chex.assert_trees_all_close(finalize_metrics(jax.tree.map(jnp.add, *halves)), got, rtol=1e-6)
 
 
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_signature_metrics_match_numpy(seed):
+  """selected_prob: the selected valid tokens' mean probability; selected_high_entropy: their share
+  strictly above numpy.median of all valid tokens' entropy (odd and even valid counts, ties at the
+  median included: a token equal to the median is not above it)."""
+  from ict_jax.grpo import finalize_metrics
+
+  rng = np.random.default_rng(seed)
+  mask = rng.random((6, 9)) < 0.6
+  prob = rng.random((6, 9)).astype(np.float32)
+  h = np.round(rng.random((6, 9)), 1).astype(np.float32)  # many exact ties
+  sel = rng.random((6, 9)) < 0.4
+  sel[0, :] = True  # selected padding must not count
+  got = finalize_metrics(
+      jax.jit(selection.signature_metrics)(jnp.asarray(prob), jnp.asarray(h), jnp.asarray(mask), jnp.asarray(sel))
+  )
+  median = np.median(h[mask])
+  keep = mask & sel
+  np.testing.assert_allclose(float(got["selected_prob"]), prob[keep].mean(), rtol=1e-6)
+  assert float(got["selected_high_entropy"]) == pytest.approx((h[keep] > median).mean(), abs=1e-7)
+  grpo_like = finalize_metrics(
+      selection.signature_metrics(jnp.asarray(prob), jnp.asarray(h), jnp.asarray(mask), jnp.asarray(mask))
+  )
+  np.testing.assert_allclose(float(grpo_like["selected_prob"]), prob[mask].mean(), rtol=1e-6)
+  assert float(grpo_like["selected_high_entropy"]) == pytest.approx((h[mask] > median).mean(), abs=1e-7)
+  none = finalize_metrics(
+      selection.signature_metrics(jnp.asarray(prob), jnp.asarray(h), jnp.asarray(mask), jnp.zeros_like(sel))
+  )
+  assert np.isnan(float(none["selected_prob"])) and np.isnan(float(none["selected_high_entropy"]))
+
+
 # ----------------------------------------------------------------------------- sharding
 def test_sharded_jit_matches_unsharded():
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))

@@ -202,6 +202,9 @@ class Reference:
     valid = mask.sum()
     sel = token_mask & mask
     unsel = mask & ~sel
+    median = np.median(entropy[mask])  # the whole step's valid tokens, whatever the micro-batches
+    near = np.abs(entropy[mask] - median)
+    assert near[near > 0].min() > 1e-4, "near-tie at the median entropy"
     return dict(
         loss=float(loss),
         metrics={k: float(v) for k, v in metrics.items()},
@@ -214,6 +217,8 @@ class Reference:
             selected_frac=sel.sum() / valid,
             js_selected=js[sel].mean(),
             js_unselected=js[unsel].mean() if unsel.any() else np.nan,  # no token: no mean
+            selected_prob=np.exp(np.take_along_axis(logp_all, batch.completion_ids[..., None], -1)[..., 0])[sel].mean(),
+            selected_high_entropy=(entropy[sel] > median).mean(),
         ),
     )
 
@@ -296,6 +301,8 @@ def check_against_reference(metrics, new_state, logp, ref):
   for name in ("js_selected", "js_unselected"):
     np.testing.assert_allclose(m[name], ref["means"][name], rtol=1e-4, atol=1e-6)
   assert m["selected_frac"] == pytest.approx(ref["means"]["selected_frac"], abs=1e-7)
+  np.testing.assert_allclose(m["selected_prob"], ref["means"]["selected_prob"], rtol=1e-5, atol=1e-7)
+  assert m["selected_high_entropy"] == pytest.approx(ref["means"]["selected_high_entropy"], abs=1e-7)
   for name, value in ref["metrics"].items():
     np.testing.assert_allclose(m[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
   assert m["skipped"] == 0 and m["total_skipped"] == 0
@@ -407,7 +414,17 @@ def test_step_that_trains_no_token_reports_no_token_statistics(steps, batch):
     state, metrics, _ = steps("ict")(s0, empty)
     m = {k: float(v) for k, v in metrics.items()}
     assert m["trained_tokens"] == 0 and m["loss"] == 0 and m["grad_norm"] == 0 and m["skipped"] == 0
-    for name in ("entropy", "renyi2", "selected_frac", "js_selected", "js_unselected", "clip_frac", "kl"):
+    for name in (
+        "entropy",
+        "renyi2",
+        "selected_frac",
+        "js_selected",
+        "js_unselected",
+        "clip_frac",
+        "kl",
+        "selected_prob",
+        "selected_high_entropy",
+    ):
       assert np.isnan(m[name]), name
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads_of(state)))
 
