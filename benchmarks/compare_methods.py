@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -77,6 +78,9 @@ CURVES = (
     ("renyi2", "Renyi-2 entropy H2 (nats)"),
     ("selected_frac", "selected fraction"),
 )
+# the ICT paper's signature of the selected tokens (train-step metrics, `selection.signature_metrics`)
+# and the paper's values: mean probability ~0.18, half of them above the median entropy
+SIGNATURE = {"selected_prob": ("selected p", 0.18), "selected_high_entropy": ("share above median H", 0.5)}
 LRS = (1e-4, 2e-4, 3e-4, 5e-4)
 KS = (1, 4, 16, 64)
 SETTINGS = {
@@ -168,6 +172,23 @@ def warm_started_hf(s: Setting, sft_steps: int) -> str:
   return hf_dir
 
 
+def signature(history: list[dict]) -> dict[str, dict]:
+  """{metric: {"mean": over the run's steps, "last10": over its last 10% (at least one step)}} of
+  the `SIGNATURE` metrics in a run's metrics log (NaN steps, with no selected token, skipped); a
+  log from before the metrics existed gives {}."""
+  out = {}
+  for key in SIGNATURE:
+    values = np.array([h.get(key, np.nan) for h in history], dtype=np.float64)
+    if not len(values) or np.isnan(values).all():
+      continue
+    tail = values[-max(1, math.ceil(len(values) / 10)) :]
+    out[key] = {
+        "mean": float(np.nanmean(values)),
+        "last10": float(np.nanmean(tail)) if not np.isnan(tail).all() else float("nan"),
+    }
+  return out
+
+
 def run_dir(s: Setting, variant: str, lr: float | None, seed: int) -> str:
   name = f"{variant}_seed{seed}" if lr is None else f"{variant}_lr{lr:g}_seed{seed}"
   return os.path.join(s.out, "runs", name)
@@ -196,6 +217,7 @@ def run_one(s: Setting, variant: str, lr: float, seed: int, hf_dir: str) -> dict
       "train_s": time.perf_counter() - t0,
       "curves": {k: [h.get(k, float("nan")) for h in history] for k, _ in CURVES},
       "val_pass@1": history[-1]["eval_pass_at_1"],
+      "signature": signature(history),
   }
   with open(done, "w") as f:
     json.dump(result, f)

@@ -127,3 +127,18 @@ def test_summary_passk_to_64_and_paired_differences(cm):
       ["| ICT", "0.0005", "3"],
   ]
   assert "| GRPO | 50.0* (n=3) | 50.0 (n=3) |" in lines and "| ICT | 50.0 (n=3) | 50.0* (n=3) |" in lines
+
+
+def test_signature_is_the_mean_over_steps_and_over_the_last_tenth(cm):
+  """A run's selected_prob / selected_high_entropy: the mean of its metrics log over all steps and
+  over the last 10% (ceil, at least one step), NaN steps (no token selected) left out; an old
+  log without the metrics gives nothing."""
+  rng = np.random.default_rng(5)
+  p, h = rng.random(23), rng.random(23)
+  p[3] = np.nan
+  history = [{"selected_prob": a, "selected_high_entropy": b, "loss": 0.0} for a, b in zip(p, h)]
+  got = cm.signature(history)
+  assert got["selected_prob"] == pytest.approx({"mean": np.nanmean(p), "last10": p[-3:].mean()})
+  assert got["selected_high_entropy"] == pytest.approx({"mean": h.mean(), "last10": h[-3:].mean()})
+  assert cm.signature([{"loss": 1.0}] * 5) == {}
+  assert cm.signature(history[:4])["selected_high_entropy"]["last10"] == pytest.approx(h[3])

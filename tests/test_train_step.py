@@ -203,8 +203,7 @@ class Reference:
     sel = token_mask & mask
     unsel = mask & ~sel
     median = np.median(entropy[mask])  # the whole step's valid tokens, whatever the micro-batches
-    near = np.abs(entropy[mask] - median)
-    assert near[near > 0].min() > 1e-4, "near-tie at the median entropy"
+    assert np.min(np.abs(entropy[mask] - median)[entropy[mask] != median]) > 1e-4, "near-tie at the median"
     return dict(
         loss=float(loss),
         metrics={k: float(v) for k, v in metrics.items()},
@@ -298,11 +297,9 @@ def check_against_reference(metrics, new_state, logp, ref):
   np.testing.assert_allclose(np.asarray(logp), ref["logp"], atol=2e-5)
   for name in ("entropy", "renyi2"):
     np.testing.assert_allclose(m[name], ref["means"][name], rtol=1e-5)
-  for name in ("js_selected", "js_unselected"):
+  for name in ("js_selected", "js_unselected", "selected_prob", "selected_high_entropy"):
     np.testing.assert_allclose(m[name], ref["means"][name], rtol=1e-4, atol=1e-6)
   assert m["selected_frac"] == pytest.approx(ref["means"]["selected_frac"], abs=1e-7)
-  np.testing.assert_allclose(m["selected_prob"], ref["means"]["selected_prob"], rtol=1e-5, atol=1e-7)
-  assert m["selected_high_entropy"] == pytest.approx(ref["means"]["selected_high_entropy"], abs=1e-7)
   for name, value in ref["metrics"].items():
     np.testing.assert_allclose(m[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
   assert m["skipped"] == 0 and m["total_skipped"] == 0
@@ -414,17 +411,8 @@ def test_step_that_trains_no_token_reports_no_token_statistics(steps, batch):
     state, metrics, _ = steps("ict")(s0, empty)
     m = {k: float(v) for k, v in metrics.items()}
     assert m["trained_tokens"] == 0 and m["loss"] == 0 and m["grad_norm"] == 0 and m["skipped"] == 0
-    for name in (
-        "entropy",
-        "renyi2",
-        "selected_frac",
-        "js_selected",
-        "js_unselected",
-        "clip_frac",
-        "kl",
-        "selected_prob",
-        "selected_high_entropy",
-    ):
+    token_means = ("entropy", "renyi2", "selected_frac", "js_selected", "js_unselected", "clip_frac", "kl")
+    for name in token_means + ("selected_prob", "selected_high_entropy"):
       assert np.isnan(m[name]), name
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads_of(state)))
 
