@@ -25,7 +25,7 @@ from ict_jax.cpu_paths import KERNELS
 from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 from ict_jax.data.files import FILES
 from ict_jax.data.prompts import STYLES
-from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES
+from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES, SELECTED_NORMS
 from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
 from ict_jax.rewards.functions import parse_list, parse_weights
 from ict_jax.rewards.registry import KINDS
@@ -235,6 +235,8 @@ class IctConfig:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   loss_type: str = field("grpo", choices(LOSS_TYPES))  # grpo | bnpo | dr_grpo | dapo (for method=grpo)
+  selected_norm: str = field("selected", choices(SELECTED_NORMS))  # a selection's loss is normalised by
+  # the selected tokens (selected: A / k_i per token) or by all valid tokens (response: A / L_i, as GRPO)
   advantage_scale: str = field("group", choices(ADVANTAGE_SCALES))  # group | batch | none
   beta: float = field(0.0, non_negative)  # k3 KL coefficient; a frozen reference is loaded when > 0
   epsilon_low: float = field(0.2, non_negative)

@@ -18,6 +18,15 @@ the completion mask: ``M = mask * token_mask`` is used both to zero the per-toke
 (clipped surrogate *and* KL penalty, the ICT paper's psi) and as the normaliser. TRL's own
 ``entropy_mask`` zeroes only the surrogate and keeps normalising by the completion mask; with
 ``token_mask=None`` the two coincide.
+
+Normalising a selection (``selected_norm``, config ``loss.selected_norm``). With k_i of the L_i
+valid tokens of response i selected, "selected" (the default) normalises by M itself: the
+per-sequence loss ("grpo", ICT) is sum_t L_t M_t / k_i, so a selected token weighs A / k_i, and
+the token-mean losses ("bnpo", "dapo": 20-Entropy, STAPO) divide by the selected tokens of the
+step, sum M. "response" applies M inside the ordinary per-token mean over all valid tokens:
+sum_t L_t M_t / L_i per sequence (A / L_i, as in GRPO without selection), sum(L M) / sum(mask) for
+the token means, as TRL's ``entropy_mask``. "dr_grpo" divides by a constant and is the same under
+both; so is every loss without a token_mask.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ __all__ = [
     "LOSS_TYPES",
     "LossTerms",
     "LossType",
+    "SELECTED_NORMS",
     "finalize_metrics",
     "get_loss_type",
     "group_advantages",
@@ -134,6 +144,14 @@ LOSS_TYPES: dict[str, LossType] = {
 }
 
 
+SELECTED_NORMS: dict[str, str] = {
+    "selected": "normalise by the selected tokens M (a selected token weighs A / k_i in a per-sequence "
+    "mean over k_i selected tokens)",
+    "response": "normalise by all valid tokens (M applied inside the ordinary per-token mean: a selected "
+    "token weighs A / L_i, as in GRPO)",
+}
+
+
 def get_loss_type(name: str) -> LossType:
   """Registry lookup; unknown names raise ValueError listing the valid ones."""
   if name not in LOSS_TYPES:
@@ -182,6 +200,7 @@ def policy_loss_terms(
     token_mask: jax.Array | None = None,
     max_completion_length: int | None = None,
     num_rows: jax.Array | None = None,
+    selected_norm: str = "selected",
 ) -> LossTerms:
   """Clipped-surrogate loss as additive (numerator, denominator, metrics).
 
@@ -200,6 +219,8 @@ def policy_loss_terms(
     max_completion_length: T used by "dr_grpo" (static); default mask.shape[1].
     num_rows: the completions among the B rows (default B): a token-budget micro-batch's empty
       row slots (`PackedLayout.source_row` -1, all-zero masks) count in no per-sequence denominator.
+    selected_norm: a key of ``SELECTED_NORMS`` (static): the loss type's denominator counts the
+      selected tokens M ("selected") or every valid token ("response"); see the module docstring.
 
   Per token: ratio = exp(logp - old_logp);
     L = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A) + beta*k3,
@@ -209,6 +230,8 @@ def policy_loss_terms(
   without ref_logp), ratio_mean.
   """
   kind = get_loss_type(loss_type)
+  if selected_norm not in SELECTED_NORMS:
+    raise ValueError(f"grpo: unknown selected_norm={selected_norm!r}; expected one of {sorted(SELECTED_NORMS)}")
   if logp.ndim != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
     raise ValueError(
         "grpo.policy_loss: logp, old_logp and mask must all be [B, T]; got "
@@ -241,7 +264,8 @@ def policy_loss_terms(
   else:
     k3 = jnp.zeros_like(per_token)
 
-  numerator, denominator = kind.reduce(per_token * m, m, length)
+  norm = m if selected_norm == "selected" else jax.lax.stop_gradient(mask.astype(dtype))  # [B, T]
+  numerator, denominator = kind.reduce(per_token * m, norm, length)
   if num_rows is not None and kind.reduce is not _token_mean:  # B counted by the per-row types
     denominator = denominator / logp.shape[0] * jnp.asarray(num_rows, denominator.dtype)  # exact
 
@@ -274,6 +298,7 @@ def policy_loss(
     token_mask: jax.Array | None = None,
     num_items: jax.Array | int | None = None,
     max_completion_length: int | None = None,
+    selected_norm: str = "selected",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Scalar loss and metric means; see ``policy_loss_terms`` for the arguments.
 
@@ -294,6 +319,7 @@ def policy_loss(
       loss_type=loss_type,
       token_mask=token_mask,
       max_completion_length=max_completion_length,
+      selected_norm=selected_norm,
   )
   denominator = terms.denominator
   if num_items is not None:

@@ -215,6 +215,7 @@ def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig
       loss_type=loss_type,
       token_mask=token_mask,
       max_completion_length=cfg.max_completion_length or None,
+      selected_norm=loss.selected_norm,
       num_rows=None
       if batch.packed is None or batch.packed.source_row is None
       else (batch.packed.source_row >= 0).sum(),

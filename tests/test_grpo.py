@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ict_jax import grpo
 
 LOSS_NAMES = ("grpo", "bnpo", "dr_grpo", "dapo")
-_STATIC = ("beta", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length")
+_STATIC = ("beta", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length", "selected_norm")
 # jitted entry points keep the tests fast (eager mode compiles every primitive separately)
 policy_loss = jax.jit(grpo.policy_loss, static_argnames=_STATIC)
 policy_loss_terms = jax.jit(grpo.policy_loss_terms, static_argnames=_STATIC)
@@ -184,6 +184,70 @@ def test_policy_loss_matches_numpy(loss_type, with_kl, with_token_mask):
   for k, v in want_metrics.items():
     np.testing.assert_allclose(float(metrics[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)
   assert want_metrics["clip_frac_low"] > 0 and want_metrics["clip_frac_high"] > 0  # data exercises clipping
+
+
+def np_token_weights(mask, token_mask, loss_type, selected_norm):
+  """w [B, T]: the weight of token t of response i in the loss, loss = -sum w * A_i * ratio near
+  ratio 1. k_i selected of L_i valid tokens: "grpo" M / (B k_i) or M / (B L_i); "bnpo" / "dapo"
+  M / sum M or M / sum mask; "dr_grpo" M / (B T) either way."""
+  mask = np.asarray(mask, np.float64)
+  m = mask * token_mask
+  b, t = m.shape
+  norm = m if selected_norm == "selected" else mask
+  if loss_type == "grpo":
+    return m / (b * np.maximum(norm.sum(1, keepdims=True), 1.0))
+  if loss_type == "dr_grpo":
+    return m / (b * t)
+  return m / max(norm.sum(), 1.0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_NAMES)
+@pytest.mark.parametrize("selected_norm", sorted(grpo.SELECTED_NORMS))
+def test_selected_norm_token_weights_match_numpy(loss_type, selected_norm):
+  """d loss / d logp on-policy (ratio 1, inside the clip) is -A_i w_it: the per-token weights of
+  both normalisations against numpy; "response" gives a selected token of ICT's per-sequence loss
+  k_i / L_i of its "selected" weight."""
+  d = random_batch(7)
+  args = [jnp.asarray(d[k]) for k in ("logp", "logp", "adv", "mask")]
+
+  def loss(lp):
+    return policy_loss(
+        lp, *args[1:], loss_type=loss_type, token_mask=jnp.asarray(d["token_mask"]), selected_norm=selected_norm
+    )[0]
+
+  grad = np.asarray(jax.grad(loss)(args[0]), np.float64)
+  want = np_token_weights(d["mask"], d["token_mask"], loss_type, selected_norm)
+  np.testing.assert_allclose(grad, -d["adv"][:, None] * want, rtol=1e-5, atol=1e-8)
+  if loss_type == "grpo" and selected_norm == "response":  # the ratio the issue names: k_i / L_i
+    sel = np_token_weights(d["mask"], d["token_mask"], "grpo", "selected")
+    k, length = (d["mask"] * d["token_mask"]).sum(1), d["mask"].sum(1)
+    rows = k > 0
+    np.testing.assert_allclose((want.sum(1) / sel.sum(1))[rows], (k / length)[rows], rtol=1e-6)
+  dense = policy_loss_terms(*args, loss_type=loss_type, selected_norm=selected_norm)
+  plain = policy_loss_terms(*args, loss_type=loss_type)  # without a selection the two are one loss
+  chex.assert_trees_all_equal(dense, plain)
+
+
+def test_selected_norm_default_is_todays_loss_and_bad_names_raise():
+  """The default is "selected", bit for bit the loss before loss.selected_norm existed (which the
+  numpy reference of test_policy_loss_matches_numpy transcribes: normalised by M)."""
+  d = random_batch(8)
+  args = [jnp.asarray(d[k]) for k in ("logp", "old", "adv", "mask")]
+  for loss_type in LOSS_NAMES:
+    tm = jnp.asarray(d["token_mask"])
+    default = policy_loss_terms(*args, loss_type=loss_type, token_mask=tm)
+    chex.assert_trees_all_equal(
+        default, policy_loss_terms(*args, loss_type=loss_type, token_mask=tm, selected_norm="selected")
+    )
+  with pytest.raises(ValueError, match="selected_norm='tokens'"):
+    grpo.policy_loss_terms(*args, selected_norm="tokens")
+  from ict_jax import config as config_lib, configs
+
+  cd = configs.tiny_config()
+  assert config_lib.validate(cd).loss.selected_norm == "selected"
+  cd.loss.selected_norm = "tokens"
+  with pytest.raises(config_lib.ConfigError, match="loss.selected_norm"):
+    config_lib.validate(cd)
 
 
 def test_dr_grpo_max_completion_length_and_dapo_num_items():

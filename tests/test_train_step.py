@@ -127,8 +127,8 @@ def cheap_jit(fn, **static):
 class Reference:
   """Unfused loss / gradient / statistics of one batch; everything jitted once."""
 
-  def __init__(self):
-    graphdef = model_and_params()[0]
+  def __init__(self, norm="selected"):
+    graphdef, self.kw = model_and_params()[0], {"selected_norm": norm}  # loss.selected_norm
 
     def logp_fn(params, b):
       model = nnx.merge(graphdef, params)
@@ -160,7 +160,7 @@ class Reference:
         def f(lp):
           o = jax.lax.stop_gradient(lp) if old is None else old
           return grpo.policy_loss(
-              lp, o, adv, mask, ref_logp=ref_logp, beta=beta, loss_type=loss_type, token_mask=token_mask
+              lp, o, adv, mask, ref_logp=ref_logp, beta=beta, loss_type=loss_type, token_mask=token_mask, **self.kw
           )
 
         return jax.value_and_grad(f, has_aux=True)(lp)
@@ -324,35 +324,36 @@ def steps():
 
   def get(name):
     if name not in _STEPS:
-      method, loss_type, mb = SPECS[name]
-      _STEPS[name] = compile_step(step_config(method, loss_type, micro_batch_size=mb))
+      method, loss_type, mb, norm = SPECS[name]
+      _STEPS[name] = compile_step(step_config(method, loss_type, micro_batch_size=mb, selected_norm=norm))
     return _STEPS[name]
 
   yield get
   _STEPS.clear()
 
 
-# name -> (method, loss_type, micro_batch_size); micro-batched variants are checked against the
-# whole-batch reference, so each also checks exact gradient accumulation for its loss type.
+# name -> (method, loss_type, micro_batch_size, loss.selected_norm); micro-batched variants are checked against
+# the whole-batch reference, so each also checks exact gradient accumulation for its loss type.
 SPECS = {
-    "grpo/grpo/mb=2G": ("grpo", "grpo", 2 * G),
-    "grpo/bnpo/mb=G": ("grpo", "bnpo", G),
-    "grpo/dr_grpo/mb=2G": ("grpo", "dr_grpo", 2 * G),
-    "grpo/dapo/mb=G": ("grpo", "dapo", G),
-    "entropy": ("entropy", "grpo", 0),
-    "stapo": ("stapo", "grpo", 0),
-    "ict": ("ict", "grpo", 0),
-    "ict/mb=G": ("ict", "grpo", G),
+    "grpo/grpo/mb=2G": ("grpo", "grpo", 2 * G, "selected"),
+    "grpo/bnpo/mb=G": ("grpo", "bnpo", G, "selected"),
+    "grpo/dr_grpo/mb=2G": ("grpo", "dr_grpo", 2 * G, "selected"),
+    "grpo/dapo/mb=G": ("grpo", "dapo", G, "selected"),
+    "entropy": ("entropy", "grpo", 0, "selected"),
+    "stapo": ("stapo", "grpo", 0, "selected"),
+    "ict": ("ict", "grpo", 0, "selected"),
+    "ict/mb=G": ("ict", "grpo", G, "selected"),
+    "ict/response/mb=G": ("ict", "grpo", G, "response"),  # a selected token weighs A / L_i
 }
 
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(SPECS))
 def test_step_matches_unfused_reference(name, steps, reference, batch):
-  method, loss_type, _ = SPECS[name]
+  method, loss_type, _, norm = SPECS[name]
   # ICT starts past its warm-up (warmup_steps=2) so that selection is active
   new_state, metrics, logp = steps(name)(state_at(2 if method == "ict" else 0), batch)
-  ref = reference(model_and_params()[1], batch, method, loss_type)
+  ref = (reference if norm == "selected" else Reference(norm))(model_and_params()[1], batch, method, loss_type)
   check_against_reference(metrics, new_state, logp, ref)
   if method != "grpo":
     assert 0 < ref["means"]["selected_frac"] < 1
