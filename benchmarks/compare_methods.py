@@ -17,20 +17,28 @@ the box must be right). Per setting, under `<out>/<setting>/`:
    budget (`--steps` steps) with `ict_jax.train.train`, ending on validation pass@1
    (`--val_samples` samples a problem). A method's lr is the grid's argmax of its validation pass@1
    averaged over the selection seeds (ties: the first in the grid); `select_lrs` sees validation
-   numbers only, and no test evaluation exists before it has chosen (`sweep`). ICT's ablations
-   (`key=value[+key=value]` over `ict.score`, `ict.keep`, `ict.top_fraction`, `ict.reference`)
-   run at ICT's chosen lr.
+   numbers only, and no test evaluation exists before it has chosen (`sweep`). The ablations
+   (`[method+]key=value[+key=value]` over `ict.score`, `ict.keep`, `ict.top_fraction`,
+   `ict.reference` for ICT, the default method, and `loss.selected_norm` for any method, e.g.
+   `entropy+selected_norm=response`) run at their method's chosen lr; a variant of `--methods`
+   (`--methods ict,ict+selected_norm=response`) gets its own lr grid.
 3. Held-out test, at the chosen lr only: every seed's final checkpoint samples `--test_samples`
    (64) completions for each of the first `--test_prompts` test problems at the rollout
    temperature, with one key per seed shared by every method and by the warm-start (common random
    numbers); the per-problem correct counts give pass@k for k = 1..n by the unbiased estimator.
 
-Writes `table.md` (per variant: the chosen lr, pass@1/4/16/64 mean ± std [min, max] over seeds, the
-paired differences to GRPO and to the warm-start on the same seeds; then the validation grid),
+Writes `table.md` (per variant: the chosen lr, pass@4/1/16/64 mean ± std [min, max] over seeds (pass@4,
+the paper's metric, first), the paired differences to GRPO and to the warm-start on the same seeds at
+pass@4/1/64 (mean ± standard error, std / sqrt(n), and the seeds below 0), and the ICT paper's
+signature of the selected tokens, `selected_prob` and `selected_high_entropy` (each run's mean over
+its steps; "–" for runs from before the metrics), beside the paper's ~0.18 and ~50%; the signature
+per JS reference reading; the validation grid; the test problems that no RL run solves, with their
+text, the cap they put on pass@64 and pass@64 on the other problems; `benchmarks/compare_tables.py`),
 `passk.png` (pass@k for k = 1..64: mean and min-max band over seeds per method), `curves.png`
 (reward, entropies and selected fraction over the steps at the chosen lrs) and `results.json`.
 Every finished run writes `runs/<variant>_lr<lr>_seed<s>/result.json` (and `test.json`) and is not
-run again, so an interrupted sweep resumes; `--report` only rebuilds the reports. One process runs
+run again, so an interrupted sweep resumes; `--report` only rebuilds the reports (from
+`results.json` where the runs' files are not there). One process runs
 the sweep (XLA uses both cores of a 2-core box); `--dry_run` prints the number of runs and the
 expected CPU time (`CPU_S`, measured on a 2-core AMD EPYC box, benchmarks/RESULTS.md).
 """
@@ -40,7 +48,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 import time
@@ -55,13 +62,27 @@ import numpy as np  # noqa: E402
 
 from ict_jax import config as config_lib  # noqa: E402
 from ict_jax import configs  # noqa: E402
-from ict_jax.eval.passk import pass_at_k_curve  # noqa: E402
 from ict_jax.logs import read_log  # noqa: E402
+from benchmarks.compare_tables import (  # noqa: E402,F401  (the tables' names, as before, here too)
+    ABLATION_KEYS,
+    BASELINE,
+    KS,
+    LOSS_KEYS,
+    METHODS,
+    NAMES,
+    REFERENCE,
+    SIGNATURE,
+    order,
+    paired,
+    parse_variant,
+    signature,
+    summarize,
+    table,
+    unsolved_problems,
+    unsolved_report,
+    variant_name,
+)
 
-METHODS = ("grpo", "entropy", "stapo", "ict")
-NAMES = {"grpo": "GRPO", "entropy": "20-Entropy", "stapo": "STAPO", "ict": "ICT", "warm-start": "warm-start (no RL)"}
-BASELINE = "warm-start"  # the shared warm-start itself, evaluated with each seed's key
-REFERENCE = "grpo"  # the paired differences are each variant minus GRPO on the same seeds
 ABLATIONS = (
     "score=kl",
     "score=entropy",
@@ -70,19 +91,15 @@ ABLATIONS = (
     "top_fraction=0.3",
     "top_fraction=0.9+keep=frequent",
     "reference=sequence_mean",
+    "reference=others_mean",
 )
-ABLATION_KEYS = {"score": str, "keep": str, "top_fraction": float, "reference": str}
 CURVES = (
     ("reward_mean", "reward"),
     ("entropy", "Shannon entropy (nats)"),
     ("renyi2", "Renyi-2 entropy H2 (nats)"),
     ("selected_frac", "selected fraction"),
 )
-# the ICT paper's signature of the selected tokens (train-step metrics, `selection.signature_metrics`)
-# and the paper's values: mean probability ~0.18, half of them above the median entropy
-SIGNATURE = {"selected_prob": ("selected p", 0.18), "selected_high_entropy": ("share above median H", 0.5)}
 LRS = (1e-4, 2e-4, 3e-4, 5e-4)
-KS = (1, 4, 16, 64)
 SETTINGS = {
     "level1": {"level": 1, "reward": "answer"},  # the default run's task
     "level4": {"level": 4, "reward": "answer"},  # + and -, operands 0..9
@@ -109,21 +126,6 @@ class Setting(NamedTuple):
   @property
   def data_dir(self) -> str:
     return os.path.join(os.path.dirname(os.path.normpath(self.out)), "data")  # shared by the settings
-
-
-def parse_variant(variant: str) -> dict:
-  """ "ict" / "grpo" / ... -> {"method": ...}; "score=kl+top_fraction=0.2" -> ICT with those keys."""
-  if variant in METHODS:
-    return {"method": variant}
-  out = {"method": "ict"}
-  for part in variant.split("+"):
-    key, sep, value = part.partition("=")
-    if not sep or key not in ABLATION_KEYS:
-      raise ValueError(
-          f"bad variant {variant!r}: expected a method {METHODS} or key=value with key in " f"{sorted(ABLATION_KEYS)}"
-      )
-    out[key] = ABLATION_KEYS[key](value)
-  return out
 
 
 def base_config(s: Setting, train_steps: int | None = None):
@@ -172,23 +174,6 @@ def warm_started_hf(s: Setting, sft_steps: int) -> str:
   return hf_dir
 
 
-def signature(history: list[dict]) -> dict[str, dict]:
-  """{metric: {"mean": over the run's steps, "last10": over its last 10% (at least one step)}} of
-  the `SIGNATURE` metrics in a run's metrics log (NaN steps, with no selected token, skipped); a
-  log from before the metrics existed gives {}."""
-  out = {}
-  for key in SIGNATURE:
-    values = np.array([h.get(key, np.nan) for h in history], dtype=np.float64)
-    if not len(values) or np.isnan(values).all():
-      continue
-    tail = values[-max(1, math.ceil(len(values) / 10)) :]
-    out[key] = {
-        "mean": float(np.nanmean(values)),
-        "last10": float(np.nanmean(tail)) if not np.isnan(tail).all() else float("nan"),
-    }
-  return out
-
-
 def run_dir(s: Setting, variant: str, lr: float | None, seed: int) -> str:
   name = f"{variant}_seed{seed}" if lr is None else f"{variant}_lr{lr:g}_seed{seed}"
   return os.path.join(s.out, "runs", name)
@@ -203,8 +188,8 @@ def run_one(s: Setting, variant: str, lr: float, seed: int, hf_dir: str) -> dict
   if os.path.exists(done):
     return json.load(open(done))
   c = base_config(s)
-  for key, value in parse_variant(variant).items():
-    setattr(c.ict, key, value)
+  for key, value in parse_variant(variant).items():  # ICT's keys and the method: ict.*; the loss's: loss.*
+    setattr(c.loss if key in LOSS_KEYS else c.ict, key, value)
   c.optim.learning_rate, c.train.seed, c.warm_start.sft_steps = lr, seed, 0
   t0 = time.perf_counter()
   train(c, workdir, init_from_hf=hf_dir, progress=False)
@@ -306,10 +291,11 @@ def sweep(methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, 
   for r in validation:
     log({k: r[k] for k in ("variant", "lr", "seed", "val_pass@1")})
   chosen = select_lrs(validation, lrs, selection_seeds)
-  if ablations:
-    if "ict" not in chosen:
-      raise ValueError("the ablations run at ICT's chosen lr: add ict to --methods")
-    chosen.update({v: chosen["ict"] for v in ablations})
+  for v in ablations:  # each at its method's chosen lr (ICT's for ICT's ablations)
+    method = parse_variant(v)["method"]
+    if method not in chosen:
+      raise ValueError(f"the ablation {v} runs at {method}'s chosen lr: add {method} to --methods")
+    chosen[v] = chosen[method]
   log({"chosen_lr": chosen})
   tests = [test(BASELINE, None, sd) for sd in seeds]
   for variant in [*methods, *ablations]:
@@ -321,76 +307,6 @@ def sweep(methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, 
         {"variant": r["variant"], "lr": r["lr"], "seed": r["seed"], "test_pass@1": float(np.mean(r["counts"])) / r["n"]}
     )
   return chosen
-
-
-def _stats(v: np.ndarray) -> dict:
-  return {
-      "mean": float(v.mean()),
-      "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-      "min": float(v.min()),
-      "max": float(v.max()),
-  }
-
-
-def summarize(tests: list[dict], chosen: dict[str, float]) -> dict[str, dict]:
-  """Per variant, from the test records at its chosen lr (BASELINE: lr None): the seeds, pass@k
-  for k = 1..n per seed, mean / std / min / max of pass@k at `KS`, and the paired differences
-  variant minus GRPO (`diff@k`) and minus the warm-start (`gain@k`) on the seeds both have."""
-  by: dict[str, dict[int, np.ndarray]] = {}
-  for r in tests:
-    if r["lr"] == chosen.get(r["variant"]):
-      by.setdefault(r["variant"], {})[r["seed"]] = pass_at_k_curve(r["counts"], r["n"])
-  out = {}
-  for variant, runs in by.items():
-    seeds = sorted(runs)
-    n = min(len(runs[sd]) for sd in seeds)
-    row = {"lr": chosen.get(variant), "seeds": seeds, "curve": [runs[sd][:n].tolist() for sd in seeds]}
-    for k in (k for k in KS if k <= n):
-      row[f"pass@{k}"] = _stats(np.array([runs[sd][k - 1] for sd in seeds]))
-      for name, ref in ((f"diff@{k}", REFERENCE), (f"gain@{k}", BASELINE)):
-        common = sorted(set(runs) & set(by.get(ref, {}))) if variant != ref else []
-        if common:
-          d = np.array([runs[sd][k - 1] - by[ref][sd][k - 1] for sd in common])
-          row[name] = {"mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else 0.0, "n": len(d)}
-    out[variant] = row
-  return out
-
-
-def _order(names) -> list[str]:
-  order = [v for v in (BASELINE, *METHODS) if v in names]
-  return order + sorted(v for v in names if v not in order)
-
-
-def table(summary: dict[str, dict], validation: list[dict] = ()) -> str:
-  """Markdown, values in percent: the test table (warm-start, methods, ablations), then the
-  validation grid the lrs were chosen on (mean validation pass@1 over the seeds; * the choice)."""
-  ks = [k for k in KS if any(f"pass@{k}" in row for row in summary.values())]
-  head = ["variant", "lr", "seeds"] + [f"pass@{k} mean ± std [min, max]" for k in ks]
-  head += [f"pass@{k} − GRPO (paired)" for k in ks] + [f"pass@{k} − warm-start (paired)" for k in ks]
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for v in _order(summary):
-    row = summary[v]
-    lr = "–" if row["lr"] is None else f"{row['lr']:g}"
-    cells = [NAMES.get(v, f"ICT {v}"), lr, str(len(row["seeds"]))]
-    for k in ks:
-      p = row[f"pass@{k}"]
-      cells.append(f"{100 * p['mean']:.1f} ± {100 * p['std']:.1f} [{100 * p['min']:.1f}, {100 * p['max']:.1f}]")
-    for name in [f"diff@{k}" for k in ks] + [f"gain@{k}" for k in ks]:
-      d = row.get(name)
-      cells.append("–" if d is None else f"{100 * d['mean']:+.1f} ± {100 * d['std']:.1f} (n={d['n']})")
-    lines.append("| " + " | ".join(cells) + " |")
-  if validation:
-    lrs = sorted({r["lr"] for r in validation})
-    lines += ["", "Validation pass@1 (%, mean over seeds; * the chosen lr):", ""]
-    lines += ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
-    for v in _order({r["variant"] for r in validation}):
-      cells = [NAMES.get(v, f"ICT {v}")]
-      for lr in lrs:
-        vals = [r["val_pass@1"] for r in validation if r["variant"] == v and r["lr"] == lr]
-        mark = "*" if summary.get(v, {}).get("lr") == lr else ""
-        cells.append(f"{100 * np.mean(vals):.1f}{mark} (n={len(vals)})" if vals else "–")
-      lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
 
 
 COLORS = {"grpo": "tab:blue", "entropy": "tab:orange", "stapo": "tab:green", "ict": "tab:red", BASELINE: "tab:gray"}
@@ -450,27 +366,58 @@ def plot_curves(runs: list[dict], path: str, title: str) -> None:
   plt.close(fig)
 
 
-def report(out: str, title: str) -> dict:
+def _load(out: str) -> tuple[list[dict], list[dict], dict, bool]:
+  """(validation records, test records, chosen lrs, from_runs): the runs' files under `out`/runs, or,
+  where no run's test.json is there (a checkout of the committed sweep), `out`/results.json."""
+
   def load(name):
     return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", name)))]
 
   validation, tests = load("result.json"), load("test.json")
-  chosen_path = os.path.join(out, "chosen_lr.json")
-  if not tests or not os.path.exists(chosen_path):
-    raise SystemExit(f"no test results under {out}/runs (or no {chosen_path}): nothing to report")
-  chosen = json.load(open(chosen_path))
-  summary = summarize(tests, chosen)
+  chosen_path, saved = os.path.join(out, "chosen_lr.json"), os.path.join(out, "results.json")
+  if tests and os.path.exists(chosen_path):
+    return validation, tests, json.load(open(chosen_path)), True
+  if os.path.exists(saved):
+    results = json.load(open(saved))
+    return results["validation"], results["tests"], results["chosen_lr"], False
+  raise SystemExit(f"no test results under {out}/runs (or no {chosen_path}), no {saved}: nothing to report")
+
+
+def problem_texts(s: Setting):
+  """index -> the setting's test problem i as the test saw it (`test_one`'s order), loaded once."""
+  from ict_jax.build import load_examples
+
+  cache: list = []
+
+  def text(i: int) -> str:
+    if not cache:
+      cache.append(load_examples(config_lib.validate(base_config(s, train_steps=1)), "test", s.out))
+    ex = cache[0][i]
+    return f"`{ex['prompt']}` (answer {ex['answer']}, `{ex['solution']}`)"
+
+  return text
+
+
+def report(out: str, title: str, texts=None) -> dict:
+  """Rebuilds table.md (the test table, the signature, the problems no RL run solves with their
+  text from `texts`, index -> str), results.json and the figures (curves.png only from runs that
+  kept their curves)."""
+  validation, tests, chosen, from_runs = _load(out)
+  summary = summarize(tests, chosen, validation)
   sizes = sorted({(len(r["counts"]), r["n"]) for r in tests})
   md = "Held-out test: " + ", ".join(f"{p} problems x {n} samples" for p, n in sizes) + "\n\n"
   md += table(summary, validation)
+  md += "\n" + unsolved_report(tests, chosen, texts, k=max(KS))
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump({"chosen_lr": chosen, "summary": summary, "validation": validation, "tests": tests}, f)
   plot_passk(summary, os.path.join(out, "passk.png"), title)
-  picked = [r for r in validation if r["lr"] == chosen.get(r["variant"])]
-  plot_curves(picked, os.path.join(out, "curves.png"), title + ", at the chosen lrs")
-  print(f"## {out}\n\n{md}", flush=True)
+  picked = [r for r in validation if r["lr"] == chosen.get(r["variant"]) and "curves" in r]
+  if picked:
+    plot_curves(picked, os.path.join(out, "curves.png"), title + ", at the chosen lrs")
+  source = "" if from_runs else " (rebuilt from results.json)"
+  print(f"## {out}{source}\n\n{md}", flush=True)
   return summary
 
 
@@ -553,7 +500,7 @@ def main(argv=None) -> dict:
       )  # fmt: skip
       with open(os.path.join(s.out, "chosen_lr.json"), "w") as f:
         json.dump(chosen, f)
-    summaries[name] = report(s.out, title)
+    summaries[name] = report(s.out, title, problem_texts(s))
   return summaries
 
 

@@ -108,6 +108,7 @@ SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
     "compare_logs.py": "test_compare_logs_identical_and_different",
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
+    "compare_tables.py": "tests/test_compare_methods.py",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
     "device_check.py": "test_device_check_smoke_packed_and_padded",
@@ -211,6 +212,10 @@ def test_compare_methods_one_seed_one_step(tmp_path):
   results = json.load(open(out / "results.json"))
   assert set(results) == {"chosen_lr", "summary", "validation", "tests"}
   assert [len(t["counts"]) for t in results["tests"]] == [3, 3] and {t["n"] for t in results["tests"]} == {4}
+  (sig,) = [r["signature"] for r in results["validation"]]  # the run's selected tokens, from its metrics log
+  assert set(sig) == {"selected_prob", "selected_high_entropy"}
+  assert all(0 <= v["mean"] <= 1 and v["mean"] == v["last10"] for v in sig.values())  # one step
+  assert "ICT | active_mean | 1 |" in (out / "table.md").read_text()
   assert (out / "passk.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
   assert "| ICT | 0.0003 | 1 |" in (out / "table.md").read_text()
 

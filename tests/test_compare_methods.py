@@ -5,6 +5,7 @@ binomials, the table (the runs themselves are train() calls: tests/test_benchmar
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 
@@ -31,6 +32,18 @@ def _pass_at_k(counts, n, k) -> float:
 
 def test_variants(cm):
   assert cm.parse_variant("stapo") == {"method": "stapo"}
+  assert cm.parse_variant("entropy+selected_norm=response") == {"method": "entropy", "selected_norm": "response"}
+  assert cm.parse_variant("ict+selected_norm=response+score=kl") == {
+      "method": "ict",
+      "selected_norm": "response",
+      "score": "kl",
+  }
+  assert cm.parse_variant("selected_norm=response") == {"method": "ict", "selected_norm": "response"}
+  assert cm.variant_name("entropy+selected_norm=response") == "20-Entropy selected_norm=response"
+  assert cm.variant_name("score=kl") == "ICT score=kl" and cm.variant_name("ict") == "ICT"
+  for bad in ("entropy+score=kl", "ict+selected_norm=tokens", "reference=group", "grpo+lr=3"):
+    with pytest.raises(ValueError, match="bad variant"):
+      cm.parse_variant(bad)
   assert cm.parse_variant("top_fraction=0.9+keep=frequent") == {
       "method": "ict",
       "top_fraction": 0.9,
@@ -110,8 +123,11 @@ def test_summary_passk_to_64_and_paired_differences(cm):
     b = np.array([_pass_at_k(counts["warm-start", s], n, k) for s in seeds])
     assert summary["ict"][f"pass@{k}"]["mean"] == pytest.approx(p.mean())
     assert summary["ict"][f"pass@{k}"]["std"] == pytest.approx(p.std(ddof=1))
-    assert summary["ict"][f"diff@{k}"] == pytest.approx({"mean": (p - g).mean(), "std": (p - g).std(ddof=1), "n": 3})
-    assert summary["ict"][f"gain@{k}"] == pytest.approx({"mean": (p - b).mean(), "std": (p - b).std(ddof=1), "n": 3})
+    for name, ref in ((f"diff@{k}", g), (f"gain@{k}", b)):
+      d = p - ref
+      assert summary["ict"][name] == pytest.approx(
+          {"mean": d.mean(), "std": d.std(ddof=1), "se": d.std(ddof=1) / np.sqrt(3), "n": 3, "below": (d < 0).sum()}
+      )
   assert "diff@1" not in summary["grpo"] and "gain@1" not in summary["warm-start"]
   validation = [
       {"variant": v, "lr": lr, "seed": s, "val_pass@1": 0.5}
@@ -120,7 +136,15 @@ def test_summary_passk_to_64_and_paired_differences(cm):
       for s in seeds
   ]
   lines = cm.table(summary, validation).splitlines()
-  assert lines[0].count("pass@") == 3 * len(cm.KS)
+  # pass@k for every k of KS, pass@4 first; paired differences (to GRPO, to the warm-start) at 4, 1, 64
+  head = lines[0].split(" | ")
+  assert lines[0].count("pass@") == len(cm.KS) + 2 * 3 and head[3].startswith("pass@4 mean")
+  assert [h.split(" ")[0] for h in head[3:13]] == ["pass@4", "pass@1", "pass@16", "pass@64"] + [
+      "pass@4",
+      "pass@1",
+      "pass@64",
+  ] * 2
+  assert lines[3].endswith("| – | – |")  # runs from before the signature metrics: no value
   assert [line.split(" | ")[:3] for line in lines[2:5]] == [
       ["| warm-start (no RL)", "–", "3"],
       ["| GRPO", "0.0002", "3"],
@@ -142,3 +166,107 @@ def test_signature_is_the_mean_over_steps_and_over_the_last_tenth(cm):
   assert got["selected_high_entropy"] == pytest.approx({"mean": h.mean(), "last10": h[-3:].mean()})
   assert cm.signature([{"loss": 1.0}] * 5) == {}
   assert cm.signature(history[:4])["selected_high_entropy"]["last10"] == pytest.approx(h[3])
+
+
+@pytest.fixture(scope="module")
+def tables():
+  """benchmarks/compare_tables.py, which compare_methods.py imports its tables from."""
+  spec = importlib.util.spec_from_file_location("compare_tables", os.path.join(ROOT, "benchmarks", "compare_tables.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_paired_differences_and_their_standard_error(tables):
+  a, b = np.array([0.5, 0.7, 0.2, 0.9, 0.4]), np.array([0.6, 0.4, 0.3, 0.5, 0.1])
+  d = a - b
+  got = tables.paired(a, b)
+  assert got["mean"] == pytest.approx(d.mean()) and got["std"] == pytest.approx(np.std(d, ddof=1))
+  assert got["se"] == pytest.approx(np.sqrt(np.sum((d - d.mean()) ** 2) / 4) / np.sqrt(5))
+  assert (got["n"], got["below"]) == (5, 2)
+  one = tables.paired([0.5], [0.25])
+  assert one["mean"] == 0.25 and one["std"] == 0.0 and np.isnan(one["se"]) and one["below"] == 0
+
+
+def test_unsolved_problems_and_pass_at_k_without_them(tables):
+  """Problems 1 and 3 are 0/n in every RL run (GRPO and ICT, two lrs of ICT included); problem 0 is
+  solved by one ICT run only (at an lr not chosen), problem 3 by the warm-start only (not RL)."""
+  n = 4
+  tests = [
+      {"variant": "warm-start", "lr": None, "seed": 0, "n": n, "counts": [1, 0, 2, 3, 1]},
+      {"variant": "grpo", "lr": 1e-4, "seed": 0, "n": n, "counts": [0, 0, 4, 0, 2]},
+      {"variant": "grpo", "lr": 1e-4, "seed": 1, "n": n, "counts": [0, 0, 1, 0, 0]},
+      {"variant": "ict", "lr": 1e-4, "seed": 0, "n": n, "counts": [0, 0, 3, 0, 4]},
+      {"variant": "ict", "lr": 5e-4, "seed": 1, "n": n, "counts": [2, 0, 3, 0, 1]},
+  ]
+  assert tables.unsolved_problems(tests) == [1, 3]
+  assert tables.unsolved_problems(tests[:1]) == [] and tables.unsolved_problems([]) == []
+  assert tables.unsolved_problems(tests, exclude=()) == [1]  # the warm-start solved problem 3
+  rest = tables.without_problems(tests, [1, 3])
+  assert [r["counts"] for r in rest[:2]] == [[1, 2, 1], [0, 4, 2]] and rest[0]["seed"] == 0
+  md = tables.unsolved_report(tests, {"grpo": 1e-4, "ict": 1e-4, "warm-start": None}, texts=lambda i: f"<{i}>", k=4)
+  assert "2 of 5 test problems are solved by no RL run (4 runs, 0 of 4 samples each)" in md
+  assert "pass@4 is at most 60.0% for every method" in md
+  assert "- test problem 1: <1> (warm-start: 0 correct)" in md and "- test problem 3: <3> (warm-start: 3 correct)" in md
+  # with k = n = 4, pass@4 of a problem is 1 if any sample is right: on problems 0, 2, 4 GRPO solves
+  # 2/3 (seed 0) and 1/3 (seed 1), ICT at its chosen lr 2/3 (seed 0), the warm-start 3/3
+  grpo = np.array([2 / 3, 1 / 3])
+  assert f"- GRPO: {100 * grpo.mean():.1f} ± {100 * grpo.std(ddof=1):.1f}\n" in md
+  assert "- ICT: 66.7 ± 0.0, − GRPO +0.0 (n=1, 0 below)" in md  # one pair: no standard error
+  assert "- warm-start (no RL): 100.0 ± 0.0, − GRPO +33.3 (n=1, 0 below)" in md
+  solved = {"variant": "ict", "lr": 1e-4, "seed": 0, "n": n, "counts": [1, 1, 4, 1, 1]}
+  assert tables.unsolved_report(tests[:1] + [solved], {}).startswith("Every test problem is solved by at least one")
+  assert "pass@4 is at most 60.0%" in tables.unsolved_report(tests, {}, k=64)  # k above n: pass@n
+  nothing = tables.unsolved_report([{**r, "counts": [0] * 5} for r in tests], {}, k=4)  # no problem left
+  assert "5 of 5 test problems" in nothing and "at most 0.0%" in nothing and "on the other" not in nothing
+
+
+def test_signature_per_method_and_js_reference_in_the_tables(cm, tmp_path):
+  """The summary carries each variant's signature at its chosen lr (mean ± std over seeds of the
+  runs' means and last-10% means); the tables show it beside the paper's values, per JS reference
+  reading, and "–" where the runs are older than the metrics. `--report` rebuilds from results.json
+  when the runs are not there."""
+  n, seeds = 4, [0, 1]
+  chosen = {"grpo": 5e-4, "ict": 1e-4, "reference=others_mean": 1e-4, "warm-start": None}
+  tests = [{"variant": v, "lr": lr, "seed": s, "n": n, "counts": [1, 2, 0]} for v, lr in chosen.items() for s in seeds]
+  sig = {0: (0.7, 0.9, 1.0, 1.0), 1: (0.5, 0.6, 0.5, 0.75)}  # seed -> prob mean, last10, share mean, last10
+  validation = [
+      {"variant": v, "lr": chosen[v], "seed": s, "val_pass@1": 0.1}
+      | (
+          {}
+          if v == "grpo"  # GRPO's runs predate the metrics
+          else {
+              "signature": {
+                  "selected_prob": {"mean": sig[s][0], "last10": sig[s][1]},
+                  "selected_high_entropy": {"mean": sig[s][2], "last10": sig[s][3]},
+              }
+          }
+      )
+      for v in ("grpo", "ict", "reference=others_mean")
+      for s in seeds
+  ]
+  validation.append({**validation[-1], "lr": 5e-4, "signature": {"selected_prob": {"mean": 9.0, "last10": 9.0}}})
+  summary = cm.summarize(tests, chosen, validation)
+  got = summary["ict"]["signature"]
+  assert got["seeds"] == seeds and "signature" not in summary["grpo"] and "signature" not in summary["warm-start"]
+  assert got["selected_prob"]["mean"]["mean"] == pytest.approx(0.6)
+  assert got["selected_prob"]["mean"]["std"] == pytest.approx(np.std([0.7, 0.5], ddof=1))
+  assert got["selected_high_entropy"]["last10"]["mean"] == pytest.approx(0.875)
+  assert summary["reference=others_mean"]["signature"]["selected_prob"]["mean"]["mean"] == pytest.approx(0.6)
+  md = cm.table(summary, validation)
+  lines = md.splitlines()
+  assert "selected p (paper ~0.18)" in lines[0] and "share above median H, % (paper ~50%)" in lines[0]
+  (grpo,) = [line for line in lines if line.startswith("| GRPO | 0.0005 |")]
+  assert grpo.endswith("| – | – |")
+  (ict,) = [line for line in lines if line.startswith("| ICT | 0.0001 |")]
+  assert ict.endswith(f"| 0.60 ± {np.std([0.7, 0.5], ddof=1):.2f} (last 10%: 0.75) | 75.00 ± 35.36 (last 10%: 87.50) |")
+  assert "| ICT | active_mean | 2 | 0.60" in md and "| ICT reference=others_mean | others_mean | 2 | 0.60" in md
+  # --report from results.json alone (no runs/ folder): the same records back
+  out = tmp_path / "level1"
+  out.mkdir()
+  (out / "results.json").write_text(
+      json.dumps({"chosen_lr": chosen, "summary": {}, "validation": validation, "tests": tests})
+  )
+  assert cm._load(str(out)) == (validation, tests, chosen, False)
+  with pytest.raises(SystemExit, match="nothing to report"):
+    cm._load(str(tmp_path))
