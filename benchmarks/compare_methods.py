@@ -368,12 +368,17 @@ def plot_curves(runs: list[dict], path: str, title: str) -> None:
 
 def _load(out: str) -> tuple[list[dict], list[dict], dict, bool]:
   """(validation records, test records, chosen lrs, from_runs): the runs' files under `out`/runs, or,
-  where no run's test.json is there (a checkout of the committed sweep), `out`/results.json."""
+  where no run's test.json is there (a checkout of the committed sweep), `out`/results.json. A run's
+  result.json written before it carried the signature gets it from the run's metrics log, if any."""
 
   def load(name):
-    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", name)))]
+    return [(p, json.load(open(p))) for p in sorted(glob.glob(os.path.join(out, "runs", "*", name)))]
 
-  validation, tests = load("result.json"), load("test.json")
+  validation = [
+      r if "signature" in r else {**r, "signature": signature(read_log(os.path.dirname(p)))}
+      for p, r in load("result.json")
+  ]
+  tests = [r for _, r in load("test.json")]
   chosen_path, saved = os.path.join(out, "chosen_lr.json"), os.path.join(out, "results.json")
   if tests and os.path.exists(chosen_path):
     return validation, tests, json.load(open(chosen_path)), True

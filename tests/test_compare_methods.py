@@ -268,5 +268,21 @@ def test_signature_per_method_and_js_reference_in_the_tables(cm, tmp_path):
       json.dumps({"chosen_lr": chosen, "summary": {}, "validation": validation, "tests": tests})
   )
   assert cm._load(str(out)) == (validation, tests, chosen, False)
+  # from the runs' files: a result.json from before the signature gets it from its run's metrics log
+  from etils import epath
+  from ict_jax.logs import JsonlLog
+
+  run = out / "runs" / "ict_lr0.0001_seed0"
+  run.mkdir(parents=True)
+  (out / "chosen_lr.json").write_text(json.dumps(chosen))
+  old = {"variant": "ict", "lr": 1e-4, "seed": 0, "val_pass@1": 0.1}
+  (run / "result.json").write_text(json.dumps(old))
+  (run / "test.json").write_text(json.dumps(tests[0]))
+  log = JsonlLog(epath.Path(run) / "metrics", 0)
+  for step, (p, h) in enumerate(((0.5, 1.0), (0.7, 0.0)), 1):
+    log.write(step, [{"step": step, "selected_prob": p, "selected_high_entropy": h}])
+  (got,), _, _, from_runs = cm._load(str(out))
+  assert from_runs and {k: got[k] for k in old} == old
+  assert got["signature"]["selected_prob"] == pytest.approx({"mean": 0.6, "last10": 0.7})
   with pytest.raises(SystemExit, match="nothing to report"):
     cm._load(str(tmp_path))
