@@ -106,6 +106,7 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
 # test_every_benchmark_script_has_a_smoke_run.
 SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
+    "assemble_sweep.py": "tests/test_compare_methods.py",
     "compare_logs.py": "test_compare_logs_identical_and_different",
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compare_tables.py": "tests/test_compare_methods.py",

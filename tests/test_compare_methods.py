@@ -286,3 +286,56 @@ def test_signature_per_method_and_js_reference_in_the_tables(cm, tmp_path):
   assert got["signature"]["selected_prob"] == pytest.approx({"mean": 0.6, "last10": 0.7})
   with pytest.raises(SystemExit, match="nothing to report"):
     cm._load(str(tmp_path))
+
+
+def test_assemble_sweep_reports_every_variant_at_one_lr(tmp_path):
+  """benchmarks/assemble_sweep.py: the records at --lr from a committed results.json and a sweep's
+  run folders, the warm-start's tests too, the first source winning a duplicate (a conflict listed
+  when its counts differ), every variant's lr set to --lr and table.md built from them."""
+  spec = importlib.util.spec_from_file_location("assemble_sweep", os.path.join(ROOT, "benchmarks", "assemble_sweep.py"))
+  asm = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(asm)
+  n, seeds = 4, [0, 1]
+  rec = lambda v, lr, s, counts: {"variant": v, "lr": lr, "seed": s, "n": n, "counts": counts}  # noqa: E731
+  committed = tmp_path / "results.json"
+  committed.write_text(
+      json.dumps(
+          {
+              "chosen_lr": {"grpo": 5e-4, "ict": 1e-4},
+              "summary": {},
+              "validation": [
+                  {"variant": v, "lr": lr, "seed": s, "val_pass@1": 0.1}
+                  for v, lr in (("grpo", 5e-4), ("ict", 1e-4))
+                  for s in seeds
+              ],
+              "tests": [rec("warm-start", None, s, [0, 1, 0]) for s in seeds]
+              + [rec("grpo", 5e-4, s, [4, 4, 0]) for s in seeds]
+              + [rec("ict", 1e-4, s, [1, 2, 0]) for s in seeds],
+          }
+      )
+  )
+  sweep = tmp_path / "eq" / "level4"
+  for s in seeds:
+    run = sweep / "runs" / f"grpo_lr0.0001_seed{s}"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(
+        json.dumps({"variant": "grpo", "lr": 1e-4, "seed": s, "val_pass@1": 0.2, "signature": {}})
+    )
+    (run / "test.json").write_text(json.dumps(rec("grpo", 1e-4, s, [2, 3, 1])))
+  ws = sweep / "runs" / "warm-start_seed0"
+  ws.mkdir(parents=True)
+  (ws / "test.json").write_text(json.dumps(rec("warm-start", None, 0, [1, 1, 1])))  # re-evaluated: differs
+  out = tmp_path / "out"
+  got = asm.main(["--setting", "level4", "--lr", "1e-4", "--sources", f"{committed},{sweep}", "--out", str(out)])
+  assert got["variants"] == ["grpo", "ict"] and got["tests"] == 2 + 2 + 2
+  assert got["conflicts"] == [{"variant": "warm-start", "lr": None, "seed": 0}]
+  results = json.loads((out / "level4" / "results.json").read_text())
+  assert results["chosen_lr"] == {"grpo": 1e-4, "ict": 1e-4}
+  summary = results["summary"]
+  assert summary["warm-start"]["pass@1"]["mean"] == pytest.approx(1 / 12)  # the committed source's, first
+  assert summary["grpo"]["pass@1"]["mean"] == pytest.approx(6 / 12) and summary["grpo"]["seeds"] == seeds
+  # ICT minus GRPO at the same lr, paired by seed: (3 - 6) / 12 on both seeds
+  assert summary["ict"]["diff@1"]["mean"] == pytest.approx(-3 / 12)
+  assert "| GRPO | 0.0001 |" in (out / "level4" / "table.md").read_text()
+  with pytest.raises(SystemExit, match="expected a results.json or a setting folder"):
+    asm.main(["--setting", "level4", "--lr", "1e-4", "--sources", str(tmp_path / "nothing"), "--out", str(out)])
