@@ -15,18 +15,24 @@ lent (issue 25, item 7), and a CPU smoke run of the same code on tiny shapes.
   `update_bound_s` = `plan.update_flops` of those rows at the chip's peak, `update_s_over_bound` =
   step_s / that (1 / the MFU of the plan's FLOP count).
 - decode: `ict_jax.generate` of `--decode_rows` rows (prompts of `--decode_prompt` tokens, G
-  samples each, EOS off so every row runs to the end, T = 1, `rollout.dtype`), once with `--new`
+  samples each, EOS off so every row runs to the end, T = 1) with the rollout copy the trainer
+  makes (`make_rollout_policy`: `rollout.dtype`, the `--decode_weights` layout, default the
+  config's `rollout.decode_weights`, over the local chips: on one chip both layouts are the same
+  program), once with `--new`
   new tokens and once with new / 2 + 1 (the same length bucket: one compiled program); the step's
   time = the difference / the steps between, so prefill and dispatch drop out. `decode_mbu` = the
   bytes those steps must read (the rollout weights, the prompts' keys/values once a prompt and the
   completion slots filled so far, as the plan's minimum counts them) / their time / the chip's HBM
-  bandwidth; `decode_s_over_bound` = 1 / `decode_mbu`.
+  bandwidth; `decode_s_over_bound` = 1 / `decode_mbu`. `prefill_s` = the short call less its
+  decode steps; `rollout_tokens_per_s` = the long call's tokens / its time (prefill included).
+  `--decode_only` skips the update: the rollout alone.
 
 Peaks: dense bf16 TFLOP/s from `throughput.chip_peak` (a CPU's is measured), HBM TB/s from the
 `ict_jax.aot` target of the same chip (`--hbm_tb_s` for another; none on a CPU: MBU is null).
 
     python benchmarks/device_check.py --config configs/qwen2_5_1_5b_math.py [--prompts 16]
         [--decode_rows 256] [--new 2048] [--repeats 3] [--json OUT]
+    python benchmarks/device_check.py --config configs/qwen2_5_1_5b_math.py --decode_only  # a 1.5B bf16 rollout
     python benchmarks/device_check.py --config configs/qwen2_5_0_5b_math.py --smoke   # CPU
 
 Prints one JSON object.
@@ -91,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--attention", default="", help="model.attention (default: the config's)")
   ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
   ap.add_argument("--vocab", type=int, default=0, help="override vocab_size")
+  ap.add_argument("--decode_weights", default="", help="the rollout copy's layout (default: rollout.decode_weights)")
+  ap.add_argument("--decode_only", action="store_true", help="time the rollout only (prefill + decode)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: " + json.dumps(SMOKE))
   ap.add_argument("--json", default="", help="also write the JSON here")
   args = ap.parse_args(argv)
@@ -194,10 +202,13 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
 
   from jax.sharding import Mesh
 
+  from flax import nnx
+
   import ict_jax
   from benchmarks.step import median_time as timed
   from ict_jax import setup as setup_lib
-  from ict_jax.sampling import bucket_length, kv_bytes
+  from ict_jax import sharding
+  from ict_jax.sampling import bucket_length, kv_bytes, make_rollout_policy
 
   g, n = cfg.rollout.group_size, args.new or args.max_new
   dtype = args.rollout_dtype or setup_lib.rollout_dtype(cfg, Mesh(np.array(jax.devices()[:1]), ("data",)))
@@ -208,10 +219,19 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   rng = np.random.default_rng(2)
   ids = rng.integers(1, mcfg.vocab_size, (prompts, args.decode_prompt)).astype(np.int32)
   mask = np.ones_like(ids)
+  # the rollout copy as the trainer makes it: the rollout dtype, the layout over the local chips
+  mesh = sharding.make_mesh((1, -1, 1), devices=jax.local_devices())
+  weights_layout = args.decode_weights or cfg.rollout.decode_weights
+  graphdef, state = nnx.split(model)
+  with jax.set_mesh(mesh):
+    policy = make_rollout_policy(
+        graphdef, nnx.state(model, nnx.Param).to_pure_dict(), dtype=dtype, mesh=mesh, weights=weights_layout
+    )
+  chip_weights = max(sharding.bytes_per_device(policy.state).values())
 
   def run(new: int):
     out = ict_jax.generate(
-        model,
+        policy,
         ids,
         mask,
         max_new_tokens=new,
@@ -220,7 +240,7 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
         num_samples=g,
         decode_batch_size=args.decode_rows,
         return_logprobs=False,
-        rollout_dtype=dtype,
+        mesh=mesh,
     )
     jax.block_until_ready(out)
     return out
@@ -233,15 +253,22 @@ def decode(args, cfg, mcfg, model, bw_tb_s: float | None) -> dict:
   long_s, all_long = timed(lambda: run(n), args.repeats)
   short_s, all_short = timed(lambda: run(half), args.repeats)
   step_s = (long_s - short_s) / (n - half)
-  # what steps half .. n - 1 must read (the plan's minimum): the rollout weights (an untied input
-  # embedding is gathered, not read), each prompt's keys/values once, and the completion slots
-  # filled before the step
+  prefill_s = short_s - (half - 1) * step_s  # a call: the prefill, then half - 1 decode steps
+  # what steps half .. n - 1 must read a chip (the plan's minimum): its share of the rollout weights
+  # (an untied input embedding is gathered, not read), each prompt's keys/values once, and the
+  # completion slots filled before the step (the rows, and so the KV cache, split over the chips)
   embed = 0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size
-  weights = (mcfg.num_params() - embed) * np.dtype(dtype).itemsize
+  itemsize = np.dtype(dtype).itemsize
+  weights = (mcfg.num_params() - embed) * itemsize * chip_weights / (mcfg.num_params() * itemsize)
   slot = kv_bytes(mcfg, 1, None, dtype)  # one slot's keys and values, all layers
   filled = float(np.mean(np.arange(half, n)))  # completion slots written before an average step
-  step_bytes = weights + slot * (prompts * args.decode_prompt + args.decode_rows * filled)
+  step_bytes = weights + slot * (prompts * args.decode_prompt + args.decode_rows * filled) / mesh.size
   out = {
+      "decode_weights": weights_layout,
+      "chips": mesh.size,
+      "chip_weight_bytes": chip_weights,
+      "prefill_s": prefill_s,
+      "rollout_tokens_per_s": args.decode_rows * n / long_s,  # prefill + decode, a whole call
       "rows": args.decode_rows,
       "prompt": args.decode_prompt,
       "new": n,
@@ -293,7 +320,7 @@ def main(argv=None) -> dict:
       "peak_tflops": peak,
       "peak_source": source,
       "model": dict(layers=mcfg.num_hidden_layers, hidden=mcfg.hidden_size, vocab=mcfg.vocab_size, dtype=mcfg.dtype),
-      "update": update(args, cfg, mcfg, model, peak),
+      "update": None if args.decode_only else update(args, cfg, mcfg, model, peak),
       "decode": decode(args, cfg, mcfg, model, bw),
   }
   text = json.dumps(result, indent=1)

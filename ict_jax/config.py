@@ -26,7 +26,7 @@ from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.Confi
 from ict_jax.data.files import FILES
 from ict_jax.data.prompts import STYLES
 from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES, SELECTED_NORMS
-from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DTYPES, REMAT_POLICIES
+from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DECODE_WEIGHTS, DTYPES, REMAT_POLICIES
 from ict_jax.rewards.functions import parse_list, parse_weights
 from ict_jax.rewards.registry import KINDS
 from ict_jax.selection import KEEPS, REFERENCES, SCORES, SELECTORS, SEQUENCE_REFERENCE
@@ -200,6 +200,10 @@ class RolloutConfig:
   # TPU/GPU, else model.dtype) | float32 | bfloat16 | float16
   decode_batch_size: str = field("auto", decode_rows)  # rows decoded at once: "auto" (sized from free
   # device memory; all rows on CPU) | "all" | a number dividing the step's rows
+  decode_weights: str = field("tensor", choices(DECODE_WEIGHTS))  # the rollout copy's layout
+  # (`sampling.policy`): "tensor" (each weight split over every chip: a decode step reads 1/chips of
+  # the weights a chip, and gathers / scatters the rows around the split matmuls) | "replicated"
+  # (nothing over fsdp: every chip reads all the weights a step, no collective)
 
   @property
   def rows(self) -> int:

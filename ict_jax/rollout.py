@@ -117,12 +117,15 @@ def decode_completions(tokenizer, ids: np.ndarray, mask: np.ndarray, eos_ids: Se
   return tokenizer.decode_batch([row[k] for row, k in zip(ids, keep)], skip_special_tokens=True)
 
 
-def rollout_policy(model_or_parts, *, dtype: str | None = None, mesh=None) -> RolloutPolicy:
-  """A RolloutPolicy from a model, (graphdef, params) or a RolloutPolicy (returned as is)."""
+def rollout_policy(
+    model_or_parts, *, dtype: str | None = None, mesh=None, weights: str = "replicated"
+) -> RolloutPolicy:
+  """A RolloutPolicy from a model, (graphdef, params) or a RolloutPolicy (returned as is); weights:
+  its decoding layout (`sampling.DECODE_WEIGHTS`)."""
   if isinstance(model_or_parts, RolloutPolicy):
     return model_or_parts
   graphdef, params = model_or_parts if isinstance(model_or_parts, tuple) else nnx.split(model_or_parts)
-  return make_rollout_policy(graphdef, params, dtype=dtype, mesh=mesh)
+  return make_rollout_policy(graphdef, params, dtype=dtype, mesh=mesh, weights=weights)
 
 
 def _mean_or_nan(x: np.ndarray) -> float:
@@ -203,10 +206,12 @@ class Collector:
       mesh=None,
       rollout_dtype: str | None = None,
       decode_batch_size: int | str | None = None,
+      decode_weights: str = "replicated",
   ):
     self.tokenizer, self.sampling, self.scoring = tokenizer, sampling, scoring
     self.group_size, self.prompt_style, self.max_prompt_len = group_size, prompt_style, max_prompt_len
     self.mesh, self.rollout_dtype, self.decode_batch_size = mesh, rollout_dtype, decode_batch_size
+    self.decode_weights = decode_weights
 
   @classmethod
   def from_config(
@@ -233,11 +238,12 @@ class Collector:
         mesh=mesh,
         rollout_dtype=rollout_dtype,
         decode_batch_size=decode_batch_size(cfg),
+        decode_weights=rc.decode_weights,
     )
 
   def policy(self, model_or_parts) -> RolloutPolicy:
     """The rollout copy: weights in the rollout dtype, laid out for decoding (a RolloutPolicy as is)."""
-    return rollout_policy(model_or_parts, dtype=self.rollout_dtype, mesh=self.mesh)
+    return rollout_policy(model_or_parts, dtype=self.rollout_dtype, mesh=self.mesh, weights=self.decode_weights)
 
   def _generate_kw(self) -> dict:
     s, tok = self.sampling, self.tokenizer

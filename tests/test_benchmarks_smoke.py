@@ -112,6 +112,7 @@ SMOKE = {
     "compare_tables.py": "tests/test_compare_methods.py",
     "compile_head.py": "test_compile_head_tiny_on_v5e_8",
     "compile_step.py": "test_compile_step_tiny_on_v5e_8",
+    "decode_weights.py": "tests/test_decode_weights.py",
     "device_check.py": "test_device_check_smoke_packed_and_padded",
     "draw_bytes.py": "test_draw_bytes_tiny_on_v5e_8",
     "faults": "tests/test_faults.py",

@@ -30,6 +30,7 @@ REGISTRIES = {
     "model.vocab": VOCABS,
     "data.prompt_style": STYLES,
     "rollout.dtype": ("auto",) + model_config.DTYPES,
+    "rollout.decode_weights": model_config.DECODE_WEIGHTS,
     "ict.method": tuple(selection.SELECTORS),
     "ict.score": tuple(selection.SCORES),
     "ict.keep": tuple(selection.KEEPS),
@@ -58,6 +59,7 @@ CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "reward.kind": ("math", "choice", "answer", "chain_steps"),
     "rollout.dtype": ("auto",) + DTYPES,
+    "rollout.decode_weights": ("replicated", "tensor"),
 }
 POSITIVE = {
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "train.steps",

@@ -38,8 +38,9 @@ def _decode_step(
   sampled."""
   model = nnx.merge(graphdef, state)
   logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
-  kernels = model.cfg.kernels
-  tok, _ = sampling.rules._sample_step(logits, jax.random.fold_in(rng, i), temperature, top_p, kernels=kernels, **kw)
+  kernels, split = model.cfg.kernels, model.cfg.decode_weights == "tensor"
+  key = jax.random.fold_in(rng, i)
+  tok, _ = sampling.rules._sample_step(logits, key, temperature, top_p, kernels=kernels, vocab_split=split, **kw)
   return tok, cache
 
 

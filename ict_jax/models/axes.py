@@ -44,6 +44,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the train step's LM head works on vocabulary shards: rows over data only (lm_head.py)
     ("act_head_batch", ("data",)),
     ("act_head_vocab", ("tensor", "fsdp")),
+    # the tensor decode layout (Qwen2Config.decode_weights "tensor"): a dimension split over every
+    # chip, in the order the rollout copy's weights are split (`sampling.policy.TENSOR_RULES`)
+    ("act_split", ("data", "fsdp", "tensor")),
 )
 
 

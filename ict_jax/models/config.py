@@ -13,6 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # compute and parameter dtypes
 REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
 ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
 DECODE_ATTENTION = ("xla", "pallas", "pallas_interpret")  # see models/decode_kernel.py
+DECODE_WEIGHTS = ("replicated", "tensor")  # see models/qwen2.py and sampling/policy.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,12 @@ class Qwen2Config:
   # reference tests check) or "cpu" (XLA:CPU on one device). A concrete choice: the run config's
   # "auto" is resolved from the mesh's devices in `setup.model_config`.
   kernels: str = "portable"
+  # the decode step's weights (`sampling.policy.DECODE_WEIGHTS`, the rollout copy's layout):
+  # "replicated" (every weight whole on every row shard; a chip reads all of them a step) or
+  # "tensor" (the MLP, the vocabulary and the attention's embed dimension split over every chip of
+  # the mesh: the decode step gathers the rows for those matmuls and scatters them back, so a chip
+  # reads 1/chips of each weight a step; the attention itself still runs on each chip's rows).
+  decode_weights: str = "replicated"
 
   def __post_init__(self):
     for name in (
@@ -80,6 +87,8 @@ class Qwen2Config:
       raise ValueError(
           f"Qwen2Config.decode_attention: expected one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
       )
+    if self.decode_weights not in DECODE_WEIGHTS:
+      raise ValueError(f"Qwen2Config.decode_weights: expected one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
     if self.kernels not in KERNELS:
       raise ValueError(f"Qwen2Config.kernels: expected one of {KERNELS}, got {self.kernels!r}")
     for name in ("dtype", "param_dtype"):

@@ -155,6 +155,9 @@ class Attention(nnx.Module):
     [L,U,K,P,2H]), with the `layer` to read: the kernel reads its slots in place."""
     cfg, dt = self.cfg, x.dtype
     w = lambda p: p[...].astype(dt)
+    split = cfg.decode_weights == "tensor" and cache is not None and not prefill
+    if split:  # q/k/v split on embed (`sampling.policy.TENSOR_RULES`): x's rows -> embed shards, partial
+      x = constrain(x, (None, None, "act_split"))  # sums reduce-scattered back to rows by the constraints below
     q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
     k = jnp.einsum("BTD,DKH->BTKH", x, w(self.k_proj["kernel"])) + w(self.k_proj["bias"])
     v = jnp.einsum("BTD,DKH->BTKH", x, w(self.v_proj["kernel"])) + w(self.v_proj["bias"])
@@ -202,7 +205,10 @@ class Attention(nnx.Module):
       out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     out = constrain(out, ("act_batch", "act_length", "act_heads", None))
     heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] -> [B,K,T,H], the cache's layout
-    return jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"])), (heads_major(k), heads_major(v))
+    if split:  # o split on its output embed: every row's heads in, [B, T, D / chips] out
+      out = constrain(out, (None, None, None, None))
+    h = jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"]))
+    return constrain(h, (None, None, "act_split")) if split else h, (heads_major(k), heads_major(v))
 
 
 class MLP(nnx.Module):
@@ -213,11 +219,16 @@ class MLP(nnx.Module):
     self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
     self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd, stack=stack))
 
-  def __call__(self, x: Array) -> Array:  # [B,T,D]
+  def __call__(self, x: Array, split: bool = False) -> Array:  # [B,T,D]
+    """split: the weights split on the intermediate dimension over every chip (decode_weights
+    "tensor", decoding): x's rows gathered, [B, T, F / chips] a chip, partial sums out."""
     dt = x.dtype
+    if split:
+      x = constrain(x, (None, None, None))
     gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj["kernel"][...].astype(dt))
     up = jnp.einsum("BTD,DF->BTF", x, self.up_proj["kernel"][...].astype(dt))
-    hidden = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
+    names = (None, "act_length", "act_split") if split else ("act_batch", "act_length", "act_mlp")
+    hidden = constrain(jax.nn.silu(gate) * up, names)
     return jnp.einsum("BTF,FD->BTD", hidden, self.down_proj["kernel"][...].astype(dt))
 
 
@@ -236,7 +247,8 @@ class DecoderLayer(nnx.Module):
     """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
     h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix, layer)
     x = x + h
-    x = x + self.mlp(self.post_attn_norm(x))
+    split = self.attn.cfg.decode_weights == "tensor" and cache is not None and not prefill
+    x = x + self.mlp(self.post_attn_norm(x), split)  # split: reduce-scattered to rows by the constraint
     return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
 
 
@@ -287,10 +299,13 @@ class Qwen2(nnx.Module):
     [V, B], and returned transposed (a layout, not a copy; XLA keeps the layout the dot
     produces): the sampler's reductions over the vocabulary read either layout alike."""
     w, vocab_major = self.head_weight()
+    names = ("act_vocab", "act_batch")
+    if self.cfg.decode_weights == "tensor":  # the vocabulary split over every chip: every row's
+      h, names = constrain(h, (None, None)), ("act_split", None)  # logits on 1/chips of the ids
     logits = jnp.einsum(
         "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32
     )
-    return constrain(logits, ("act_vocab", "act_batch")).T
+    return constrain(logits, names).T
 
   def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache | JointCache:
     """Zeros [L, B, K, S, H] for keys and values (S = length), in `dtype` (default cfg.dtype);

@@ -34,6 +34,8 @@ from ict_jax.sampling.plan import (
 )
 from ict_jax.sampling.policy import (
     DECODE_RULES,
+    DECODE_WEIGHTS,
+    TENSOR_RULES,
     ROLLOUT_DTYPES,
     RolloutPolicy,
     abstract_rollout_policy,
@@ -72,6 +74,8 @@ __all__ = [
     "free_device_bytes",
     "resolve_decode_batch_size",
     "DECODE_RULES",
+    "DECODE_WEIGHTS",
+    "TENSOR_RULES",
     "ROLLOUT_DTYPES",
     "QWEN_EOS_IDS",
     "QWEN_PAD_ID",

@@ -134,6 +134,7 @@ def _decode_rows(
         top_k=top_k,
         use_top_p=use_top_p,
         kernels=kernels,
+        vocab_split=model.cfg.decode_weights == "tensor",
     )
     active = ~done
     tok = jnp.where(active, tok, pad_id)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ict_jax import cpu_paths
+from ict_jax.models.axes import constrain
 
 Array = jax.Array
 
@@ -74,9 +75,26 @@ def _sample_step(
     top_k: int,
     use_top_p: bool,
     kernels: str = "portable",
+    vocab_split: bool = False,
 ) -> tuple[Array, Array]:
   """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32). kernels "cpu" takes
-  `cpu_paths.plain_step` for greedy and plain temperature sampling (same values)."""
+  `cpu_paths.plain_step` for greedy and plain temperature sampling (same values). vocab_split (the
+  tensor decode layout, `Qwen2Config.decode_weights`): the logits stay split over every chip by
+  vocabulary, every row on every chip, and the reductions over the vocabulary (the max, the
+  Gumbel-max draw, the normaliser) are computed on each chip's ids and combined across chips
+  (all-reduces of [B] values): left to itself XLA moved the [B, V] logits to the rows' chips."""
+  if vocab_split:
+    tok, lp = _sample_step(
+        constrain(logits, (None, "act_split")),
+        key,
+        temperature,
+        top_p,
+        greedy=greedy,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        kernels=kernels,
+    )
+    return constrain(tok, (None,)), constrain(lp, (None,))
   logits = logits.astype(jnp.float32)
   top_k = 0 if top_k >= logits.shape[-1] else top_k  # k >= vocab keeps everything
   if kernels == "cpu" and (greedy or not (top_k or use_top_p)):
