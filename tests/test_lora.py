@@ -1,0 +1,127 @@
+"""LoRA by qwix (`ict_jax/lora.py`): the adapted forward is the base plus alpha / rank * x.A.B on
+each chosen projection (a numpy reference built from the weights), only the adapters train."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ict_jax import lora
+from ict_jax.models import qwen2
+from ict_jax.models.config import Qwen2Config
+
+CFG = Qwen2Config.preset(
+    "tiny",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+RANK, ALPHA = 4, 8.0
+
+
+def _np_rms(x, scale, eps):
+  return scale * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def _np_rope(x, pos, theta):  # x [T, N, H]
+  h = x.shape[-1]
+  inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+  emb = np.concatenate([pos[:, None] * inv] * 2, -1)[:, None, :]
+  rot = np.concatenate([-x[..., h // 2 :], x[..., : h // 2]], -1)
+  return x * np.cos(emb) + rot * np.sin(emb)
+
+
+def _np_hidden(p, ids, cfg, w):
+  """Qwen2's final hidden states for one row in numpy, each projection's weight given by `w`."""
+  x = p["embed"]["embedding"][ids]
+  t = len(ids)
+  pos = np.arange(t)
+  n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  for l in range(cfg.num_hidden_layers):
+    lay = p["layers"]
+    a = _np_rms(x, lay["input_norm"]["scale"][l], cfg.rms_norm_eps)
+    q = np.einsum("td,dnh->tnh", a, w("attn", "q_proj", l)) + lay["attn"]["q_proj"]["bias"][l]
+    kk = np.einsum("td,dkh->tkh", a, w("attn", "k_proj", l)) + lay["attn"]["k_proj"]["bias"][l]
+    v = np.einsum("td,dkh->tkh", a, w("attn", "v_proj", l)) + lay["attn"]["v_proj"]["bias"][l]
+    q, kk = _np_rope(q, pos, cfg.rope_theta), _np_rope(kk, pos, cfg.rope_theta)
+    kk, v = np.repeat(kk, n // k, 1), np.repeat(v, n // k, 1)
+    s = np.einsum("tnh,snh->nts", q, kk) / np.sqrt(h) + np.where(np.tri(t) > 0, 0.0, -1e30)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s /= s.sum(-1, keepdims=True)
+    x = x + np.einsum("tnh,nhd->td", np.einsum("nts,snh->tnh", s, v), w("attn", "o_proj", l))
+    m = _np_rms(x, lay["post_attn_norm"]["scale"][l], cfg.rms_norm_eps)
+    g, u = m @ w("mlp", "gate_proj", l), m @ w("mlp", "up_proj", l)
+    x = x + (g / (1 + np.exp(-g)) * u) @ w("mlp", "down_proj", l)
+  return _np_rms(x, p["final_norm"]["scale"], cfg.rms_norm_eps)
+
+
+def _randomised(model):
+  """The adapters' B drawn too (qwix starts it at zero, which would hide a wrong A.B)."""
+  graphdef, adapters, base = lora.split(model)
+  keys = iter(jax.random.split(jax.random.key(7), 64))
+  adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
+  return graphdef, adapters, base
+
+
+@pytest.mark.parametrize("modules", [lora.DEFAULT_MODULES, "q_proj,down_proj", ".*/attn/(k|v)_proj"])
+def test_lora_forward_is_base_plus_scaled_ba(modules):
+  model = lora.apply(qwen2.init_model(CFG, 0), RANK, ALPHA, modules, seed=1)
+  graphdef, adapters, base = _randomised(model)
+  ids = np.array([3, 5, 7, 9, 11, 2])
+  h = nnx.merge(graphdef, lora.join(base, adapters)).hidden_states(jnp.asarray(ids)[None])[0]
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), base)
+  ad = jax.tree.map(lambda x: np.asarray(x, np.float64), adapters)
+  pattern = lora.module_pattern(modules)
+  import re
+
+  def weight(part, proj, l):
+    kern = p["layers"][part][proj]["kernel"][l]
+    if not re.fullmatch(pattern, f"layers/{part}/{proj}"):
+      assert proj not in ad["layers"].get(part, {})
+      return kern
+    a = ad["layers"][part][proj]["kernel_lora_a"][l]  # [contracted..., r]
+    b = ad["layers"][part][proj]["kernel_lora_b"][l]  # [r, rest...]
+    ab = np.tensordot(a, b, axes=([-1], [0]))  # the kernel's layout: contracted dims first
+    return kern + ALPHA / RANK * ab
+
+  ref = _np_hidden(p, ids, CFG, weight)
+  np.testing.assert_allclose(np.asarray(h), ref, rtol=2e-4, atol=2e-4)
+  base_only = _np_hidden(p, ids, CFG, lambda part, proj, l: p["layers"][part][proj]["kernel"][l])
+  assert np.abs(ref - base_only).max() > 1e-2  # the adapters changed the output
+  # the merged plain model (the rollout's weights) computes the same
+  plain = qwen2.init_model(CFG, 5)
+  state = nnx.state(plain, nnx.Param)
+  nnx.replace_by_pure_dict(state, lora.merged(nnx.merge(graphdef, lora.join(base, adapters))))
+  nnx.update(plain, state)
+  np.testing.assert_allclose(np.asarray(plain.hidden_states(jnp.asarray(ids)[None])[0]), ref, rtol=2e-4, atol=2e-4)
+
+
+def test_lora_starts_at_base_and_base_gets_no_gradient():
+  base_model = qwen2.init_model(CFG, 0)
+  model = lora.apply(base_model, RANK, ALPHA, seed=1)
+  graphdef, adapters, base = lora.split(model)
+  ids = jnp.array([[3, 5, 7, 9]])
+  np.testing.assert_array_equal(model.hidden_states(ids), base_model.hidden_states(ids))  # B = 0
+  graphdef, adapters, base = _randomised(model)
+
+  def loss(adapters, base):  # as the train step: the base frozen
+    m = nnx.merge(graphdef, lora.join(jax.lax.stop_gradient(base), adapters))
+    return jnp.sum(m.hidden_states(ids) ** 2)
+
+  g_adapters, g_base = jax.jit(jax.grad(loss, argnums=(0, 1)))(adapters, base)
+  assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(g_base))
+  assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_adapters))
+  n = CFG.num_hidden_layers
+  shapes = jax.tree.map(lambda x: x.shape, adapters["layers"]["attn"]["q_proj"])
+  assert shapes == {"kernel_lora_a": (n, 32, RANK), "kernel_lora_b": (n, RANK, 4, 8)}
+  assert "embed" not in adapters and "lm_head" not in adapters
+
+
+@pytest.mark.parametrize("bad", ["q_proj,lm_head", "embed.*", "(("])
+def test_lora_modules_rejected(bad):
+  with pytest.raises(ValueError):
+    lora.module_pattern(bad)
