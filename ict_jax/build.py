@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ict_jax import config as config_lib
-from ict_jax import sharding, storage
+from ict_jax import lora, sharding, storage
 from ict_jax import train_step as ts
 from ict_jax.config import Config, ConfigError
 from ict_jax.data.prompts import PromptError
@@ -52,10 +52,13 @@ class ModelSetup:
   optimizer: Any  # optax.GradientTransformation
   learning_rate: Any  # optax.ScalarOrSchedule: update count -> learning rate
   state_sharding: Any  # TrainState of shardings
+  # LoRA (model.lora_rank > 0): `graphdef` is the adapted model's, `params` the adapters (trained),
+  # `frozen` the base's ShapeDtypeStructs in the rollout dtype (a pure dict; None: full fine-tuning)
+  frozen: Any = None
 
   def abstract_state(self) -> ts.TrainState:
     """The TrainState `init_train_state` makes, as ShapeDtypeStructs (a restore or compile target)."""
-    return ts.abstract_train_state(self.optimizer, self.params, self.state_sharding)
+    return ts.abstract_train_state(self.optimizer, self.params, self.state_sharding, self.frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +160,29 @@ def fitting_prompts(cfg: Config, tok, train_src):
 def build_model(cfg: Config, mesh: Mesh, mcfg: Qwen2Config) -> ModelSetup:
   """The abstract parameters of the architecture `mcfg` (`setup.model_config`), laid out on `mesh`,
   and the optimizer with the train state's shardings. Shared by the trainer and `ict_jax.aot`."""
-  graphdef, params, params_sharding = abstract_params(mcfg, mesh)
+  frozen = None
+  if cfg.model.lora_rank:  # the adapters are trained, the base frozen in the rollout dtype
+    m = cfg.model
+    graphdef, params, frozen = lora.abstract_split(mcfg, m.lora_rank, m.lora_alpha, m.lora_modules, mesh)
+    frozen = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, resolve_rollout_dtype(cfg, mesh), sharding=x.sharding), frozen
+    )
+    params_sharding = jax.tree.map(lambda x: x.sharding, params)
+  else:
+    graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   updates = cfg.train.steps * cfg.train.num_iterations
   optimizer = ts.make_optimizer(cfg.optim, updates)
-  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
+  frozen_sharding = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
+  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh, frozen_sharding)
   return ModelSetup(
-      mcfg, graphdef, params, params_sharding, optimizer, ts.learning_rate_schedule(cfg.optim, updates), state_sharding
+      mcfg,
+      graphdef,
+      params,
+      params_sharding,
+      optimizer,
+      ts.learning_rate_schedule(cfg.optim, updates),
+      state_sharding,
+      frozen,
   )
 
 

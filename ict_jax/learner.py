@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ict_jax import config as config_lib
-from ict_jax import packing
+from ict_jax import lora, packing
 from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
 from ict_jax.build import Run, init_params, warm_start
@@ -33,6 +33,7 @@ from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import ConfigError
 from ict_jax.hooks import Hook, Hooks
 from ict_jax.models.hf import load_pretrained
+from ict_jax.models.qwen2 import abstract_model
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import Collector, Rollout, host_array
 from ict_jax.throughput import Throughput
@@ -79,6 +80,18 @@ class StepData:
   batch: TrainBatch | None = None  # the batch the update took (packed when train.token_budget)
   t0: float = 0.0  # the step's start (perf_counter)
   t1: float = 0.0  # the update's start
+
+
+def lora_state(cfg, model, params):
+  """(adapters, frozen base) of LoRA (model.lora_rank) for the starting weights `params`: the
+  adapters float32 in their shardings, the base cast to the rollout dtype in its own."""
+  m = cfg.model
+  adapters, base = lora.init_split(params, model.config, m.lora_rank, m.lora_alpha, m.lora_modules, cfg.train.seed)
+  put = lambda tree, like: jax.jit(
+      lambda t: jax.tree.map(lambda x, s: x.astype(s.dtype), t, like),
+      out_shardings=jax.tree.map(lambda s: s.sharding, like),
+  )(tree)
+  return put(adapters, model.params), put(base, model.frozen)
 
 
 class Learner:
@@ -130,9 +143,11 @@ class Learner:
       for bad in [s for s in self.ckpt.all_steps() if s > self.start_step]:  # restore found these unreadable
         log.warning("moved unreadable checkpoint step %d to %s; it will be saved again", bad, self.ckpt.set_aside(bad))
     else:
-      params = self._initial_params()
+      params, frozen = self._initial_params(), None
+      if model.frozen is not None:  # LoRA: the adapters train, the base frozen in the rollout dtype
+        params, frozen = lora_state(cfg, model, params)
       self.state = ts.init_train_state(
-          params, model.optimizer, mesh=self.run.mesh, params_sharding=model.params_sharding
+          params, model.optimizer, mesh=self.run.mesh, params_sharding=model.params_sharding, frozen=frozen
       )
       if with_ref:  # a frozen copy of the starting policy
         self.ref_params = jax.tree.map(jnp.copy, self.state.params)
@@ -144,10 +159,15 @@ class Learner:
 
   def _initial_params(self):
     cfg, run, model = self.cfg, self.run, self.run.model
-    if not run.hf_dir:
-      params = init_params(model.config, cfg.train.seed, run.mesh, model.params_sharding)
+    if not run.hf_dir:  # LoRA: the base, in the plain model's layout
+      graphdef, shardings = model.graphdef, model.params_sharding
+      if model.frozen is not None:
+        graphdef, shardings = nnx.graphdef(abstract_model(model.config)), jax.tree.map(
+            lambda s: s.sharding, model.frozen
+        )
+      params = init_params(model.config, cfg.train.seed, run.mesh, shardings)
       if cfg.warm_start.sft_steps:
-        params = warm_start(model.graphdef, params, cfg, run.tokenizer, run.train_source, run.mesh)
+        params = warm_start(graphdef, params, cfg, run.tokenizer, run.train_source, run.mesh)
       return params
     mcfg = model.config
     try:
@@ -198,9 +218,14 @@ class Learner:
     its real length: few compiled shapes)."""
     examples = next(self.data)
     key = jax.random.fold_in(self.base_key, step)
-    roll = self.collector.collect((self.graphdef, self.state.params), examples, self.reward_pool, rng=key)
+    roll = self.collector.collect((self.graphdef, self.policy_params()), examples, self.reward_pool, rng=key)
     # the longest completion comes from the gathered lengths: no host reads the others' rows
     return roll, roll.batch().trim(completion_len=roll.stats["max_response_len"])
+
+  def policy_params(self):
+    """The policy's whole pure dict for `self.graphdef`: the trained params, with the frozen LoRA
+    base when there is one (the rollout merges them: `sampling.make_rollout_policy`)."""
+    return ts.full_params(self.state.params, self.state.frozen)
 
   def pack(self, batch: TrainBatch) -> TrainBatch:
     """The decoder on packed rows (train.token_budget > 0): every host plans the whole batch."""

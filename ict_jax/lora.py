@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from ict_jax.models.axes import pure_shardings
 from ict_jax.models.config import Qwen2Config
-from ict_jax.models.qwen2 import DecoderLayer, Qwen2, rope_cos_sin
+from ict_jax.models.qwen2 import DecoderLayer, Qwen2, abstract_model, rope_cos_sin
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MODULES = ",".join(PROJECTIONS)  # Tunix's examples: the attention and MLP projections
@@ -182,3 +183,26 @@ def merged(model: Qwen2) -> dict:
       node = node[name]
     node["kernel"] = node["kernel"].astype(jnp.float32) + scale * delta
   return out
+
+
+def abstract_split(cfg: Qwen2Config, rank: int, alpha: float, modules: str, mesh):
+  """-> (graphdef, adapters, base) of the LoRA model of `cfg`, abstract: pure dicts of
+  `ShapeDtypeStruct`s carrying their `NamedSharding`s on `mesh` (by the logical axes)."""
+  model = abstract(cfg, rank, alpha, modules)
+  graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, nnx.Param)
+
+  def structs(state):
+    shardings = pure_shardings(state, mesh)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state.to_pure_dict(), shardings
+    )
+
+  return graphdef, structs(adapters), structs(base)
+
+
+def init_split(base: dict, cfg: Qwen2Config, rank: int, alpha: float, modules: str, seed: int):
+  """The starting adapters (float32; B = 0, so the adapted model is the base) for a plain model's
+  pure dict `base` -> (adapters, base): pure dicts, the base's arrays as they were."""
+  plain = nnx.merge(nnx.graphdef(abstract_model(cfg)), base)
+  _, adapters, base = split(apply(plain, rank, alpha, modules, seed))
+  return adapters, base

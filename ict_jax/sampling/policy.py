@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from ict_jax import lora
 from ict_jax.models.axes import DEFAULT_RULES, axis_rules, pure_shardings
 from ict_jax.models.qwen2 import abstract_model
 
@@ -66,6 +67,8 @@ def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mes
   cast to `dtype` (default: the model's compute dtype) and laid out for decoding on `mesh` by one
   jitted call, once per step. Without a mesh and with nothing to cast, `params` is used as is."""
   model = nnx.merge(graphdef, params)  # Python objects around the same device arrays: no copy
+  if lora.is_lora(model):  # LoRA: decode with the merged weights, W + alpha / rank * A.B
+    return _merged_policy(model, dtype, mesh)
   cfg = model.cfg
   dtype = cfg.dtype if dtype is None else dtype
   if dtype not in ROLLOUT_DTYPES:
@@ -87,6 +90,23 @@ def make_rollout_policy(graphdef, params, *, dtype: str | None = None, mesh: Mes
   leaves, treedef = jax.tree.flatten(shardings)
   fn = _reshard_fn(dtype, treedef, None if shardings is None else tuple(leaves))
   return RolloutPolicy(rgraphdef, fn(pure))
+
+
+def _merged_policy(model, dtype: str | None, mesh: Mesh | None) -> RolloutPolicy:
+  """A LoRA model's rollout copy: its adapters merged, cast and laid out by one jitted call."""
+  cfg = model.cfg
+  dtype = cfg.dtype if dtype is None else dtype
+  graphdef, params = nnx.split(model)
+  out = None if mesh is None else decode_shardings(nnx.state(abstract_model(cfg), nnx.Param), mesh)
+  leaves, treedef = jax.tree.flatten(out)
+  return RolloutPolicy(_rollout_graphdef(cfg, dtype), _merge_fn(graphdef, dtype, treedef, tuple(leaves))(params))
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(graphdef, dtype: str, treedef, shardings: tuple):
+  """The jitted merge + cast + reshard of a LoRA model, one per (model, dtype, layout)."""
+  out = jax.tree.unflatten(treedef, shardings) if shardings else None
+  return jax.jit(lambda p: _cast(lora.merged(nnx.merge(graphdef, p)), dtype), out_shardings=out)
 
 
 def as_rollout_policy(model, *, dtype: str | None = None, mesh: Mesh | None = None) -> RolloutPolicy:
