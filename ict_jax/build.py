@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from ict_jax import config as config_lib
@@ -31,7 +30,6 @@ from ict_jax.config import Config, ConfigError
 from ict_jax.data.prompts import PromptError
 from ict_jax.logs import import_wandb, read_wandb_run_id
 from ict_jax.models.config import Qwen2Config
-from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.functions import RewardFunction, resolve
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint, model_dir
 from ict_jax.setup import resolve_decode_attention
@@ -248,16 +246,6 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
     config_lib.check_packing_attention(mcfg.attention, mesh.local_devices)  # "auto" resolved for these devices
   model = build_model(cfg, mesh, mcfg)
   return Run(cfg, workdir, hf_dir, mesh, tok, train_src, model, roll_dtype, funcs)
-
-
-def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
-  """Random parameters created directly in their shardings."""
-
-  def init():
-    return nnx.state(Qwen2(mcfg, rngs=nnx.Rngs(params=seed)), nnx.Param).to_pure_dict()
-
-  with jax.set_mesh(mesh):
-    return jax.jit(init, out_shardings=params_sharding)()
 
 
 def warm_start(graphdef, params, cfg: Config, tok, train_src, mesh):

@@ -28,12 +28,13 @@ from ict_jax import config as config_lib
 from ict_jax import lora, packing
 from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
-from ict_jax.build import Run, init_params, warm_start
+from ict_jax.build import Run, warm_start
 from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import ConfigError
 from ict_jax.hooks import Hook, Hooks
 from ict_jax.models.hf import load_pretrained
 from ict_jax.models.qwen2 import abstract_model
+from ict_jax.setup import init_params
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import Collector, Rollout, host_array
 from ict_jax.throughput import Throughput
@@ -133,11 +134,14 @@ class Learner:
     cfg, model = self.cfg, self.run.model
     with_ref, position = cfg.loss.beta > 0, 0
     if self.ckpt.latest_step() is not None:
-      target = {"state": model.abstract_state()}
+      target = {"state": model.abstract_state().saved()}  # LoRA: the adapters, not the base
       if with_ref:
         target["ref_params"] = model.params
       self.start_step, tree, meta = self.ckpt.restore(target)
-      self.state, self.ref_params = tree["state"], tree.get("ref_params")
+      frozen = None
+      if model.frozen is not None:  # LoRA: the frozen base as the run began (model.path, or the seed's)
+        frozen = lora_state(cfg, model, self._initial_params())[1]
+      self.state, self.ref_params = tree["state"].with_frozen(frozen), tree.get("ref_params")
       position = int(meta["data_position"])
       log.info("resumed from step %d of %s", self.start_step, self.run.workdir)
       for bad in [s for s in self.ckpt.all_steps() if s > self.start_step]:  # restore found these unreadable
@@ -188,7 +192,7 @@ class Learner:
   def save(self, step: int, force: bool = False) -> None:
     """A checkpoint of `step` completed steps: the state, the data position, the config."""
     self.hooks.save(self, step)  # e.g. the logs flushed: a resume from it keeps every step it covers
-    tree = {"state": self.state}
+    tree = {"state": self.state.saved()}  # LoRA: not the frozen base (a restore reloads it)
     if self.ref_params is not None:
       tree["ref_params"] = self.ref_params
     meta = {

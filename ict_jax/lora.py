@@ -118,7 +118,7 @@ def apply(model: Qwen2, rank: int, alpha: float, modules: str = DEFAULT_MODULES,
   )
   n = cfg.num_hidden_layers
   key = jax.random.key(seed)
-  for path, one in layer.iter_modules():
+  for path, one in nnx.iter_modules(layer):
     if not _adapted(one):
       continue
     target = lora.layers
@@ -162,12 +162,24 @@ def is_lora(model) -> bool:
   return hasattr(model, "lora_scale")
 
 
+def merge(graphdef, params) -> Qwen2:
+  """`nnx.merge(graphdef, params)`, a LoRA model's adapters cast to the compute dtype
+  (`model.dtype`): qwix adds x.A.B in the adapters' dtype, and the decoder's layer scan carries
+  its activations in the compute dtype. The cast is inside whatever is differentiated, so the
+  gradients are still the float32 adapters'. A plain model is merged as it is."""
+  model = nnx.merge(graphdef, params)
+  if is_lora(model):
+    dt = jnp.dtype(model.cfg.dtype)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dt), nnx.state(model, nnx.LoRAParam)))
+  return model
+
+
 def merged(model: Qwen2) -> dict:
   """A LoRA model's weights merged, W + alpha / rank * A.B (in float32), as the plain model's pure
   dict of `nnx.Param`s (no adapter): what the rollout decodes with and the export writes."""
   scale = model.lora_scale
   out = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict()
-  for path, module in model.iter_modules():
+  for path, module in nnx.iter_modules(model):
     if not _adapted(module):
       continue
     a_letters, b_letters, kernel_letters = _split_einsum(module)

@@ -30,7 +30,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ict_jax import answer_positions, grpo, lm_head, lora, selection
@@ -48,6 +47,25 @@ class TrainState:
   params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict()): the trained ones
   opt_state: Any  # optax state
   frozen: Any = None  # LoRA (model.lora_rank): the frozen base, a pure dict in the rollout dtype, no optimizer state
+
+  def saved(self) -> "SavedState":
+    """What a checkpoint holds of it: all but the frozen LoRA base."""
+    return SavedState(step=self.step, params=self.params, opt_state=self.opt_state)
+
+
+@flax.struct.dataclass
+class SavedState:
+  """A checkpoint's `state` item: `TrainState` less the frozen LoRA base, which a restore loads
+  again from model.path (a LoRA run's checkpoint holds the adapters and their AdamW state, not a
+  copy of the base). Full fine-tuning's tree is the one it has always been (step, params,
+  opt_state: Orbax stores these keys, not the class)."""
+
+  step: jax.Array  # int32 []
+  params: Any
+  opt_state: Any
+
+  def with_frozen(self, frozen) -> TrainState:
+    return TrainState(step=self.step, params=self.params, opt_state=self.opt_state, frozen=frozen)
 
 
 def full_params(params, frozen):
@@ -168,7 +186,7 @@ def completion_logp_and_stats(
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
 def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig, ref_params, frozen=None):
-  model = nnx.merge(graphdef, full_params(params, frozen))
+  model = lora.merge(graphdef, full_params(params, frozen))
   ict, loss = cfg.ict, cfg.loss
   n, c = batch.completion_ids.shape
   grad_rows = (
@@ -192,7 +210,7 @@ def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig
   old_logp = sg_logp if batch.old_logp is None else batch.old_logp
   ref_logp = None
   if loss.beta > 0:
-    ref_model = nnx.merge(graphdef, full_params(ref_params, frozen))
+    ref_model = lora.merge(graphdef, full_params(ref_params, frozen))
     ref_logp, _ = completion_logp_and_stats(
         ref_model, batch, temperature=cfg.temperature, group_size=None, chunk_size=ict.chunk_size
     )

@@ -125,3 +125,138 @@ def test_lora_starts_at_base_and_base_gets_no_gradient():
 def test_lora_modules_rejected(bad):
   with pytest.raises(ValueError):
     lora.module_pattern(bad)
+
+
+def test_adapted_model_computes_in_bfloat16():
+  """The adapters are float32 (AdamW's moments follow them); `lora.merge` casts them to the compute
+  dtype, without which qwix's x.A.B (float32) would break the layer scan's bf16 carry."""
+  ids = jnp.array([[3, 5, 7, 9]])
+  out = {}
+  for dtype in ("float32", "bfloat16"):
+    model = lora.apply(qwen2.init_model(CFG.replace(dtype=dtype), 0), RANK, ALPHA, seed=1)
+    graphdef, adapters, base = _randomised(model)
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    out[dtype] = lora.merge(graphdef, lora.join(base, adapters)).hidden_states(ids)
+  assert out["bfloat16"].dtype == jnp.bfloat16
+  want = np.asarray(out["float32"])
+  np.testing.assert_allclose(np.asarray(out["bfloat16"], np.float32), want, atol=0.05 * np.abs(want).max())
+
+
+# ---- a LoRA run's checkpoint read back: export, eval and inspect merge its adapters ----------------
+SEED = 3  # the run's train.seed: a run from random weights froze the seed's
+
+
+def _lora_checkpoint(workdir, **overrides):
+  """A checkpoint as a LoRA run of the tiny preset saves it (`TrainState.saved`): state.params the
+  adapters (B drawn, not qwix's zeros) with their AdamW state, no base; the run from random
+  weights (model.path "", no warm start). -> (graphdef, base, adapters) of the adapted model."""
+  import optax
+
+  from ict_jax import config as config_lib
+  from ict_jax import configs, setup, sharding
+  from ict_jax import train_step as ts
+  from ict_jax.checkpoint import Checkpointer
+
+  c = configs.tiny_config()
+  c.model.lora_rank, c.model.lora_alpha, c.model.lora_modules = RANK, ALPHA, "q_proj,v_proj,down_proj"
+  c.warm_start.sft_steps, c.train.seed = 0, SEED
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    setattr(getattr(c, section), name, value)
+  cfg = config_lib.validate(c)
+  mcfg = setup.model_config(cfg, "")
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  base = setup.init_params(mcfg, SEED, mesh, setup.abstract_params(mcfg, mesh)[2])  # as the learner draws it
+  plain = nnx.merge(nnx.graphdef(qwen2.abstract_model(mcfg)), base)
+  graphdef, adapters, base = _randomised(lora.apply(plain, RANK, ALPHA, cfg.model.lora_modules, seed=1))
+  state = ts.SavedState(step=jnp.int32(2), params=adapters, opt_state=optax.adamw(1e-3).init(adapters))
+  with Checkpointer(workdir, async_save=False) as ck:
+    ck.save(2, {"state": state}, {"data_position": 0, "config": config_lib.to_dict(cfg)}, force=True)
+  return graphdef, base, adapters
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("lora_run"))
+  return (workdir, *_lora_checkpoint(workdir))
+
+
+IDS = np.array([[151644, 872, 198, 18, 10, 20, 28, 151645, 198]])  # "<|im_start|>user\n3+5=<|im_end|>\n"
+
+
+def _adapted_logits(graphdef, base, adapters):
+  """The reference: qwix's adapted forward (each projection + alpha / r x.A.B), not merged weights."""
+  return np.asarray(lora.merge(graphdef, lora.join(base, adapters))(jnp.asarray(IDS)), np.float32)
+
+
+def test_export_of_a_lora_run_merges_its_adapters(lora_run, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from safetensors import safe_open
+
+  from ict_jax.export import main as export_main
+
+  workdir, graphdef, base, adapters = lora_run
+  out = str(tmp_path / "merged")
+  assert export_main(["--workdir", workdir, "--out", out, "--dtype", "float32"]) == 0
+  with safe_open(f"{out}/model.safetensors", "np") as f:  # a plain Qwen2 checkpoint
+    assert not [k for k in f.keys() if "lora" in k]
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    got = hf(torch.tensor(IDS)).logits.float().numpy()
+  want = _adapted_logits(graphdef, base, adapters)
+  np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+  plain = nnx.merge(nnx.graphdef(qwen2.abstract_model(Qwen2Config.preset("tiny"))), base)
+  assert np.abs(np.asarray(plain(jnp.asarray(IDS))) - want).max() > 1e-2  # the adapters are in it
+
+
+def test_eval_and_inspect_read_a_lora_run_merged(lora_run):
+  from ict_jax import inspect as ins
+  from ict_jax.eval.loading import load_workdir
+
+  workdir, graphdef, base, adapters = lora_run
+  want = _adapted_logits(graphdef, base, adapters)
+  loaded, _ = load_workdir(workdir)
+  np.testing.assert_allclose(np.asarray(loaded.model(jnp.asarray(IDS))), want, atol=2e-5, rtol=1e-5)
+  with ins.open_checkpoint(workdir) as ckpt:
+    assert all("_lora_" in p for p in ckpt.tensors())  # the checkpoint holds the adapters alone
+    model = ckpt.restore_model()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), want, atol=2e-5, rtol=1e-5)
+
+
+def test_export_of_a_warm_started_lora_run_from_random_weights_is_one_error(tmp_path, capsys):
+  """Its base (the warm start's weights) is in no file: one line saying so, exit 2."""
+  from ict_jax.export import main as export_main
+
+  workdir = str(tmp_path / "run")
+  _lora_checkpoint(workdir, **{"warm_start.sft_steps": 5})
+  assert export_main(["--workdir", workdir, "--out", str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "warm_start.sft_steps" in err and "model.lora_rank" in err, err
+
+
+@pytest.mark.parametrize(
+    "arg,needle",
+    [
+        ("--config.model.lora_rank=-1", "config.model.lora_rank: expected >= 0, got -1"),
+        ("--config.model.lora_modules=q_proj,lm_head", "config.model.lora_modules: unknown projection 'lm_head'"),
+    ],
+)
+def test_bad_lora_keys_are_one_config_error(arg, needle, tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "ict_jax.train", f"--workdir={tmp_path}/w", arg],
+      cwd=repo,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+  assert len(errors) == 1 and errors[0].startswith(f"ict_jax.train: error: {needle}"), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(f"{tmp_path}/w/checkpoints")
