@@ -78,7 +78,10 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "1.5b_v5e-8": ("1.5B", "v5e-8", PADDED(64)),
     # LoRA (model.lora_rank): adapters + their AdamW state, the base frozen in bf16 (no optimizer
     # state): 7B on a v5e-8, which full fine-tuning does not fit
-    "7b_v5e-8_lora16": ("7B", "v5e-8", ["--config.model.lora_rank=16"]),
+    "7b_v5e-8_lora16": ("7B", "v5e-8", V5E_7B + ["--config.model.lora_rank=16"]),
+    # the same on the configs' mesh (fsdp=8): the train step fits, the sampler does not (the
+    # decoding layout replicates the bf16 rollout copy over fsdp: 14.2 GiB a chip)
+    "7b_v5e-8_fsdp8_lora16": ("7B", "v5e-8", ["--config.model.lora_rank=16"]),
 }
 # the rows README.md and launch/README.md show: the configs as written (packed), 7B on v5e-8,
 # which full fine-tuning fits in no form (its padded step at 8 rows shows by how much), and 7B
