@@ -76,10 +76,17 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "0.5b_h200-8": ("0.5B", "h200-8", PADDED(128)),
     "1.5b_v5e-8_mb32": ("1.5B", "v5e-8", PADDED(32)),
     "1.5b_v5e-8": ("1.5B", "v5e-8", PADDED(64)),
+    # LoRA (model.lora_rank): adapters + their AdamW state, the base frozen in bf16 (no optimizer
+    # state): 7B on a v5e-8, which full fine-tuning does not fit
+    "7b_v5e-8_lora16": ("7B", "v5e-8", V5E_7B + ["--config.model.lora_rank=16"]),
+    # the same on the configs' mesh (fsdp=8): the train step fits, the sampler does not (the
+    # decoding layout replicates the bf16 rollout copy over fsdp: 14.2 GiB a chip)
+    "7b_v5e-8_fsdp8_lora16": ("7B", "v5e-8", ["--config.model.lora_rank=16"]),
 }
-# the rows README.md and launch/README.md show: the configs as written (packed), and 7B on v5e-8,
-# which fits in no form (its padded step at 8 rows shows by how much)
-RECIPES = [name for name, (_, _, extra) in RUNS.items() if not extra] + ["7b_v5e-8_mb8"]
+# the rows README.md and launch/README.md show: the configs as written (packed), 7B on v5e-8,
+# which full fine-tuning fits in no form (its padded step at 8 rows shows by how much), and 7B
+# with LoRA adapters on v5e-8
+RECIPES = [name for name, (_, _, extra) in RUNS.items() if not extra] + ["7b_v5e-8_mb8", "7b_v5e-8_lora16"]
 # the programs `ict_jax.aot --part` compiles; one JSON per run and part: NAME.PART.json
 PARTS = ("train", "sample")
 # runs whose sampler is another run's (the micro-batch is the train step's only): no sample part
@@ -171,7 +178,7 @@ def table(reports: dict[str, dict]) -> str:
       "collectives (all-gather / all-reduce / reduce-scatter / permute / all-to-all)", "model TFLOP / step",
   )  # fmt: skip
   for name in RUNS:
-    model, target, _ = RUNS[name]
+    model, target = _label(name), RUNS[name][1]
     r = reports.get(name)
     if r is None:
       rows.append(
@@ -249,7 +256,7 @@ def sampler_table(reports: dict[str, dict]) -> str:
       "each decode phase: bytes / (weights + its KV)", "step time lower bound (h for train.steps): s",
   )  # fmt: skip
   for name in RUNS:
-    model, target, _ = RUNS[name]
+    model, target = _label(name), RUNS[name][1]
     if name in SAME_SAMPLER:  # its sampler is another row's
       continue
     r = reports.get(name)
@@ -273,6 +280,13 @@ def sampler_table(reports: dict[str, dict]) -> str:
   return "\n".join(rows)
 
 
+def _label(name: str) -> str:
+  """The model column: the model, and its LoRA rank where the run trains adapters."""
+  model, _, extra = RUNS[name]
+  rank = [a.split("=", 1)[1] for a in extra if a.startswith("--config.model.lora_rank=")]
+  return f"{model} LoRA r{rank[0]}" if rank else model
+
+
 def recipes_table(reports: dict[str, dict[str, dict]], names=None) -> str:
   """The short table README.md and launch/README.md show: per recipe (`names`, default RECIPES),
   does each program fit."""
@@ -282,7 +296,7 @@ def recipes_table(reports: dict[str, dict[str, dict]], names=None) -> str:
       "step time LOWER BOUND (h for train.steps)",
   )  # fmt: skip
   for name in names or RECIPES:
-    model, target, _ = RUNS[name]
+    model, target = _label(name), RUNS[name][1]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
     if t is None and r is None:
       rows.append(f"| {model} | {target} | | | not measured | | not measured | | |")

@@ -153,7 +153,8 @@ def warm_started_hf(s: Setting, sft_steps: int) -> str:
   from flax import nnx
   from ict_jax.models.hf import save_pretrained
   from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config
-  from ict_jax.build import init_params, load_examples, warm_start
+  from ict_jax.build import load_examples, warm_start
+  from ict_jax.setup import init_params
 
   hf_dir = os.path.join(s.out, "warm_start_hf")
   if os.path.exists(os.path.join(hf_dir, "config.json")):

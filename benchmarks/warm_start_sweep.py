@@ -26,7 +26,8 @@ from ict_jax import config as config_lib  # noqa: E402
 from ict_jax import configs  # noqa: E402
 from ict_jax.eval.run import evaluate  # noqa: E402
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config  # noqa: E402
-from ict_jax.build import init_params, load_examples, warm_start  # noqa: E402
+from ict_jax.build import load_examples, warm_start  # noqa: E402
+from ict_jax.setup import init_params  # noqa: E402
 
 
 def run(level: str, lr: float, steps: int, seed: int, checkpoints=(), workdir: str = "/tmp/warm_start_sweep"):

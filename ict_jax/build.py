@@ -21,17 +21,15 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from ict_jax import config as config_lib
-from ict_jax import sharding, storage
+from ict_jax import lora, sharding, storage
 from ict_jax import train_step as ts
 from ict_jax.config import Config, ConfigError
 from ict_jax.data.prompts import PromptError
 from ict_jax.logs import import_wandb, read_wandb_run_id
 from ict_jax.models.config import Qwen2Config
-from ict_jax.models.qwen2 import Qwen2
 from ict_jax.rewards.functions import RewardFunction, resolve
 from ict_jax.setup import abstract_params, make_mesh, make_tokenizer, model_config_from_checkpoint, model_dir
 from ict_jax.setup import resolve_decode_attention
@@ -52,10 +50,13 @@ class ModelSetup:
   optimizer: Any  # optax.GradientTransformation
   learning_rate: Any  # optax.ScalarOrSchedule: update count -> learning rate
   state_sharding: Any  # TrainState of shardings
+  # LoRA (model.lora_rank > 0): `graphdef` is the adapted model's, `params` the adapters (trained),
+  # `frozen` the base's ShapeDtypeStructs in the rollout dtype (a pure dict; None: full fine-tuning)
+  frozen: Any = None
 
   def abstract_state(self) -> ts.TrainState:
     """The TrainState `init_train_state` makes, as ShapeDtypeStructs (a restore or compile target)."""
-    return ts.abstract_train_state(self.optimizer, self.params, self.state_sharding)
+    return ts.abstract_train_state(self.optimizer, self.params, self.state_sharding, self.frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +158,29 @@ def fitting_prompts(cfg: Config, tok, train_src):
 def build_model(cfg: Config, mesh: Mesh, mcfg: Qwen2Config) -> ModelSetup:
   """The abstract parameters of the architecture `mcfg` (`setup.model_config`), laid out on `mesh`,
   and the optimizer with the train state's shardings. Shared by the trainer and `ict_jax.aot`."""
-  graphdef, params, params_sharding = abstract_params(mcfg, mesh)
+  frozen = None
+  if cfg.model.lora_rank:  # the adapters are trained, the base frozen in the rollout dtype
+    m = cfg.model
+    graphdef, params, frozen = lora.abstract_split(mcfg, m.lora_rank, m.lora_alpha, m.lora_modules, mesh)
+    frozen = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, resolve_rollout_dtype(cfg, mesh), sharding=x.sharding), frozen
+    )
+    params_sharding = jax.tree.map(lambda x: x.sharding, params)
+  else:
+    graphdef, params, params_sharding = abstract_params(mcfg, mesh)
   updates = cfg.train.steps * cfg.train.num_iterations
   optimizer = ts.make_optimizer(cfg.optim, updates)
-  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh)
+  frozen_sharding = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
+  state_sharding = ts.train_state_shardings(optimizer, params, params_sharding, mesh, frozen_sharding)
   return ModelSetup(
-      mcfg, graphdef, params, params_sharding, optimizer, ts.learning_rate_schedule(cfg.optim, updates), state_sharding
+      mcfg,
+      graphdef,
+      params,
+      params_sharding,
+      optimizer,
+      ts.learning_rate_schedule(cfg.optim, updates),
+      state_sharding,
+      frozen,
   )
 
 
@@ -228,16 +246,6 @@ def build_run(cfg: Config, workdir: str, *, init_from_hf: str = "", reward_funcs
     config_lib.check_packing_attention(mcfg.attention, mesh.local_devices)  # "auto" resolved for these devices
   model = build_model(cfg, mesh, mcfg)
   return Run(cfg, workdir, hf_dir, mesh, tok, train_src, model, roll_dtype, funcs)
-
-
-def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
-  """Random parameters created directly in their shardings."""
-
-  def init():
-    return nnx.state(Qwen2(mcfg, rngs=nnx.Rngs(params=seed)), nnx.Param).to_pure_dict()
-
-  with jax.set_mesh(mesh):
-    return jax.jit(init, out_shardings=params_sharding)()
 
 
 def warm_start(graphdef, params, cfg: Config, tok, train_src, mesh):

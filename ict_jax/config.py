@@ -26,6 +26,8 @@ from ict_jax.errors import ConfigError  # noqa: F401  (re-exported: config.Confi
 from ict_jax.data.files import FILES
 from ict_jax.data.prompts import STYLES
 from ict_jax.grpo import ADVANTAGE_SCALES, LOSS_TYPES, SELECTED_NORMS
+from ict_jax.lora import DEFAULT_MODULES as DEFAULT_LORA_MODULES
+from ict_jax.lora import module_pattern as lora_module_pattern
 from ict_jax.models.config import ATTENTION, DECODE_ATTENTION, DECODE_WEIGHTS, DTYPES, REMAT_POLICIES
 from ict_jax.rewards.functions import parse_list, parse_weights
 from ict_jax.rewards.registry import KINDS
@@ -113,6 +115,17 @@ profile_steps = rule(lambda text: not text or _profile_ok(text), '"a,b" with 1 <
 SCHEDULES = ("constant", "cosine", "linear")  # train_step.learning_rate_schedule's
 
 
+def _lora_modules_error(value) -> str:
+  try:
+    lora_module_pattern(value)
+  except ValueError as e:
+    return str(e)
+  return ""
+
+
+lora_modules_rule = Rule(lambda value: not _lora_modules_error(value), _lora_modules_error)
+
+
 # ---- the sections ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -130,6 +143,11 @@ class ModelConfig:
   # models/decode_kernel.py) | pallas_interpret (that kernel in the Pallas interpreter: slow, any backend)
   vocab: str = field("qwen", choices(VOCABS))  # qwen (Qwen2.5's 151,936 rows) | task (only the tokens of
   # the task's data, for a model trained from scratch; ict_jax/task_vocab.py)
+  lora_rank: int = field(0, non_negative)  # LoRA adapters' rank (qwix, ict_jax/lora.py): 0 full fine-tuning;
+  # > 0 trains only the adapters, the base frozen in the rollout dtype (no optimizer state for it)
+  lora_alpha: float = field(16.0, positive)  # the adapters' scale is lora_alpha / lora_rank
+  lora_modules: str = field(DEFAULT_LORA_MODULES, lora_modules_rule)  # the projections adapted: a comma
+  # list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or a regex over their paths (layers/attn/q_proj)
 
   def check(self) -> None:
     if self.attention == "cudnn" and self.dtype == "float32":

@@ -8,7 +8,9 @@ safetensors (bfloat16 unless --dtype says otherwise), `generation_config.json` (
 `tokenizer.json` and `tokenizer_config.json` with the chat template (the run's tokenizer: its
 checkpoint's own, else Qwen2.5's, a task vocabulary renumbered to its ids), so that
 `AutoTokenizer.from_pretrained(DIR)` gives the run's ids and
-`AutoModelForCausalLM.from_pretrained(DIR).generate(...)` runs. Run it on every host of a
+`AutoModelForCausalLM.from_pretrained(DIR).generate(...)` runs. A LoRA run's (model.lora_rank)
+`state.params` are its adapters: they are merged into the base it froze (model.path's weights),
+W + alpha / rank * A.B, and the folder is a plain Qwen2 checkpoint. Run it on every host of a
 multi-host job (the parameters are gathered; process 0 writes).
 """
 

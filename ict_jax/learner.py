@@ -25,14 +25,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ict_jax import config as config_lib
-from ict_jax import packing
+from ict_jax import lora, packing
 from ict_jax import train_step as ts
 from ict_jax.batch import TrainBatch
-from ict_jax.build import Run, init_params, warm_start
+from ict_jax.build import Run, warm_start
 from ict_jax.checkpoint import Checkpointer
 from ict_jax.config import ConfigError
 from ict_jax.hooks import Hook, Hooks
 from ict_jax.models.hf import load_pretrained
+from ict_jax.models.qwen2 import abstract_model
+from ict_jax.setup import init_params
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rollout import Collector, Rollout, host_array
 from ict_jax.throughput import Throughput
@@ -81,6 +83,18 @@ class StepData:
   t1: float = 0.0  # the update's start
 
 
+def lora_state(cfg, model, params):
+  """(adapters, frozen base) of LoRA (model.lora_rank) for the starting weights `params`: the
+  adapters float32 in their shardings, the base cast to the rollout dtype in its own."""
+  m = cfg.model
+  adapters, base = lora.init_split(params, model.config, m.lora_rank, m.lora_alpha, m.lora_modules, cfg.train.seed)
+  put = lambda tree, like: jax.jit(
+      lambda t: jax.tree.map(lambda x, s: x.astype(s.dtype), t, like),
+      out_shardings=jax.tree.map(lambda s: s.sharding, like),
+  )(tree)
+  return put(adapters, model.params), put(base, model.frozen)
+
+
 class Learner:
   """Owns a run's train state, data position, reward pool and checkpoints; `fit` runs the steps."""
 
@@ -120,19 +134,24 @@ class Learner:
     cfg, model = self.cfg, self.run.model
     with_ref, position = cfg.loss.beta > 0, 0
     if self.ckpt.latest_step() is not None:
-      target = {"state": model.abstract_state()}
+      target = {"state": model.abstract_state().saved()}  # LoRA: the adapters, not the base
       if with_ref:
         target["ref_params"] = model.params
       self.start_step, tree, meta = self.ckpt.restore(target)
-      self.state, self.ref_params = tree["state"], tree.get("ref_params")
+      frozen = None
+      if model.frozen is not None:  # LoRA: the frozen base as the run began (model.path, or the seed's)
+        frozen = lora_state(cfg, model, self._initial_params())[1]
+      self.state, self.ref_params = tree["state"].with_frozen(frozen), tree.get("ref_params")
       position = int(meta["data_position"])
       log.info("resumed from step %d of %s", self.start_step, self.run.workdir)
       for bad in [s for s in self.ckpt.all_steps() if s > self.start_step]:  # restore found these unreadable
         log.warning("moved unreadable checkpoint step %d to %s; it will be saved again", bad, self.ckpt.set_aside(bad))
     else:
-      params = self._initial_params()
+      params, frozen = self._initial_params(), None
+      if model.frozen is not None:  # LoRA: the adapters train, the base frozen in the rollout dtype
+        params, frozen = lora_state(cfg, model, params)
       self.state = ts.init_train_state(
-          params, model.optimizer, mesh=self.run.mesh, params_sharding=model.params_sharding
+          params, model.optimizer, mesh=self.run.mesh, params_sharding=model.params_sharding, frozen=frozen
       )
       if with_ref:  # a frozen copy of the starting policy
         self.ref_params = jax.tree.map(jnp.copy, self.state.params)
@@ -144,10 +163,15 @@ class Learner:
 
   def _initial_params(self):
     cfg, run, model = self.cfg, self.run, self.run.model
-    if not run.hf_dir:
-      params = init_params(model.config, cfg.train.seed, run.mesh, model.params_sharding)
+    if not run.hf_dir:  # LoRA: the base, in the plain model's layout
+      graphdef, shardings = model.graphdef, model.params_sharding
+      if model.frozen is not None:
+        graphdef, shardings = nnx.graphdef(abstract_model(model.config)), jax.tree.map(
+            lambda s: s.sharding, model.frozen
+        )
+      params = init_params(model.config, cfg.train.seed, run.mesh, shardings)
       if cfg.warm_start.sft_steps:
-        params = warm_start(model.graphdef, params, cfg, run.tokenizer, run.train_source, run.mesh)
+        params = warm_start(graphdef, params, cfg, run.tokenizer, run.train_source, run.mesh)
       return params
     mcfg = model.config
     try:
@@ -168,7 +192,7 @@ class Learner:
   def save(self, step: int, force: bool = False) -> None:
     """A checkpoint of `step` completed steps: the state, the data position, the config."""
     self.hooks.save(self, step)  # e.g. the logs flushed: a resume from it keeps every step it covers
-    tree = {"state": self.state}
+    tree = {"state": self.state.saved()}  # LoRA: not the frozen base (a restore reloads it)
     if self.ref_params is not None:
       tree["ref_params"] = self.ref_params
     meta = {
@@ -198,9 +222,14 @@ class Learner:
     its real length: few compiled shapes)."""
     examples = next(self.data)
     key = jax.random.fold_in(self.base_key, step)
-    roll = self.collector.collect((self.graphdef, self.state.params), examples, self.reward_pool, rng=key)
+    roll = self.collector.collect((self.graphdef, self.policy_params()), examples, self.reward_pool, rng=key)
     # the longest completion comes from the gathered lengths: no host reads the others' rows
     return roll, roll.batch().trim(completion_len=roll.stats["max_response_len"])
+
+  def policy_params(self):
+    """The policy's whole pure dict for `self.graphdef`: the trained params, with the frozen LoRA
+    base when there is one (the rollout merges them: `sampling.make_rollout_policy`)."""
+    return ts.full_params(self.state.params, self.state.frozen)
 
   def pack(self, batch: TrainBatch) -> TrainBatch:
     """The decoder on packed rows (train.token_budget > 0): every host plans the whole batch."""

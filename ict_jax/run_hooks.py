@@ -110,7 +110,7 @@ class TokenViewHook(Hook):
     if _checkpoint_due(cfg, step + 1):
       self.tokens = tv.records(
           step + 1,
-          self.view(learner.state.params, batch),
+          self.view(learner.policy_params(), batch),
           self.run.tokenizer,
           dict(zip(rollout.rows.tolist(), rollout.golds)),  # the rows this host scored
           rollout.rewards,
@@ -141,7 +141,7 @@ class PeriodicEvalHook(Hook):
 
   def on_step_end(self, learner, step: int, metrics: dict[str, Any]) -> None:
     if self.periodic.due(step, self.run.cfg.train.steps):
-      metrics.update(self.periodic((learner.graphdef, learner.state.params), learner.reward_pool))
+      metrics.update(self.periodic((learner.graphdef, learner.policy_params()), learner.reward_pool))
 
 
 class HealthHook(Hook):

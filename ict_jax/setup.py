@@ -11,17 +11,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
 from ict_jax import config as config_lib
-from ict_jax import sharding, task_vocab
+from ict_jax import lora, sharding, task_vocab
 from ict_jax.checkpoint import CheckpointReader
 from ict_jax.config import Config, ConfigError
 from ict_jax.models.config import Qwen2Config
-from ict_jax.models.hf import read_config
-from ict_jax.models.qwen2 import abstract_model
+from ict_jax.models.hf import load_pretrained, read_config
+from ict_jax.models.qwen2 import Qwen2, abstract_model
 
 
 def make_mesh(cfg: Config, devices=None) -> Mesh:
@@ -252,6 +253,48 @@ def abstract_params(mcfg: Qwen2Config, mesh: Mesh) -> tuple[Any, Any, Any]:
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), param_state.to_pure_dict(), params_sharding
   )
   return graphdef, params, params_sharding
+
+
+def init_params(mcfg: Qwen2Config, seed: int, mesh, params_sharding):
+  """Random parameters created directly in their shardings."""
+
+  def init():
+    return nnx.state(Qwen2(mcfg, rngs=nnx.Rngs(params=seed)), nnx.Param).to_pure_dict()
+
+  with jax.set_mesh(mesh):
+    return jax.jit(init, out_shardings=params_sharding)()
+
+
+def lora_abstract_adapters(cfg: Config, mcfg: Qwen2Config, mesh: Mesh) -> dict:
+  """A LoRA run's (model.lora_rank > 0) adapters as saved (the checkpoint's `state.params`), as
+  `ShapeDtypeStruct`s carrying their shardings on `mesh`: a restore target."""
+  m = cfg.model
+  return lora.abstract_split(mcfg, m.lora_rank, m.lora_alpha, m.lora_modules, mesh)[1]
+
+
+def lora_merged_params(cfg: Config, mcfg: Qwen2Config, adapters: dict, mesh: Mesh) -> dict:
+  """A LoRA run's saved `adapters` merged into its frozen base, W + alpha / rank * A.B in float32:
+  the plain model's pure dict, each array in its sharding on `mesh` (what export, eval and
+  inspect read of a LoRA checkpoint). The base is not in the checkpoint; it is rebuilt as the
+  trainer began: model.path's weights, else (a run from random weights) the seed's. A run
+  warm-started from random weights (warm_start.sft_steps) cannot be rebuilt here: a ConfigError."""
+  m = cfg.model
+  mcfg = mcfg.replace(param_dtype="float32")
+  _, _, shardings = abstract_params(mcfg, mesh)
+  if m.path:
+    plain = load_pretrained(m.path, jnp.dtype(mcfg.dtype), param_dtype=jnp.float32, mesh=mesh)
+    base = nnx.state(plain, nnx.Param).to_pure_dict()
+  elif cfg.warm_start.sft_steps:
+    raise ConfigError(
+        "a LoRA run (model.lora_rank) warm-started from random weights (warm_start.sft_steps): its frozen "
+        "base is not in the checkpoint and only the trainer rebuilds it; train from model.path to export one"
+    )
+  else:
+    base = init_params(mcfg, cfg.train.seed, mesh, shardings)
+  graphdef = nnx.graphdef(lora.abstract(mcfg, m.lora_rank, m.lora_alpha, m.lora_modules))
+  merge = lambda b, a: lora.merged(nnx.merge(graphdef, lora.join(b, a)))
+  with jax.set_mesh(mesh):
+    return jax.jit(merge, out_shardings=shardings)(base, adapters)
 
 
 # The floating dtypes a platform computes in; a rollout dtype outside them is a config error.

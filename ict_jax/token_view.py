@@ -25,9 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from ict_jax import answer_positions, selection, sharding
+from ict_jax import answer_positions, lora, selection, sharding
 from ict_jax.batch import TrainBatch
 
 DIR = "tokens"  # <workdir>/tokens/<step:08d>.jsonl
@@ -45,7 +44,7 @@ class TokenView:
     ict = dataclasses.replace(step_cfg.ict, method="ict", score=score)
 
     def fn(params, batch):
-      model = nnx.merge(graphdef, params)
+      model = lora.merge(graphdef, params)  # a LoRA model's adapters in the compute dtype
       logp, stats = completion_logp_and_stats(
           model,
           batch,

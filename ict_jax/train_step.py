@@ -30,10 +30,9 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ict_jax import answer_positions, grpo, lm_head, selection
+from ict_jax import answer_positions, grpo, lm_head, lora, selection
 from ict_jax.batch import TrainBatch
 from ict_jax.config import Config, IctConfig, LossConfig, OptimConfig
 from ict_jax.models.axes import constrain
@@ -45,8 +44,34 @@ _NEVER_GIVE_UP = 2**30  # apply_if_finite: always skip, never force a non-finite
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array  # int32 []
-  params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict())
+  params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict()): the trained ones
   opt_state: Any  # optax state
+  frozen: Any = None  # LoRA (model.lora_rank): the frozen base, a pure dict in the rollout dtype, no optimizer state
+
+  def saved(self) -> "SavedState":
+    """What a checkpoint holds of it: all but the frozen LoRA base."""
+    return SavedState(step=self.step, params=self.params, opt_state=self.opt_state)
+
+
+@flax.struct.dataclass
+class SavedState:
+  """A checkpoint's `state` item: `TrainState` less the frozen LoRA base, which a restore loads
+  again from model.path (a LoRA run's checkpoint holds the adapters and their AdamW state, not a
+  copy of the base). Full fine-tuning's tree is the one it has always been (step, params,
+  opt_state: Orbax stores these keys, not the class)."""
+
+  step: jax.Array  # int32 []
+  params: Any
+  opt_state: Any
+
+  def with_frozen(self, frozen) -> TrainState:
+    return TrainState(step=self.step, params=self.params, opt_state=self.opt_state, frozen=frozen)
+
+
+def full_params(params, frozen):
+  """The model's whole pure dict: the trained params, with the frozen LoRA base when there is one
+  (never differentiated: the step's gradients are the adapters')."""
+  return params if frozen is None else lora.join(jax.lax.stop_gradient(frozen), params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +185,8 @@ def completion_logp_and_stats(
 
 
 # ---- the loss of one micro-batch -------------------------------------------------------------
-def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig, ref_params):
-  model = nnx.merge(graphdef, params)
+def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig, ref_params, frozen=None):
+  model = lora.merge(graphdef, full_params(params, frozen))
   ict, loss = cfg.ict, cfg.loss
   n, c = batch.completion_ids.shape
   grad_rows = (
@@ -185,7 +210,7 @@ def _microbatch_terms(params, graphdef, batch: TrainBatch, step, cfg: StepConfig
   old_logp = sg_logp if batch.old_logp is None else batch.old_logp
   ref_logp = None
   if loss.beta > 0:
-    ref_model = nnx.merge(graphdef, ref_params)
+    ref_model = lora.merge(graphdef, full_params(ref_params, frozen))
     ref_logp, _ = completion_logp_and_stats(
         ref_model, batch, temperature=cfg.temperature, group_size=None, chunk_size=ict.chunk_size
     )
@@ -297,14 +322,16 @@ def make_train_step(
 
     def accumulate(carry, mbatch):
       grads, num, den, metrics = carry
-      (num_i, (den_i, metrics_i, tokens_i)), g_i = grad_fn(state.params, graphdef, mbatch, state.step, cfg, ref_params)
+      (num_i, (den_i, metrics_i, tokens_i)), g_i = grad_fn(
+          state.params, graphdef, mbatch, state.step, cfg, ref_params, state.frozen
+      )
       add = lambda a, b: a + b
       return (jax.tree.map(add, grads, g_i), num + num_i, den + den_i, jax.tree.map(add, metrics, metrics_i)), tokens_i
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(
-        lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params)[1][1]
+        lambda: _microbatch_terms(state.params, graphdef, first, state.step, cfg, ref_params, state.frozen)[1][1]
     )
     init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
     (grads, num, den, msum), tokens = jax.lax.scan(
@@ -327,7 +354,7 @@ def make_train_step(
         skipped=1 - finite.astype(jnp.int32),
         total_skipped=opt_state.total_notfinite,
     )
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen)
     return new_state, metrics, logp
 
   kwargs: dict = {}
@@ -358,33 +385,39 @@ def make_train_step(
 
 
 # ---- state creation directly in its sharding -------------------------------------------------
-def train_state_shardings(optimizer, params_abstract, params_sharding, mesh: Mesh):
-  """Shardings of TrainState: optimizer moments follow their parameters, scalars replicated."""
+def train_state_shardings(optimizer, params_abstract, params_sharding, mesh: Mesh, frozen_sharding=None):
+  """Shardings of TrainState: optimizer moments follow their parameters, scalars replicated; the
+  frozen LoRA base's are `frozen_sharding`."""
   repl = NamedSharding(mesh, P())
   opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
   opt_sharding = optax.tree_map_params(
       optimizer, lambda _, s: s, opt_abstract, params_sharding, transform_non_params=lambda _: repl
   )
-  return TrainState(step=repl, params=params_sharding, opt_state=opt_sharding)
+  return TrainState(step=repl, params=params_sharding, opt_state=opt_sharding, frozen=frozen_sharding)
 
 
-def init_train_state(params, optimizer, *, mesh: Mesh | None = None, params_sharding=None, step: int = 0) -> TrainState:
+def init_train_state(
+    params, optimizer, *, mesh: Mesh | None = None, params_sharding=None, step: int = 0, frozen=None
+) -> TrainState:
   """TrainState with the optimizer state created by a jitted init with `out_shardings`, so
-  AdamW moments are born sharded (never whole on one device)."""
+  AdamW moments are born sharded (never whole on one device); `frozen` (the LoRA base) is kept
+  as it is, with no optimizer state."""
 
   def init(p):
     return TrainState(step=jnp.asarray(step, jnp.int32), params=p, opt_state=optimizer.init(p))
 
   if mesh is None:
-    return jax.jit(init)(params)
+    return jax.jit(init)(params).replace(frozen=frozen)
   shardings = train_state_shardings(optimizer, jax.eval_shape(lambda: params), params_sharding, mesh)
   with jax.set_mesh(mesh):
-    return jax.jit(init, in_shardings=(params_sharding,), out_shardings=shardings)(params)
+    return jax.jit(init, in_shardings=(params_sharding,), out_shardings=shardings)(params).replace(frozen=frozen)
 
 
-def abstract_train_state(optimizer, params_abstract, state_sharding) -> TrainState:
+def abstract_train_state(optimizer, params_abstract, state_sharding, frozen_abstract=None) -> TrainState:
   """The TrainState `init_train_state` makes, as `jax.ShapeDtypeStruct`s carrying
   `state_sharding` (no array allocated): a checkpoint restore target, and what `ict_jax.aot`
   compiles the step for."""
-  shapes = jax.eval_shape(lambda p: TrainState(jnp.int32(0), p, optimizer.init(p)), params_abstract)
+  shapes = jax.eval_shape(
+      lambda p, f: TrainState(jnp.int32(0), p, optimizer.init(p), f), params_abstract, frozen_abstract
+  )
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, state_sharding)

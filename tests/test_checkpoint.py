@@ -10,8 +10,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import chex
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,6 +177,42 @@ def test_restore_onto_a_different_mesh(tmp_path):
   emb = restored["params"]["embed"]["embedding"]  # [64, 64] over fsdp x tensor: [32, 32] shards
   assert emb.sharding.spec == P("fsdp", "tensor")
   assert {s.data.shape for s in emb.addressable_shards} == {(32, 32)}
+
+
+@flax.struct.dataclass
+class _TrainStateBeforeLora:
+  """`ict_jax.train_step.TrainState` as main wrote it before LoRA (d58346f): the checkpoints of
+  every full fine-tuning run so far hold this tree."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def test_full_fine_tuning_checkpoint_before_lora_restores_and_is_written_the_same(tmp_path):
+  """LoRA keeps its frozen base in `TrainState.frozen`, which checkpoints never hold
+  (`TrainState.saved`): full fine-tuning writes the tree it wrote before (Orbax's metadata of the
+  state item byte for byte), and a checkpoint written before restores into the learner's target."""
+  from ict_jax import train_step as ts
+
+  mesh = mesh_of((8, 1, 1))
+  s = make_state(2, mesh)
+  before = _TrainStateBeforeLora(step=s["step"], params=s["params"], opt_state=s["opt_state"])
+  now = ts.TrainState(step=s["step"], params=s["params"], opt_state=s["opt_state"])  # frozen=None
+  expected = to_numpy(before)
+  for name, state in (("before", before), ("now", now.saved())):
+    with Checkpointer(tmp_path / name, async_save=False) as ckpt:
+      ckpt.save(7, {"state": state}, META)
+  metadata = lambda name: (tmp_path / name / "checkpoints" / "7" / "state" / "_METADATA").read_bytes()
+  assert metadata("now") == metadata("before")
+  shardings = jax.tree.map(lambda x: x.sharding, now)
+  target = {"state": abstract_like(now, shardings).saved()}  # as Learner.restore_or_init asks
+  with Checkpointer(tmp_path / "before") as ckpt:
+    step, restored, meta = ckpt.restore(target)
+  assert step == 7 and meta == META
+  state = restored["state"].with_frozen(None)
+  assert isinstance(state, ts.TrainState) and state.frozen is None
+  assert_exactly_equal(state.saved(), ts.SavedState(**vars(expected)))
 
 
 def _largest_data_file(step_dir: Path) -> Path:

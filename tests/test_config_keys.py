@@ -74,6 +74,7 @@ def test_every_config_key_is_read_by_a_training_run(tmp_path, monkeypatch):
   c.train.steps = c.train.checkpoint_every = 1
   c.train.async_checkpointing = False
   c.train.token_budget = 20  # data.max_prompt_len 16 + max_new_tokens 4: the loop's packed path runs too
+  c.model.lora_rank = 2  # LoRA (qwix): lora_alpha and lora_modules are read where the adapters are made
   train(c, str(tmp_path / "run"), progress=False)
   _select_with_every_method(runs[-1].ict, runs[-1].loss.loss_type)  # the run trains with ict's only
   # a run on the user's files (data.name="files") reads its files and columns

@@ -36,6 +36,7 @@ LAYERS = (
             "errors",
             "cpu_paths",
             "models",
+            "lora",
             "sharding",
             "storage",
             "tokenizer",

@@ -59,7 +59,7 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     from ict_jax.rollout import Collector, Sampling, Scoring
     from ict_jax.setup import abstract_params, make_mesh, model_config
     from ict_jax.tokenizer import Tokenizer
-    from ict_jax.build import init_params
+    from ict_jax.setup import init_params
     from ict_jax import configs
     cfg = C.validate(configs.tiny_config())
     mesh = make_mesh(cfg)

@@ -4,7 +4,8 @@ A workdir is read without writing to it: its `config.json` (the trainer's full c
 checkpoint's `meta["config"]` when the file is missing: `setup.read_run_config`) gives the
 architecture and dtypes (`setup.model_config_from_checkpoint`, the trainer's rule), and
 only `state.params` of `checkpoints/<step>/` is restored (Orbax partial restore: the optimizer
-moments are never read), each parameter straight into its sharding on the mesh.
+moments are never read), each parameter straight into its sharding on the mesh. A LoRA run's
+(model.lora_rank) are its adapters, merged into the base it froze (`setup.lora_merged_params`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 from ict_jax import setup
 from ict_jax.checkpoint import CheckpointError, CheckpointReader
 from ict_jax.config import Config
+from ict_jax.models.qwen2 import abstract_model
 
 log = logging.getLogger("ict_jax.eval")
 
@@ -63,11 +65,17 @@ def load_workdir(
     if dtype is not None:
       mcfg = mcfg.replace(dtype=jnp.dtype(dtype).name)
     graphdef, abstract, _ = setup.abstract_params(mcfg, mesh)
+    if cfg.model.lora_rank:  # a LoRA run's checkpoint holds its adapters, merged into the base below
+      abstract = setup.lora_abstract_adapters(cfg, mcfg, mesh)
     try:
       restored = reader.restore_state(step, {"state": {"params": abstract}})
     except CheckpointError as e:
       raise CheckpointError(f"{e} (the model of the run's config)") from e.__cause__
-  model = nnx.merge(graphdef, restored["state"]["params"])  # the model holds only Params
+  params = restored["state"]["params"]
+  if cfg.model.lora_rank:
+    params = setup.lora_merged_params(cfg, mcfg, params, mesh)
+    graphdef = nnx.graphdef(abstract_model(mcfg.replace(param_dtype="float32")))
+  model = nnx.merge(graphdef, params)  # the model holds only Params
   label = os.path.basename(os.path.normpath(os.fspath(workdir))) or os.fspath(workdir)
   log.info("restored state.params of step %d from %s", step, workdir)
   return LoadedModel(model, label, step, cfg), mesh

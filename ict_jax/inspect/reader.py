@@ -290,12 +290,23 @@ class Checkpoint:
     `_resolve_model_config`)."""
     if self._given_model_config is not None:
       return self._given_model_config
+    if self.lora_config is not None:  # the adapters' shapes are not the model's: the run's model
+      from ict_jax import setup
+
+      return setup.model_config_from_checkpoint(self.workdir, config=self.lora_config).replace(param_dtype="float32")
     return _resolve_model_config(self.tensors(), self.config, self.workdir, os.fspath(self.directory / str(self.step)))
+
+  @functools.cached_property
+  def lora_config(self):
+    """The run's config when it trained LoRA adapters (model.lora_rank > 0; its `params` are the
+    adapters, the base not saved), else None."""
+    cfg = self.config
+    return cfg if cfg is not None and cfg.model.lora_rank else None
 
   @functools.cached_property
   def logical_axes(self) -> dict[str, tuple]:
     """{param path: logical axis names} of `model_config` (the placement `mesh=` reads into)."""
-    return param_axes(self.model_config)
+    return param_axes(self.model_config, self.lora_config)
 
   # ---- reading tensors -----------------------------------------------------------------------
   def restore(
@@ -348,7 +359,13 @@ class Checkpoint:
     from ict_jax.models.qwen2 import abstract_model
 
     graphdef, _ = nnx.split(abstract_model(self.model_config))
-    return nnx.merge(graphdef, self.load_params(step, mesh=mesh, item=item))
+    params = self.load_params(step, mesh=mesh, item=item)
+    if self.lora_config is not None:  # W + alpha / rank * A.B, the base rebuilt as the run began
+      from ict_jax import setup, sharding
+
+      mesh = mesh or sharding.make_mesh((1, 1, 1), jax.local_devices()[:1])
+      params = setup.lora_merged_params(self.lora_config, self.model_config, params, mesh)
+    return nnx.merge(graphdef, params)
 
   def _missing(self, step: int, item: str) -> str:
     return f"{os.fspath(self.directory / str(step))}: no {item} tensor"
@@ -524,12 +541,20 @@ def _run_model_config(cfg, workdir: str | os.PathLike, vocab_rows: int, where: s
   return None
 
 
-def param_axes(model_config) -> dict[str, tuple]:
-  """{param path: logical axis names} from the model's `axes` metadata (no memory used)."""
+def param_axes(model_config, lora_config=None) -> dict[str, tuple]:
+  """{param path: logical axis names} from the model's `axes` metadata (no memory used); with a
+  LoRA run's config, its adapters' too."""
   from flax import nnx
+  from ict_jax import lora
   from ict_jax.models.qwen2 import abstract_model
 
-  state = nnx.state(abstract_model(model_config), nnx.Param)
+  m = lora_config and lora_config.model
+  model = (
+      abstract_model(model_config)
+      if m is None
+      else lora.abstract(model_config, m.lora_rank, m.lora_alpha, m.lora_modules)
+  )
+  state = nnx.state(model, nnx.Param)  # a LoRAParam is a Param
   return {"/".join(str(k) for k in keys): tuple(var.get_metadata()["axes"]) for keys, var in nnx.to_flat_state(state)}
 
 

@@ -112,6 +112,26 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return x * c + rotated * s
 
 
+class Proj(nnx.Module):
+  """One weight projection: `einsum(equation, x, kernel) (+ bias)` in x's dtype. A module of its
+  own whose `kernel` is a direct attribute, so `qwix` (LoRA, `ict_jax/lora.py`) finds the weight of
+  the einsum it intercepts; `proj["kernel"]` reads a parameter as the former `nnx.Dict` did."""
+
+  def __init__(self, equation: str, kernel: nnx.Param, bias: nnx.Param | None = None):
+    self.equation = equation
+    self.kernel = kernel
+    if bias is not None:
+      self.bias = bias
+
+  def __getitem__(self, name: str) -> nnx.Param:
+    return getattr(self, name)
+
+  def __call__(self, x: Array) -> Array:
+    out = jnp.einsum(self.equation, x, self.kernel[...].astype(x.dtype))
+    bias = getattr(self, "bias", None)
+    return out if bias is None else out + bias[...].astype(x.dtype)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
@@ -119,16 +139,16 @@ class Attention(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     p = lambda shape, axes, init="normal": _param(rngs, shape, axes, pd, init, stack)
     self.cfg = cfg
-    self.q_proj = nnx.Dict(
-        kernel=p((d, n, h), ("embed", "heads", "head_dim")), bias=p((n, h), ("heads", "head_dim"), "zeros")
+    self.q_proj = Proj(
+        "BTD,DNH->BTNH", p((d, n, h), ("embed", "heads", "head_dim")), p((n, h), ("heads", "head_dim"), "zeros")
     )
-    self.k_proj = nnx.Dict(
-        kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")), bias=p((k, h), ("kv_heads", "head_dim"), "zeros")
+    self.k_proj = Proj(
+        "BTD,DKH->BTKH", p((d, k, h), ("embed", "kv_heads", "head_dim")), p((k, h), ("kv_heads", "head_dim"), "zeros")
     )
-    self.v_proj = nnx.Dict(
-        kernel=p((d, k, h), ("embed", "kv_heads", "head_dim")), bias=p((k, h), ("kv_heads", "head_dim"), "zeros")
+    self.v_proj = Proj(
+        "BTD,DKH->BTKH", p((d, k, h), ("embed", "kv_heads", "head_dim")), p((k, h), ("kv_heads", "head_dim"), "zeros")
     )
-    self.o_proj = nnx.Dict(kernel=p((n, h, d), ("heads", "head_dim", "embed")))
+    self.o_proj = Proj("BTNH,NHD->BTD", p((n, h, d), ("heads", "head_dim", "embed")))
 
   def __call__(
       self,
@@ -154,13 +174,10 @@ class Attention(nnx.Module):
     A `JointCache` (decode_attention "pallas") is passed whole, [L,B,K,S,2H] (and the prefix
     [L,U,K,P,2H]), with the `layer` to read: the kernel reads its slots in place."""
     cfg, dt = self.cfg, x.dtype
-    w = lambda p: p[...].astype(dt)
     split = cfg.decode_weights == "tensor" and cache is not None and not prefill
     if split:  # q/k/v split on embed (`sampling.policy.TENSOR_RULES`): x's rows -> embed shards, partial
       x = constrain(x, (None, None, "act_split"))  # sums reduce-scattered back to rows by the constraints below
-    q = jnp.einsum("BTD,DNH->BTNH", x, w(self.q_proj["kernel"])) + w(self.q_proj["bias"])
-    k = jnp.einsum("BTD,DKH->BTKH", x, w(self.k_proj["kernel"])) + w(self.k_proj["bias"])
-    v = jnp.einsum("BTD,DKH->BTKH", x, w(self.v_proj["kernel"])) + w(self.v_proj["bias"])
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     q = constrain(q, ("act_batch", "act_length", "act_heads", None))
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
@@ -207,7 +224,7 @@ class Attention(nnx.Module):
     heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] -> [B,K,T,H], the cache's layout
     if split:  # o split on its output embed: every row's heads in, [B, T, D / chips] out
       out = constrain(out, (None, None, None, None))
-    h = jnp.einsum("BTNH,NHD->BTD", out, w(self.o_proj["kernel"]))
+    h = self.o_proj(out)
     return constrain(h, (None, None, "act_split")) if split else h, (heads_major(k), heads_major(v))
 
 
@@ -215,21 +232,19 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, stack=()):
     d, f, pd = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype)
-    self.gate_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
-    self.up_proj = nnx.Dict(kernel=_param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
-    self.down_proj = nnx.Dict(kernel=_param(rngs, (f, d), ("mlp", "embed"), pd, stack=stack))
+    self.gate_proj = Proj("BTD,DF->BTF", _param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.up_proj = Proj("BTD,DF->BTF", _param(rngs, (d, f), ("embed", "mlp"), pd, stack=stack))
+    self.down_proj = Proj("BTF,FD->BTD", _param(rngs, (f, d), ("mlp", "embed"), pd, stack=stack))
 
   def __call__(self, x: Array, split: bool = False) -> Array:  # [B,T,D]
     """split: the weights split on the intermediate dimension over every chip (decode_weights
     "tensor", decoding): x's rows gathered, [B, T, F / chips] a chip, partial sums out."""
-    dt = x.dtype
     if split:
       x = constrain(x, (None, None, None))
-    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj["kernel"][...].astype(dt))
-    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj["kernel"][...].astype(dt))
+    gate, up = self.gate_proj(x), self.up_proj(x)
     names = (None, "act_length", "act_split") if split else ("act_batch", "act_length", "act_mlp")
     hidden = constrain(jax.nn.silu(gate) * up, names)
-    return jnp.einsum("BTF,FD->BTD", hidden, self.down_proj["kernel"][...].astype(dt))
+    return self.down_proj(hidden)
 
 
 class DecoderLayer(nnx.Module):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ict_jax import lora
 from ict_jax.models.axes import DEFAULT_RULES, axis_rules, logical_to_spec, pure_shardings
 from ict_jax.models.config import DECODE_WEIGHTS
 from ict_jax.models.qwen2 import abstract_model
@@ -124,6 +125,8 @@ def make_rollout_policy(
   nothing to cast, `params` is used as is."""
   _check_weights(weights)
   model = nnx.merge(graphdef, params)  # Python objects around the same device arrays: no copy
+  if lora.is_lora(model):  # LoRA: decode with the merged weights, W + alpha / rank * A.B
+    return _merged_policy(model, dtype, mesh, weights)
   cfg = model.cfg
   dtype = cfg.dtype if dtype is None else dtype
   if dtype not in ROLLOUT_DTYPES:
@@ -145,6 +148,24 @@ def make_rollout_policy(
   leaves, treedef = jax.tree.flatten(shardings)
   fn = _reshard_fn(dtype, treedef, None if shardings is None else tuple(leaves))
   return RolloutPolicy(rgraphdef, fn(pure))
+
+
+def _merged_policy(model, dtype: str | None, mesh: Mesh | None, weights: str) -> RolloutPolicy:
+  """A LoRA model's rollout copy: its adapters merged, cast and laid out by one jitted call."""
+  cfg = model.cfg
+  dtype = cfg.dtype if dtype is None else dtype
+  graphdef, params = nnx.split(model)
+  out = None if mesh is None else decode_shardings(nnx.state(abstract_model(cfg), nnx.Param), mesh, weights)
+  leaves, treedef = jax.tree.flatten(out)
+  merge = _merge_fn(graphdef, dtype, treedef, tuple(leaves))
+  return RolloutPolicy(_rollout_graphdef(cfg, dtype, weights), merge(params))
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(graphdef, dtype: str, treedef, shardings: tuple):
+  """The jitted merge + cast + reshard of a LoRA model, one per (model, dtype, layout)."""
+  out = jax.tree.unflatten(treedef, shardings) if shardings else None
+  return jax.jit(lambda p: _cast(lora.merged(nnx.merge(graphdef, p)), dtype), out_shardings=out)
 
 
 def as_rollout_policy(
