@@ -200,6 +200,8 @@ class RolloutConfig:
   # TPU/GPU, else model.dtype) | float32 | bfloat16 | float16
   decode_batch_size: str = field("auto", decode_rows)  # rows decoded at once: "auto" (sized from free
   # device memory; all rows on CPU) | "all" | a number dividing the step's rows
+  compact_rows: bool = True  # drop finished rows from the decode batch at each length-bounded phase's
+  # boundary (sampling/compact.py; same tokens); False: every row decoded to the end, one program
 
   @property
   def rows(self) -> int:
