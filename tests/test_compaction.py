@@ -23,13 +23,17 @@ SAMPLES = 4
 SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9)
 
 
-@pytest.fixture(scope="module")
-def model():
+def _model(**cfg):
   """The tiny Qwen2 with its weights (not its norm scales) x 10: greedy decoding varies its tokens
   instead of repeating one, so stop tokens end the rows at different lengths."""
-  graphdef, state = nnx.split(Qwen2(tiny_config(VOCAB, 128), rngs=nnx.Rngs(jax.random.key(0))))
+  graphdef, state = nnx.split(Qwen2(tiny_config(VOCAB, 128, **cfg), rngs=nnx.Rngs(jax.random.key(0))))
   scale = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * 10
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(scale, state))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +227,16 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(model):
   together = generate(model, ids, mask, **kw)
   np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(together[0])[:SAMPLES])
   np.testing.assert_allclose(np.asarray(alone[2]), np.asarray(together[2])[:SAMPLES], atol=2e-6)
+
+
+def test_compaction_over_the_joint_cache(case, monkeypatch):
+  """decode_attention "pallas_interpret" (the fused TPU kernel in the Pallas interpreter, over the
+  joint cache): compacted, the rows read a prompt copy each (the kernel's group of 1) and give the
+  reference tokens of the einsum path."""
+  kw, eos, ref = case
+  kept = []
+  real = compact._compact
+  monkeypatch.setattr(compact, "_compact", lambda c, **k: (kept.append(k["keep"]), real(c, **k))[1])
+  got = _run(_model(decode_attention="pallas_interpret"), eos, compact_rows=True, **kw)
+  _check(got, ref)
+  assert kept and all(k < 16 for k in kept)

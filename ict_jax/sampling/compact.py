@@ -111,12 +111,13 @@ def _compact(c: Decoding, *, shards: int, keep: int) -> Decoding:
       row_ids=row(c.row_ids),
       prompt_cache=prompt_cache,
       prompt_mask=prompt_mask,
-      out={k: row_all(v, full) for k, v in c.out.items()},
-      order=row_all(c.order, full),
+      out={k: _row_all(v, full) for k, v in c.out.items()},
+      order=_row_all(c.order, full),
   )
 
 
-def row_all(x: Array, full: Array) -> Array:
+def _row_all(x: Array, full: Array) -> Array:
+  """x [B, ...] (all rows of the sub-batch) with each shard's rows in the order full [S, B / S]."""
   return _take_rows(x, full, 0, ("act_batch",) + (None,) * (x.ndim - 1))
 
 
@@ -124,7 +125,7 @@ def row_all(x: Array, full: Array) -> Array:
 def _close(c: Decoding, *, shards: int, names: tuple) -> tuple:
   """The outputs in the rows' order: out row p of shard s holds its row order[p]."""
   back = jnp.argsort(c.order.reshape(shards, -1), axis=1).astype(jnp.int32)
-  return tuple(row_all(c.out[k], back) for k in names)
+  return tuple(_row_all(c.out[k], back) for k in names)
 
 
 def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags: Flags, samples: int, n_new: int):
