@@ -103,7 +103,8 @@ def plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tu
   softmax(logits / temperature) by inverse CDF with one uniform per row over strided groups
   (group n holds tokens n, n + G, n + 2G, ...: viewed as [V / G, G, B], the sums stream
   contiguous [G, B] rows): first a group by the group sums, then a token inside it; the
-  log-prob is the drawn token's under that distribution."""
+  log-prob is the drawn token's under that distribution. key: one key [] for the batch, or a key a
+  row [B] (row b's uniform drawn with key[b], as `sampling.rules._sample_step` takes them)."""
   v, b = lv.shape
   g = _token_groups(v)
   per = -(-v // g)  # tokens per group
@@ -132,7 +133,11 @@ def plain_step(lv: Array, key: Array, temperature: Array, *, greedy: bool) -> tu
     j = first_argmax(inside)
     tok = jnp.minimum(first * per + j, v - 1)  # (v - 1: a row of -inf only)
     return tok.astype(jnp.int32), inside[rows, j] - m - log_z
-  target = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
+  if jnp.ndim(key) == 0:
+    uniform = jax.random.uniform(key, (b,), jnp.float32)
+  else:
+    uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+  target = uniform * cum[:, -1]
   n = _first_crossing(cum, group_sum, target)  # [B]
   before = jnp.take_along_axis(cum - group_sum, n[:, None], axis=1)[:, 0]
   col = groups[:, n, rows].T  # [B, per]: the tokens of group n

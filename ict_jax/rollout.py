@@ -192,7 +192,8 @@ class Collector:
       roll = collector.collect((graphdef, params), examples, reward_pool, rng=key)
 
   decode_batch_size as in `sampling.generate` (an int that no longer divides the rows because
-  over-long prompts were dropped shrinks to their gcd)."""
+  over-long prompts were dropped shrinks to their gcd); compact_rows as `sampling.generate`'s
+  (config.rollout.compact_rows): the finished rows dropped from the decode batch between phases."""
 
   def __init__(
       self,
@@ -207,11 +208,13 @@ class Collector:
       rollout_dtype: str | None = None,
       decode_batch_size: int | str | None = None,
       decode_weights: str = "replicated",
+      compact_rows: bool = True,
   ):
     self.tokenizer, self.sampling, self.scoring = tokenizer, sampling, scoring
     self.group_size, self.prompt_style, self.max_prompt_len = group_size, prompt_style, max_prompt_len
     self.mesh, self.rollout_dtype, self.decode_batch_size = mesh, rollout_dtype, decode_batch_size
     self.decode_weights = decode_weights
+    self.compact_rows = compact_rows
 
   @classmethod
   def from_config(
@@ -239,6 +242,7 @@ class Collector:
         rollout_dtype=rollout_dtype,
         decode_batch_size=decode_batch_size(cfg),
         decode_weights=rc.decode_weights,
+        compact_rows=rc.compact_rows,
     )
 
   def policy(self, model_or_parts) -> RolloutPolicy:
@@ -255,6 +259,7 @@ class Collector:
         eos_token_ids=tok.eos_ids,
         pad_id=tok.pad_id,
         mesh=self.mesh,
+        compact_rows=self.compact_rows,
     )
 
   # ---- the evaluator's sampler -----------------------------------------------------------------

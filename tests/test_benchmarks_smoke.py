@@ -107,6 +107,7 @@ def test_sampling_runs_standalone_from_any_directory(tmp_path):
 SMOKE = {
     "aot_table.py": "test_aot_table_compiles_one_recipe_into_its_own_folder",
     "assemble_sweep.py": "tests/test_compare_methods.py",
+    "compaction.py": "test_compaction_same_tokens_fewer_row_steps",
     "compare_logs.py": "test_compare_logs_identical_and_different",
     "compare_methods.py": "test_compare_methods_one_seed_one_step",
     "compare_tables.py": "tests/test_compare_methods.py",
@@ -301,6 +302,21 @@ def test_fma_rate_prints_json():
     assert out["gflops"] > 0
   else:
     assert out["gflops"] is None
+
+
+def test_compaction_same_tokens_fewer_row_steps():
+  """The compaction benchmark at tiny shapes: the same tokens both ways (the script asserts it),
+  row-steps counted from the programs, never fewer than the tokens, fewer with compaction."""
+  proc = _run_script(
+      "compaction.py", "--preset", "tiny", "--vocab", "512", "--prompts", "4", "--group", "2", "--prompt", "8",
+      "--new", "32", "--median", "6", "--capped", "0.15", "--repeats", "1",
+  )  # fmt: skip
+  (out,) = _json_lines(proc)
+  assert out["same_tokens"] and out["rows"] == 8 and out["phases"] == [16, 32]
+  steps = out["row_steps"]
+  assert out["tokens_generated"] - out["rows"] <= steps["compacted"] < steps["full"]  # token 0 is the prefill's
+  assert out["phase_rows_compacted"][0] == 8 and out["phase_rows_compacted"][-1] < 8
+  assert min(out["wall_s_best"].values()) > 0
 
 
 def test_length_trims_to_the_bucket():

@@ -4,6 +4,7 @@ One module a concern:
   rules.py    sampling one token per row: temperature, top-k, top-p, greedy (`sample_logits`).
   policy.py   the rollout copy of the policy: weights cast and laid out for decoding once a step.
   decode.py   the jitted prefill (once per prompt) + KV-cache decode loop, sub-batches (`sample_fn`).
+  compact.py  the decode loop's phases driven from the host, the finished rows dropped between them.
   plan.py     length buckets, the decode sub-batch size, which rows share a prefilled prompt, and
               the decode loop's length-bounded phases.
   host.py     `generate` (validation, bucketing, the mesh), `generate_sub_batches` (the decode

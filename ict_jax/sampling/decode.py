@@ -15,7 +15,10 @@ emitted an EOS token or `max_new_tokens` tokens: one loop a length-bounded phase
 with it), so a rollout reads ~1 + 1 / 16 of the slots written, not ~2x. The EOS token itself is
 part of the completion (mask 1); later positions hold `pad_id` with mask 0 and log-prob 0. Each
 step's logits [B, V] (`Qwen2.next_token_logits`, or `cpu_paths.head_logits` for
-`kernels == "cpu"`) are sampled by `rules._sample_step`.
+`kernels == "cpu"`) are sampled by `rules._sample_step`, row r's token i with the key
+fold_in(fold_in(rng, r), i) (r its row of `generate`'s output): a row's tokens do not depend on the
+rows decoded with it, so sub-batches and `compact.py` (which drops the finished rows between the
+phases) give the same tokens.
 
 Compilation. The jitted generator is cached by jax per (graphdef, bucketed shapes, static sampling
 flags). temperature, top_p and the actual max_new_tokens are traced values, so changing them does
@@ -25,7 +28,7 @@ updated in place; nothing the caller owns is donated (the outputs do not alias a
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,32 +89,78 @@ def decode_one(
   return decode_head(model, h[:, 0]), cache
 
 
-def _decode_rows(
-    model,
-    prompt_ids,
-    prompt_mask,
-    rng,
-    num_new,
-    temperature,
-    top_p,
-    eos_ids,
-    pad_id,
-    *,
-    max_len: int,
-    samples: int,
-    greedy: bool,
-    top_k: int,
-    use_top_p: bool,
-    return_logprobs: bool,
-    return_logits: bool,
-) -> dict:
-  """One decode batch: prompts [u, P], `samples` rows each ->
-  {ids, mask[, logprobs][, logits]} [u * samples, max_len(, V)], row k * samples + s sample s of
-  prompt k.
+class Flags(NamedTuple):
+  """The static choices of a decode program (hashable: part of its jit cache key). shards: the row
+  shards the outputs are laid out over in blocks (`_write_column`; 1 outside `compact.py`)."""
 
-  Prefill the u prompts, then [b, 1] steps that stop when every row has emitted an EOS token or
-  num_new tokens, in length-bounded phases (`plan.decode_phases`): one `lax.while_loop` a phase,
-  whose steps read only the completion slots within its bound."""
+  max_len: int
+  greedy: bool
+  top_k: int
+  use_top_p: bool
+  return_logprobs: bool
+  return_logits: bool
+  shards: int = 1
+
+
+class Decoding(NamedTuple):
+  """The decode loop's state between two steps (and between the host-driven phases of
+  `compact.py`): b decode rows computed, `out` holding all B rows of the sub-batch. Per row shard
+  (`Flags.shards` blocks of rows), the b / shards computed rows are its out rows [0, b / shards)."""
+
+  i: Array  # [] the completion token the next step samples
+  cache: LayerCache  # [L, b, K, N, H] completion slots (a JointCache with decode_attention "pallas")
+  tok: Array  # [b] completion token i - 1
+  done: Array  # [b] bool: emitted an EOS token (or batch padding)
+  num_prompt: Array  # [b] prompt tokens of the row: the position of its first completion token
+  row_ids: Array  # [b] the row of `generate`'s output each is: its draws' key
+  prompt_cache: LayerCache  # [L, u, K, P, H]: rows [k b/u, (k + 1) b/u) read its row k
+  prompt_mask: Array  # [u, P]
+  out: dict  # {ids, mask[, logprobs][, logits]} [B, max_len(, V)]
+  order: Array  # [B] the index in the sub-batch of the row each out row holds, within its shard
+
+
+def _write_column(o: Array, v: Array, i, shards: int) -> Array:
+  """o [B, N, ...] with column i of the computed rows set to v [b, ...]: each of the `shards`
+  blocks of o's rows holds its b / shards computed rows first."""
+  o3 = o.reshape(shards, o.shape[0] // shards, *o.shape[1:])
+  v3 = v.reshape(shards, v.shape[0] // shards, 1, *v.shape[1:]).astype(o.dtype)
+  o3 = jax.lax.dynamic_update_slice(o3, v3, (0, 0, i) + (0,) * (o.ndim - 2))
+  return constrain(o3.reshape(o.shape), ("act_batch",) + (None,) * (o.ndim - 1))
+
+
+def _emit(cfg, c: Decoding, logits: Array, rng, scalars, flags: Flags) -> Decoding:
+  """Sample completion token c.i of each computed row from logits [b, V] and write it into the
+  outputs. Row r draws with fold_in(fold_in(rng, row_ids[r]), i): its tokens do not depend on the
+  rows that share its batch."""
+  _, temperature, top_p, eos_ids, pad_id = scalars
+  i = c.i
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), i))(c.row_ids)  # [b]
+  tok, lp = _sample_step(
+      logits,
+      keys,
+      temperature,
+      top_p,
+      greedy=flags.greedy,
+      top_k=flags.top_k,
+      use_top_p=flags.use_top_p,
+      kernels=cfg.kernels,
+      vocab_split=cfg.decode_weights == "tensor",
+  )
+  active = ~c.done
+  tok = jnp.where(active, tok, pad_id)
+  write = lambda o, v: _write_column(o, v, i, flags.shards)
+  out = dict(c.out, ids=write(c.out["ids"], tok), mask=write(c.out["mask"], active))
+  if flags.return_logprobs:
+    out["logprobs"] = write(out["logprobs"], jnp.where(active, lp, 0.0))
+  if flags.return_logits:
+    out["logits"] = write(out["logits"], logits)
+  done = c.done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
+  return c._replace(i=i + 1, tok=tok, done=done, out=out)
+
+
+def _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, samples: int) -> Decoding:
+  """Prefill the u prompts [u, P] (each read by `samples` consecutive rows, row_ids [b] their rows
+  of `generate`'s output) and sample completion token 0 of every row."""
   u = prompt_ids.shape[0]
   b = u * samples
   rows = ("act_batch", None)
@@ -120,65 +169,66 @@ def _decode_rows(
   num_prompt = per_row(jnp.sum(prompt_mask, axis=-1))  # [b]; the position of the first completion token
   logits, prompt_cache = prefill(model, prompt_ids, prompt_mask)
   logits = per_row(logits)  # [b, V]: the samples of a prompt draw from the same first logits
-  cache = model.init_cache(b, max_len)
-  kernels = model.cfg.kernels
-
-  def emit(i, logits, done, out):
-    """Sample completion token i from logits [b, V] and write it into the outputs."""
-    tok, lp = _sample_step(
-        logits,
-        jax.random.fold_in(rng, i),
-        temperature,
-        top_p,
-        greedy=greedy,
-        top_k=top_k,
-        use_top_p=use_top_p,
-        kernels=kernels,
-        vocab_split=model.cfg.decode_weights == "tensor",
-    )
-    active = ~done
-    tok = jnp.where(active, tok, pad_id)
-    out = dict(out, ids=out["ids"].at[:, i].set(tok), mask=out["mask"].at[:, i].set(active))
-    if return_logprobs:
-      out["logprobs"] = out["logprobs"].at[:, i].set(jnp.where(active, lp, 0.0))
-    if return_logits:
-      out["logits"] = jax.lax.dynamic_update_index_in_dim(out["logits"], logits, i, axis=1)
-    done = done | (active & jnp.any(tok[:, None] == eos_ids[None, :], axis=-1))
-    return tok, done, out
-
+  max_len = flags.max_len
   out = dict(
-      ids=constrain(jnp.full((b, max_len), pad_id, jnp.int32), rows),
+      ids=constrain(jnp.full((b, max_len), scalars[4], jnp.int32), rows),
       mask=constrain(jnp.zeros((b, max_len), jnp.int32), rows),
   )
-  if return_logprobs:
+  if flags.return_logprobs:
     out["logprobs"] = constrain(jnp.zeros((b, max_len), jnp.float32), rows)
-  if return_logits:
+  if flags.return_logits:
     out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[1]), jnp.float32), ("act_batch", None, None))
-  tok, done, out = emit(0, logits, num_prompt == 0, out)
+  order = jnp.tile(jnp.arange(b // flags.shards, dtype=jnp.int32), flags.shards)
+  c = Decoding(
+      jnp.int32(0),
+      model.init_cache(b, max_len),
+      jnp.zeros((b,), jnp.int32),
+      num_prompt == 0,  # batch padding emits nothing
+      num_prompt,
+      constrain(row_ids.astype(jnp.int32), ("act_batch",)),
+      prompt_cache,
+      prompt_mask,
+      out,
+      constrain(order, ("act_batch",)),
+  )
+  return _emit(model.cfg, c, logits, rng, scalars, flags)
 
-  def phase(bound):  # the steps i <= bound: completion slots [0, i - 1) are within [0, bound)
-    def cond(carry):
-      i, _, _, done, _ = carry
-      return (i < num_new) & (i <= bound) & ~jnp.all(done)
 
-    def body(carry):
-      i, cache, tok, done, out = carry  # tok [b]: completion token i - 1, into slot i - 1
-      logits, cache = decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, bound)
-      tok, done, out = emit(i, logits, done, out)
-      return i + 1, cache, tok, done, out
+def _phase(model, c: Decoding, rng, scalars, flags: Flags, bound: int) -> Decoding:
+  """The steps i <= bound of the decode loop (completion slots [0, i - 1) within [0, bound)), one
+  `lax.while_loop` that stops early when every row is done or num_new tokens are out."""
+  num_new = scalars[0]
 
-    return cond, body
+  def cond(c):
+    return (c.i < num_new) & (c.i <= bound) & ~jnp.all(c.done)
 
-  carry = (jnp.int32(1), cache, tok, done, out)
-  for bound in decode_phases(max_len):
-    carry = jax.lax.while_loop(*phase(bound), carry)
-  return carry[-1]
+  def body(c):  # c.tok [b]: completion token i - 1, into slot i - 1
+    logits, cache = decode_one(model, c.tok, c.num_prompt, c.i, c.cache, c.prompt_cache, c.prompt_mask, bound)
+    return _emit(model.cfg, c._replace(cache=cache), logits, rng, scalars, flags)
+
+  return jax.lax.while_loop(cond, body, c)
+
+
+def _decode_rows(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, samples: int) -> dict:
+  """One decode batch: prompts [u, P], `samples` rows each (row_ids [u * samples] their rows of
+  `generate`'s output) -> {ids, mask[, logprobs][, logits]} [u * samples, max_len(, V)], row
+  k * samples + s sample s of prompt k.
+
+  Prefill the u prompts, then [b, 1] steps that stop when every row has emitted an EOS token or
+  num_new tokens, in length-bounded phases (`plan.decode_phases`): one `lax.while_loop` a phase,
+  whose steps read only the completion slots within its bound. Every row stays in the batch to the
+  end (`compact.py` drops the finished ones between the phases)."""
+  c = _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags, samples)
+  for bound in decode_phases(flags.max_len):
+    c = _phase(model, c, rng, scalars, flags, bound)
+  return c.out
 
 
 def _generate_impl(
     state,
     prompt_ids,
     prompt_mask,
+    row_ids,
     rng,
     num_new,
     temperature,
@@ -199,40 +249,38 @@ def _generate_impl(
   """prompt_ids/mask [U, P] left-padded, `samples` (R) rows each -> ids [U * R, max_len],
   mask(, logprobs)(, logits [U * R, N, V]); row k * R + s is sample s of prompt k.
 
+  row_ids [U * R]: the row of `generate`'s output each row is; row r draws its token i with
+  fold_in(fold_in(rng, row_ids[r]), i), so its tokens do not depend on the rows decoded with it.
   num_new (<= max_len), temperature, top_p, eos_ids [E] (-1 = none) and pad_id are traced, so they
   never cause a recompile; prompts whose mask is all 0 (batch padding) emit nothing.
 
   sub_batches n > 1 decodes the prompts as n sub-batches of U / n prompts (U * R / n rows), one
   after the other (`lax.map`), so only one sub-batch's KV cache is live. Sub-batch j holds prompts
   j, j + n, j + 2n, ...: viewed as [U / n, n], prompts sharded in blocks over ("data", "fsdp")
-  stay on their devices and every sub-batch spans all of them. Sub-batch j samples with
-  `fold_in(rng, j)`."""
+  stay on their devices and every sub-batch spans all of them."""
   model = nnx.merge(graphdef, state)
-  kw = dict(
-      max_len=max_len,
-      samples=samples,
-      greedy=greedy,
-      top_k=top_k,
-      use_top_p=use_top_p,
-      return_logprobs=return_logprobs,
-      return_logits=return_logits,
-  )
+  flags = Flags(max_len, greedy, top_k, use_top_p, return_logprobs, return_logits)
   scalars = (num_new, temperature, top_p, eos_ids, pad_id)
   if sub_batches == 1:
-    out = _decode_rows(model, prompt_ids, prompt_mask, rng, *scalars, **kw)
+    out = _decode_rows(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags, samples)
   else:
     u, p = prompt_ids.shape
     per = u // sub_batches
-    split = lambda x: jnp.swapaxes(
-        constrain(x.reshape(per, sub_batches, p), ("act_batch", None, None)), 0, 1
-    )  # [n, U/n, P]
+    split = lambda x, w: jnp.swapaxes(
+        constrain(x.reshape(per, sub_batches, w), ("act_batch", None, None)), 0, 1
+    )  # [n, U/n, w]
 
     def one(args):
-      j, ids, mask = args
-      return _decode_rows(model, ids, mask, jax.random.fold_in(rng, j), *scalars, **kw)
+      ids, mask, rows = args
+      return _decode_rows(model, ids, mask, rows.reshape(-1), rng, scalars, flags, samples)
 
-    out = jax.lax.map(one, (jnp.arange(sub_batches), split(prompt_ids), split(prompt_mask)))
+    out = jax.lax.map(one, (split(prompt_ids, p), split(prompt_mask, p), split(row_ids, samples)))
     out = {k: join_sub_batches_rows(v, samples) for k, v in out.items()}
+  return output_tuple(out, return_logprobs, return_logits)
+
+
+def output_tuple(out: dict, return_logprobs: bool, return_logits: bool) -> tuple:
+  """(ids, mask[, logprobs][, logits]) of a decode's outputs, as `generate` returns them."""
   names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
   return tuple(out[k] for k in names)
 
@@ -288,6 +336,7 @@ def sample_fn(
       state,
       prompt_ids,
       prompt_mask,
+      jnp.arange(prompt_ids.shape[0] * int(num_samples), dtype=jnp.int32),
       rng,
       jnp.int32(max_new_tokens),
       jnp.asarray(1.0 if greedy else temperature, jnp.float32),

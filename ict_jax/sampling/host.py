@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -13,11 +14,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ict_jax.models.axes import logical_to_spec
-from ict_jax.sampling.decode import QWEN_EOS_IDS, QWEN_PAD_ID, _eos_array, _generate_jit, join_sub_batches_rows
-from ict_jax.sampling.plan import DecodeLayout, _check_int, bucket_length, decode_layout, resolve_decode_batch_size
+from ict_jax.sampling.compact import decode_compacted
+from ict_jax.sampling.decode import (
+    QWEN_EOS_IDS,
+    QWEN_PAD_ID,
+    Flags,
+    _eos_array,
+    _generate_jit,
+    join_sub_batches_rows,
+)
+from ict_jax.sampling.plan import (
+    DecodeLayout,
+    _check_int,
+    bucket_length,
+    decode_layout,
+    decode_phases,
+    resolve_decode_batch_size,
+)
 from ict_jax.sampling.policy import ROLLOUT_DTYPES, RolloutPolicy, _find_mesh, as_rollout_policy
 from ict_jax.sharding import put_global, replicated
 
@@ -63,6 +79,13 @@ class _Job(NamedTuple):
   layout: DecodeLayout
   n_rows: int
   n_new: int
+  compact: bool  # drop the finished rows at the phase boundaries (`compact.decode_compacted`)
+
+  def rows(self, j: int) -> np.ndarray:
+    """[prompts x R] the row of `generate`'s output each row of sub-batch j is (>= n_rows: batch
+    padding): its prompt k is prompt k * n + j of all (`decode.join_sub_batches_rows`)."""
+    n, r, per = self.layout.sub_batches, self.layout.samples, self.layout.prompts
+    return ((np.arange(per) * n + j)[:, None] * r + np.arange(r)).reshape(-1).astype(np.int32)
 
 
 def _prepare(
@@ -84,6 +107,7 @@ def _prepare(
     decode_batch_size: int | str | None = None,
     return_logprobs: bool = True,
     rollout_dtype: str | None = None,
+    compact_rows: bool = True,
 ) -> _Job:
   """`generate`'s checks, buckets and layout, without touching a device."""
   if isinstance(model, RolloutPolicy):
@@ -158,7 +182,8 @@ def _prepare(
       _eos_array(eos),
       np.int32(pad_id),
   )
-  return _Job(ids, mask, rng, scalars, static, mesh, layout, n_rows, n_new)
+  compact = bool(compact_rows) and len(decode_phases(n_bucket)) > 1  # one phase: no boundary to compact at
+  return _Job(ids, mask, rng, scalars, static, mesh, layout, n_rows, n_new, compact)
 
 
 def generate(
@@ -180,6 +205,7 @@ def generate(
     decode_batch_size: int | str | None = None,
     return_logprobs: bool = True,
     rollout_dtype: str | None = None,
+    compact_rows: bool = True,
 ):
   """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
   `RolloutPolicy` (`make_rollout_policy`, used as is).
@@ -196,7 +222,11 @@ def generate(
   of that and cut back, and a model's weights are first copied into the decoding layout
   (`DECODE_RULES`) in `rollout_dtype` (default: the model's compute dtype). decode_batch_size
   (an int dividing B*G, "auto" to size it from free device memory, None for all rows) decodes
-  the rows in sub-batches, one KV cache at a time (see `decode._generate_impl`)."""
+  the rows in sub-batches, one KV cache at a time (see `decode._generate_impl`). compact_rows
+  drops the rows that have finished from the decode batch at each boundary of the length-bounded
+  phases (`compact.py`; the host drives the phases, one program each): the same tokens, masks and
+  log-probs as compact_rows=False (one program for the whole decode). Row r draws its token i with
+  fold_in(fold_in(rng, r), i): the same tokens whatever the sub-batches."""
   job = _prepare(
       model,
       prompt_ids,
@@ -215,26 +245,59 @@ def generate(
       decode_batch_size=decode_batch_size,
       return_logprobs=return_logprobs,
       rollout_dtype=rollout_dtype,
+      compact_rows=compact_rows,
   )
   with _mesh_ctx(job.mesh):
     graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=job.mesh)  # as is if one already
-    out = _generate_jit(state, *_place(job, job.ids, job.mask, job.rng), graphdef=graphdef, **job.static)
+    if job.compact:
+      n = job.layout.sub_batches
+      parts = [_decode_compacted(job, graphdef, state, j) for j in range(n)]
+      out = parts[0] if n == 1 else _join_jit(tuple(parts), samples=job.layout.samples)
+    else:
+      rows = np.arange(job.ids.shape[0] * job.layout.samples, dtype=np.int32)
+      out = _generate_jit(state, *_place(job, job.ids, job.mask, rows), graphdef=graphdef, **job.static)
   return tuple(x[: job.n_rows, : job.n_new] for x in out)
+
+
+def _decode_compacted(job: _Job, graphdef, state, j: int) -> tuple:
+  """Sub-batch j of `job` decoded with its finished rows dropped at the phase boundaries."""
+  n = job.layout.sub_batches
+  ids, mask, rows, rng, *scalars = _place(job, job.ids[j::n], job.mask[j::n], job.rows(j))
+  st = job.static
+  shards = 1 if job.mesh is None else job.mesh.shape["data"] * job.mesh.shape["fsdp"]
+  flags = Flags(
+      st["max_len"], st["greedy"], st["top_k"], st["use_top_p"], st["return_logprobs"], st["return_logits"], shards
+  )
+  return decode_compacted(
+      state,
+      ids,
+      mask,
+      rows,
+      rng,
+      tuple(scalars),
+      graphdef=graphdef,
+      flags=flags,
+      samples=st["samples"],
+      n_new=job.n_new,
+  )
 
 
 def _mesh_ctx(mesh):
   return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def _place(job: _Job, ids: np.ndarray, mask: np.ndarray, rng: Array) -> tuple:
-  """(ids, mask, rng, *scalars) as `_generate_jit` takes them: on a mesh, prompts over its row
-  axes and the rest replicated (one cache entry per mesh)."""
+def _place(job: _Job, ids: np.ndarray, mask: np.ndarray, row_ids: np.ndarray) -> tuple:
+  """(ids, mask, row_ids, rng, *scalars) as `_generate_jit` takes them: on a mesh, prompts and
+  rows over its row axes and the rest replicated (one cache entry per mesh)."""
+  rng = job.rng
   if job.mesh is None:
-    return (ids, mask, rng, *job.scalars)
-  rows = prompt_sharding(job.mesh, ids.shape[0])
+    return (ids, mask, row_ids, rng, *job.scalars)
+  prompts = prompt_sharding(job.mesh, ids.shape[0])
+  rows = NamedSharding(job.mesh, PartitionSpec(prompt_sharding(job.mesh, row_ids.shape[0]).spec[0]))
   repl = replicated(job.mesh)
   rng = jax.random.wrap_key_data(put_global(jax.random.key_data(rng), repl), impl=jax.random.key_impl(rng))
-  return (put_global(ids, rows), put_global(mask, rows), rng, *(put_global(x, repl) for x in job.scalars))
+  placed = (put_global(ids, prompts), put_global(mask, prompts), put_global(row_ids, rows))
+  return (*placed, rng, *(put_global(x, repl) for x in job.scalars))
 
 
 class SubBatch(NamedTuple):
@@ -253,26 +316,38 @@ def generate_sub_batches(model, prompt_ids, prompt_mask, **kwargs) -> Iterator[S
   in order, sub-batch j only once sub-batch j + 1 has been launched: dispatch is asynchronous,
   so the caller's host work on j (fetching its tokens, detokenizing, scoring) runs while the
   devices decode j + 1. Arguments as `generate`'s. The tokens are `generate`'s: sub-batch j
-  holds the same prompts (j, j + n, ...) and samples with the same key (`fold_in(rng, j)`);
-  `join_sub_batches` lays the parts out as `generate`'s output."""
+  holds the same prompts (j, j + n, ...), each row drawing with its own key; `join_sub_batches`
+  lays the parts out as `generate`'s output. With compact_rows (and more than one phase) the host
+  drives each sub-batch's phases (`compact.decode_compacted`): sub-batch j + 1 is driven by a
+  worker thread while the caller works on j."""
   job = _prepare(model, prompt_ids, prompt_mask, **kwargs)
-  n, r, per = job.layout.sub_batches, job.layout.samples, job.layout.prompts
+  n = job.layout.sub_batches
   with _mesh_ctx(job.mesh):
     graphdef, state = as_rollout_policy(model, dtype=kwargs.get("rollout_dtype"), mesh=job.mesh)
   static = dict(job.static, graphdef=graphdef, sub_batches=1)
 
   def launch(j: int) -> SubBatch:
-    rng = job.rng if n == 1 else jax.random.fold_in(job.rng, j)
+    rows = job.rows(j)
     with _mesh_ctx(job.mesh):
-      out = _generate_jit(state, *_place(job, job.ids[j::n], job.mask[j::n], rng), **static)
+      if job.compact:
+        out = _decode_compacted(job, graphdef, state, j)
+      else:
+        out = _generate_jit(state, *_place(job, job.ids[j::n], job.mask[j::n], rows), **static)
       out = tuple(x[:, : job.n_new] for x in out)
-    rows = ((np.arange(per) * n + j)[:, None] * r + np.arange(r)).reshape(-1)  # decode.join_sub_batches_rows
     return SubBatch(j, np.where(rows < job.n_rows, rows, -1), out, job.layout)
 
-  ahead = launch(0)
-  for j in range(n):
-    current, ahead = ahead, launch(j + 1) if j + 1 < n else None
-    yield current
+  if not job.compact:  # dispatch is asynchronous: launching j + 1 returns at once
+    ahead = launch(0)
+    for j in range(n):
+      current, ahead = ahead, launch(j + 1) if j + 1 < n else None
+      yield current
+    return
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode") as pool:
+    ahead = pool.submit(launch, 0)
+    for j in range(n):
+      current = ahead.result()
+      ahead = pool.submit(launch, j + 1) if j + 1 < n else None
+      yield current
 
 
 def join_sub_batches(parts: Sequence[SubBatch]) -> tuple[Array, ...]:
@@ -321,18 +396,22 @@ def lower_generate(
   (e.g. `decode_shardings` over a topology's mesh); batch rows (prompts x num_samples, laid out and
   padded as `generate` does: `plan.decode_layout`); prompt_len and max_new_tokens the bucketed
   widths. Temperature, top_p, EOS ids and the number of new tokens stay runtime inputs (traced),
-  as in `generate`."""
+  as in `generate`. This is the decode without compaction (compact_rows=False: every row to the
+  end, one program); `compact.py` runs the same phases one program per (bound, rows)."""
   sub = batch if decode_batch_size is None else decode_batch_size
   if batch % sub or batch % num_samples:
     raise ValueError(f"lower_generate: decode_batch_size {sub} and num_samples {num_samples} must divide batch {batch}")
   layout = decode_layout(batch, num_samples, sub, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   prompts = None if mesh is None else prompt_sharding(mesh, layout.prefill_rows)
+  n_rows = layout.prefill_rows * layout.samples
+  rows = None if mesh is None else NamedSharding(mesh, PartitionSpec(prompt_sharding(mesh, n_rows).spec[0]))
   repl = None if mesh is None else replicated(mesh)
   sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
   args = (
       policy.state,
       sds((layout.prefill_rows, prompt_len), jnp.int32, prompts),
       sds((layout.prefill_rows, prompt_len), jnp.int32, prompts),
+      sds((n_rows,), jnp.int32, rows),
       sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, repl),
       sds((), jnp.int32, repl),
       sds((), jnp.float32, repl),

@@ -65,6 +65,15 @@ def _top_p_threshold(e: Array, top_p: Array) -> Array:
   return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
 
 
+def _categorical(key: Array, logits: Array) -> Array:
+  """`jax.random.categorical` over the last axis of logits [B, n]: one key for the whole batch
+  (key []) or row b drawn with its own key[b] (key [B]: a row's draw does not depend on the other
+  rows of its batch)."""
+  if jnp.ndim(key) == 0:
+    return jax.random.categorical(key, logits, axis=-1)
+  return jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, logits)
+
+
 def _sample_step(
     logits: Array,
     key: Array,
@@ -77,12 +86,14 @@ def _sample_step(
     kernels: str = "portable",
     vocab_split: bool = False,
 ) -> tuple[Array, Array]:
-  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32). kernels "cpu" takes
-  `cpu_paths.plain_step` for greedy and plain temperature sampling (same values). vocab_split (the
-  tensor decode layout, `Qwen2Config.decode_weights`): the logits stay split over every chip by
-  vocabulary, every row on every chip, and the reductions over the vocabulary (the max, the
-  Gumbel-max draw, the normaliser) are computed on each chip's ids and combined across chips
-  (all-reduces of [B] values): left to itself XLA moved the [B, V] logits to the rows' chips."""
+  """logits [B, V] float32 -> (token ids [B] int32, log-probs [B] float32). key: one key [] for
+  the batch, or a key a row [B] (the decode loop's: row b's token depends on key[b] and its logits
+  only). kernels "cpu" takes `cpu_paths.plain_step` for greedy and plain temperature sampling
+  (same values). vocab_split (the tensor decode layout, `Qwen2Config.decode_weights`): the logits
+  stay split over every chip by vocabulary, every row on every chip, and the reductions over the
+  vocabulary (the max, the Gumbel-max draw, the normaliser) are computed on each chip's ids and
+  combined across chips (all-reduces of [B] values): left to itself XLA moved the [B, V] logits to
+  the rows' chips."""
   if vocab_split:
     tok, lp = _sample_step(
         constrain(logits, (None, "act_split")),
@@ -110,7 +121,7 @@ def _sample_step(
       probs = jax.nn.softmax(scaled, axis=-1)
       mass_before = jnp.cumsum(probs, axis=-1) - probs
       scaled = jnp.where(mass_before < top_p, scaled, -jnp.inf)  # the first is always kept
-    j = jax.random.categorical(key, scaled, axis=-1)
+    j = _categorical(key, scaled)
     tok = jnp.take_along_axis(cand, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
     lp = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
     return tok, lp
@@ -121,7 +132,7 @@ def _sample_step(
     scaled = jnp.where(e >= _top_p_threshold(e, top_p)[:, None], scaled, -jnp.inf)
   # Gumbel-max (`jax.random.categorical`): one pass over the logits with the noise fused into the
   # argmax; the normaliser `total` is the second
-  tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  tok = _categorical(key, scaled).astype(jnp.int32)
   total = jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1)
   lp = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0] - top - jnp.log(total)
   return tok, lp
