@@ -81,7 +81,8 @@ from ict_jax.aot.measure import (  # noqa: E402
 )
 from ict_jax.aot.plan import DecodeCosts, StepBound, step_bound  # noqa: E402
 from ict_jax.aot.report import format_report  # noqa: E402
-from ict_jax.aot.sampler import compile_decode_step, compile_sampler, decode_cache  # noqa: E402
+from ict_jax.aot.decode_step import compile_decode_step, decode_cache  # noqa: E402
+from ict_jax.aot.sampler import compile_sampler  # noqa: E402
 from ict_jax.aot.step import compile_train_step, train_batch  # noqa: E402
 from ict_jax.aot.targets import GPU_MEM_FRACTION, GiB, TARGETS, AotError, Target, target_devices  # noqa: E402
 from ict_jax.aot.cli import PARTS, main  # noqa: E402

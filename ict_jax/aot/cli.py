@@ -9,6 +9,7 @@ import sys
 import jax
 from etils import epath
 
+from ict_jax.aot.decode_grid import MODES
 from ict_jax.aot.report import format_report
 from ict_jax.aot.sampler import compile_sampler
 from ict_jax.aot.step import compile_train_step
@@ -57,6 +58,15 @@ def main(argv=None) -> None:
   flags.DEFINE_float("capped_share", d.capped_share, "share of completions at max_new_tokens", flag_values=fl)
   flags.DEFINE_integer("length_batches", 20, "simulated steps the bound averages", flag_values=fl)
   flags.DEFINE_integer("length_seed", 0, "seed of the simulated lengths", flag_values=fl)
+  flags.DEFINE_enum(
+      "decode_compiles",
+      "few",
+      MODES,
+      "few: the decode step compiled at the first and last phase bound x the fewest and all rows, "
+      "at 2 and 3 layers, the rest derived (affine; minutes); all: at every phase bound x every "
+      "compacted row count, at the model's depth (the check of the derivation; an hour on 1.5B TPU)",
+      flag_values=fl,
+  )
   argv = sys.argv if argv is None else argv
   try:  # flag and --config.* override errors become one line, not a traceback
     cd = cli_config.parse(fl, argv)
@@ -98,6 +108,7 @@ def main(argv=None) -> None:
               lengths=lengths,
               length_batches=fl.length_batches,
               length_seed=fl.length_seed,
+              decode_compiles=fl.decode_compiles,
           )
       )
   except (ConfigError, AotError) as e:
@@ -113,12 +124,18 @@ def main(argv=None) -> None:
             for k in ("step_time_lower_bound_s", "hours_lower_bound", "decode_phase_bytes_over_weights_kv")
             if "sampler" in by_program
         },
+        **{  # the rollout's decode against its limit (`plan.step_bound`)
+            k: by_program["sampler"]["step_bound"][k]
+            for k in ("decode_s", "decode_limit_s", "decode_bytes_over_limit", "live_row_steps_over_real")
+            if "sampler" in by_program and by_program["sampler"]["step_bound"]
+        },
         "fits": fits,
         "part": fl.part,
         "config": fl["config"].config_filename,
         "chips": target.chips,
         "peak_tflops_per_chip": target.peak_tflops,
         "hbm_tb_s_per_chip": target.hbm_tb_s,
+        "ici_gb_s_per_chip": target.ici_gb_s,
         "jax": jax.__version__,
     }
     epath.Path(fl.json).write_text(json.dumps(out, indent=1))
