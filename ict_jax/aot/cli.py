@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
+import tempfile
 
 import jax
 from etils import epath
 
 from ict_jax.aot.decode_grid import MODES
+from ict_jax.aot.measure import Report
 from ict_jax.aot.report import format_report
 from ict_jax.aot.sampler import compile_sampler
 from ict_jax.aot.step import compile_train_step
@@ -25,11 +29,32 @@ def _fail(msg: str) -> None:
   sys.exit(2)
 
 
-def main(argv=None) -> None:
-  from absl import flags
+def _train_in_a_child(argv: list[str], path: str) -> subprocess.Popen:
+  """`python -m ict_jax.aot ARGS --part train --json path` started beside this process: --part
+  both compiles the train step there while this one compiles the sampler (two compiles at once:
+  each is one thread for most of its minutes)."""
+  args, skip = [], False
+  for a in argv[1:]:
+    if skip or a.split("=", 1)[0] in ("--json", "--part"):
+      skip = not skip and "=" not in a  # "--json X": skip X too
+      continue
+    args.append(a)
+  cmd = [sys.executable, "-m", "ict_jax.aot", *args, "--part", "train", "--json", path]
+  return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-  from ict_jax import cli_config
-  from ict_jax import config as config_lib
+
+def _train_report(child: subprocess.Popen, path: str) -> Report:
+  """The child's train report (its bad-input line is this process's)."""
+  _, err = child.communicate()
+  if child.returncode not in (0, 1) or not os.path.exists(path):
+    _fail(err.strip().splitlines()[-1].removeprefix("ict_jax.aot: error: ") if err.strip() else "train step: failed")
+  d = json.load(open(path))
+  return Report(**{f.name: d[f.name] for f in dataclasses.fields(Report) if f.name in d})
+
+
+def _flags():
+  """The command line's flags (module docstring of `ict_jax.aot`)."""
+  from absl import flags
 
   fl = flags.FlagValues()
   flags.DEFINE_string("target", "", f"one of {', '.join(TARGETS)}", flag_values=fl)
@@ -67,6 +92,15 @@ def main(argv=None) -> None:
       "compacted row count, at the model's depth (the check of the derivation; an hour on 1.5B TPU)",
       flag_values=fl,
   )
+  return fl
+
+
+def main(argv=None) -> None:
+
+  from ict_jax import cli_config
+  from ict_jax import config as config_lib
+
+  fl = _flags()
   argv = sys.argv if argv is None else argv
   try:  # flag and --config.* override errors become one line, not a traceback
     cd = cli_config.parse(fl, argv)
@@ -93,10 +127,12 @@ def main(argv=None) -> None:
   target = TARGETS[fl.target]
   if fl.hbm_gib:
     target = dataclasses.replace(target, usable_hbm=int(fl.hbm_gib * GiB))
-  reports = []
+  reports, child, tmp = [], None, tempfile.mkdtemp(prefix="ict_aot_")
   try:
     cfg = config_lib.validate(cd)
-    if fl.part in ("train", "both"):
+    if fl.part == "both":
+      child = _train_in_a_child(list(argv), os.path.join(tmp, "train.json"))
+    elif fl.part == "train":
       reports.append(compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len))
     if fl.part in ("sample", "both"):
       reports.append(
@@ -111,8 +147,13 @@ def main(argv=None) -> None:
               decode_compiles=fl.decode_compiles,
           )
       )
+    if child is not None:
+      reports.insert(0, _train_report(child, os.path.join(tmp, "train.json")))
   except (ConfigError, AotError) as e:
     _fail(" ".join(str(e).split()))
+  finally:
+    if child is not None and child.poll() is None:
+      child.kill()
   fits = all(r.fits for r in reports)
   if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
     by_program = {r.program: r.to_json() for r in reports}
