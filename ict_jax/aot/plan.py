@@ -68,11 +68,13 @@ class DecodeGrid:
 
 
 def bilinear(points: dict[tuple[int, int], float], x: float, y: float) -> float:
-  """f(x, y) = a + b x + c y + d x y through the four corners of the (x, y) box of `points`
-  (either side may be a single value): a decode step's bytes and FLOPs are affine in its read
-  bound at a fixed row count (the KV slots read) and affine in its rows at a fixed bound."""
+  """f(x, y) = a + b x + c y + d x y through the four measured points around (x, y): the nearest
+  measured x on each side (or x itself), likewise y (a side may be a single value). A decode
+  step's bytes and FLOPs are affine in its read bound at a fixed row count (the KV slots read)
+  and affine in its rows at a fixed bound, piecewise where a row count was measured between."""
   xs, ys = sorted({k[0] for k in points}), sorted({k[1] for k in points})
-  (x0, x1), (y0, y1) = (xs[0], xs[-1]), (ys[0], ys[-1])
+  near = lambda vs, v: (max((u for u in vs if u <= v), default=vs[0]), min((u for u in vs if u >= v), default=vs[-1]))
+  (x0, x1), (y0, y1) = near(xs, x), near(ys, y)
   tx = 0.0 if x1 == x0 else (x - x0) / (x1 - x0)
   ty = 0.0 if y1 == y0 else (y - y0) / (y1 - y0)
   f = lambda a, b: points[(a, b)]
