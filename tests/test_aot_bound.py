@@ -125,17 +125,17 @@ def test_collective_bytes_from_hlo():
 
 
 # ---- derived against compiled (needs libtpu) -------------------------------------------------
-# the tiny model 4 layers deep; 1 prompt x G 8 = 8 rows over fsdp 2 x tensor 4 (4 rows a row
-# shard: compacted batches of 2, 4, 6, 8 rows); 48 completion columns (bucket 64): phase bounds
-# 16, 32, 48, 64
+# the tiny model 4 layers deep; 32 prompts x G 8 = 256 rows over fsdp 2 x tensor 4 (128 rows a
+# row shard, as 1.5B on v5e-8: compacted batches of 16, 32, .. 128 rows a shard, whole TPU
+# tiles); 32 completion columns: phase bounds 16, 32
 DEEP = [
     "--config",
     "configs/tiny_arith.py",
-    "--config.rollout.prompts_per_step=1",
+    "--config.rollout.prompts_per_step=32",
     "--config.mesh.fsdp=2",
     "--config.mesh.tensor=4",
     "--completion_len",
-    "48",
+    "32",
     "--target",
     "v5e-8",
     "--part",
@@ -172,14 +172,19 @@ def few_and_all(tmp_path_factory):
 
 def test_derived_decode_costs_match_every_compile(few_and_all):
   """The decode step's bytes, FLOPs and collectives at every (bound, rows), derived from the
-  corners compiled at 2 and 3 layers (`decode_grid`, "few"), within 2% of each compiled at the
+  programs compiled at 2 and 3 layers (`decode_grid`, "few"), within 2% of each compiled at the
   model's 4 layers ("all"); the step bound's decode within 2% too."""
   few, full = few_and_all["few"], few_and_all["all"]
   gf, ga = few["decode_grid"], full["decode_grid"]
-  assert ga["bounds"] == gf["bounds"] == [16, 32, 48, 64] and ga["rows"] == gf["rows"] == [2, 4, 6, 8]
+  rows = list(range(32, 257, 32))
+  assert ga["bounds"] == gf["bounds"] == [16, 32] and ga["rows"] == gf["rows"] == rows
   assert ga["depths"] == [4] and gf["depths"] == [2, 3]
-  assert sorted(map(tuple, ga["compiled"])) == [(b, r) for b in (16, 32, 48, 64) for r in (2, 4, 6, 8)]
-  assert sorted(map(tuple, gf["compiled"])) == [(16, 2), (16, 8), (64, 2), (64, 8)]
+  assert sorted(map(tuple, ga["compiled"])) == [(b, r) for b in (16, 32) for r in rows]
+  # over tensor 4 XLA partitions the tiny model's step differently by row count: the line through
+  # 32 and 256 rows misses the check point (128 rows) by more than 1%, so "few" compiled every row
+  # count at both bounds (2 and 3 layers) and derived the depth only
+  assert gf["affine_miss"] > 0.01 and ga["affine_miss"] is None
+  assert sorted(map(tuple, gf["compiled"])) == [(b, r) for b in (16, 32) for r in rows]
   for key in ("bytes", "flops", "ici_bytes", "collectives"):
     np.testing.assert_allclose(gf[key], ga[key], rtol=0.02, err_msg=key)
   assert min(map(min, ga["ici_bytes"])) > 0  # tensor 4: the step's all-reduces

@@ -7,7 +7,8 @@ programs, each a compile of many seconds to minutes for a 1.5B-7B model with its
 unrolled. Their bytes, FLOPs and collectives are affine in b at a fixed r (the KV slots read), in
 r at a fixed b (the rows' activations, logits and cache), and in the layer count (identical layers,
 unrolled). So "few" (the default) compiles the four corners (first and last bound) x (fewest and
-all rows; and the second-fewest when the fewest are under 8 a chip) at two depths (2 and 3 layers, or the model's own when it has no more) and derives the
+all rows; every row count when compaction keeps fewer than 8 rows a chip at a time, which the
+TPU pads to its 8-row tiles) at two depths (2 and 3 layers, or the model's own when it has no more) and derives the
 rest: `plan.bilinear` in (b, r), then a straight line in the depth to the model's layers. "all"
 compiles every (b, r) at the model's depth (slow: the check of the derivation, tests/test_aot.py).
 
@@ -26,10 +27,15 @@ from ict_jax.aot.measure import bytes_per_device, collective_bytes, count_collec
 
 MODES = ("few", "all")  # --decode_compiles
 _DEPTHS = (2, 3)  # the layer counts "few" compiles, when the model has more
-# fewer rows a chip than a TPU tile's 8 sublanes compile to other code (1 row a chip: a 4-layer
-# tiny model's step reads 4% more bytes and 8% fewer FLOPs than the line through 2 and 4 rows):
-# "few" then also compiles the second-fewest rows and derives piecewise
+# a chip's rows are padded to a TPU tile's 8 sublanes: when compaction keeps fewer than 8 rows a
+# chip at a time, the bytes step at each multiple of 8 (a 4-layer tiny model, 2 .. 16 rows a chip
+# in steps of 2: +10% from 8 to 10 rows, -1% from 14 to 16), so "few" compiles every row count
+# then and derives only in the bound and the depth
 _TILE_ROWS = 8
+# "few": the line through the fewest and all rows may miss the middle row count by this much
+# (1.5B on v5e-8, 2 layers, bound 256: 0.17% at 64 of 16 .. 128 rows a chip; a 4-layer tiny model
+# over tensor 4 misses by 14%: XLA partitions its head differently by row count)
+AFFINE_TOLERANCE = 0.01
 
 
 @dataclasses.dataclass
@@ -43,6 +49,7 @@ class GridResult:
   collective_bytes: dict[str, float]
   error: str
   cost_analysis: bool  # the compiler gave bytes (else the grid's bytes are the minimum)
+  affine_miss: float | None = None  # "few": how far the rows' line missed its check point
 
 
 def row_counts(rows: int, shards: int) -> list[int]:
@@ -83,36 +90,72 @@ def _min_bytes(mcfg, mesh, dtype, weights_read: int, *, bound: int, rows: int, p
   return weights_read + bytes_per_device(kv)
 
 
+def _affine_miss(measured: dict, depth: int, bounds, corners, mid: int) -> float:
+  """How far the line through the corners' (bytes, FLOPs, collective bytes, collectives) misses
+  the compiled (first bound, `mid` rows) at `depth`: the largest relative error (inf: not compiled)."""
+  got = measured[depth, bounds[0], mid]
+  line = lambda j: plan.bilinear({(b, r): (measured[depth, b, r][j] or 0) for b, r in corners}, bounds[0], mid)
+  values = [(got[0], line(0)), (got[1], line(1))] if got[0] is not None else []
+  values.append(
+      (sum(got[3].values()), plan.bilinear({k: sum(measured[depth, *k][3].values()) for k in corners}, bounds[0], mid))
+  )
+  values.append(
+      (sum(got[2].values()), plan.bilinear({k: sum(measured[depth, *k][2].values()) for k in corners}, bounds[0], mid))
+  )
+  return max((abs(x - y) / max(abs(x), 1.0) for x, y in values), default=float("inf"))
+
+
 def decode_grid(
     mcfg, mesh, ro, sample_kw: dict, dtype: str, opts, *, chips: int, weights_read: int, mode: str = "few"
 ) -> GridResult:
   """The decode step's costs a chip at each (phase bound, decode rows) of the rollout `ro`
-  (`sampler._Rollout`), compiled as `mode` says (module docstring). A compile that fails is
-  reported (the first error), its costs the minimum; without cost analysis (the CUDA plugin) the
-  bytes are the minimum and the FLOPs the decode matmuls'."""
+  (`sampler._Rollout`), compiled as `mode` says (module docstring). "few" checks its line in the
+  rows at one point (the first bound, the middle row count, the lesser depth) and, if the line
+  misses it by more than `AFFINE_TOLERANCE`, compiles every row count instead. A compile that
+  fails is reported (the first error), its costs the minimum; without cost analysis (the CUDA
+  plugin) the bytes are the minimum and the FLOPs the decode matmuls'."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   bounds, rows = tuple(ro.phases), tuple(row_counts(ro.layout.rows, shards))
   layers = mcfg.num_hidden_layers
+  ends = sorted({bounds[0], bounds[-1]})
   if mode == "all":
     points, depths = [(b, r) for b in bounds for r in rows], (layers,)
   else:
-    knots = {rows[0], rows[-1]} | ({rows[1]} if rows[0] // shards < _TILE_ROWS and len(rows) > 2 else set())
-    points = [(b, r) for b in sorted({bounds[0], bounds[-1]}) for r in sorted(knots)]
+    knots = rows if rows[0] // shards < _TILE_ROWS else sorted({rows[0], rows[-1]})
+    points = [(b, r) for b in ends for r in knots]
     depths = _DEPTHS if layers > _DEPTHS[-1] else (layers,)
-  shape = dict(new_len=ro.new_len, prompt_len=ro.prompt_len)
   measured, error = {}, ""
-  for depth in depths:
+
+  def compile_at(depth, pts):
+    nonlocal error
     cfg = dataclasses.replace(mcfg, num_hidden_layers=depth)
     policy = sampling.abstract_rollout_policy(cfg, dtype=dtype, mesh=mesh)
-    for b, r in points:
+    for b, r in pts:
+      if (depth, b, r) in measured:
+        continue
       u = prompt_rows(ro.layout.prompts, ro.layout.rows, r)
+      shape = dict(bound=b, rows=r, prompts=u, new_len=ro.new_len, prompt_len=ro.prompt_len)
       try:
-        got = _compile_one(policy, cfg, mesh, sample_kw, dtype, opts, bound=b, rows=r, prompts=u, **shape)
+        measured[depth, b, r] = _compile_one(policy, cfg, mesh, sample_kw, dtype, opts, **shape)
       except Exception as e:  # noqa: BLE001 - a step alone overflowing is reported, not fatal
         error = error or f"decode step (phase {b}, {r} rows): {' '.join(str(e).split())[:300]}"
-        got = (None, None, {}, {}, 0)
-      measured[depth, b, r] = got
-  return _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, chips=chips, weights_read=weights_read)
+        measured[depth, b, r] = (None, None, {}, {}, 0)
+
+  for depth in depths:
+    compile_at(depth, points)
+  miss = None
+  if mode == "few" and len({r for _, r in points}) == 2 < len(rows):
+    mid = rows[len(rows) // 2]
+    compile_at(depths[0], [(bounds[0], mid)])
+    miss = _affine_miss(measured, depths[0], ends, points, mid)
+    if miss > AFFINE_TOLERANCE:  # not a line in the rows: every row count
+      for depth in depths:
+        compile_at(depth, [(b, r) for b in ends for r in rows])
+    else:  # a knot at one depth and bound only: not one of the grid's
+      del measured[depths[0], bounds[0], mid]
+  res = _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, chips=chips, weights_read=weights_read)
+  res.affine_miss = miss
+  return res
 
 
 def _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, *, chips, weights_read) -> GridResult:

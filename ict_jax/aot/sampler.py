@@ -294,7 +294,7 @@ def compile_sampler(
   report.decode_phase_grid_steps = step.grid_steps if len(step.grid_steps) == len(phases) else None
   report.decode_step_bytes = step.bytes[-1]  # the last phase reads every slot
   report.decode_step_min_bytes = weights_read + step.kv_cache_bytes
-  report.decode_grid = dict(dataclasses.asdict(step.grid.grid), mode=decode_compiles)
+  report.decode_grid = dict(dataclasses.asdict(step.grid.grid), mode=decode_compiles, affine_miss=step.grid.affine_miss)
   report.decode_step_collectives = step.grid.collectives
   report.decode_step_collective_bytes = step.grid.collective_bytes
   report.step_bound = _step_bound(
