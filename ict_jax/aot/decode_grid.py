@@ -13,7 +13,9 @@ rest: `plan.bilinear` in (b, r), then a straight line in the depth to the model'
 compiles every (b, r) at the model's depth (slow: the check of the derivation, tests/test_aot.py).
 
 A compacted step's prompt cache is the sub-batch's cut in the rows' proportion (u x r / rows
-prompts, R rows each), or one prompt row a decode row when R does not divide that.
+prompts, R rows each); else all u prompts when u divides r, else one prompt row a decode row. This
+is an assumption about the sampler's compaction (issue 41 item 1, not on main yet): once it lands,
+`compile_decode_step` should compile its compacted step as the loop runs it.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def prompt_rows(prompts: int, rows: int, r: int) -> int:
   """The prompt cache rows of a step of r decode rows cut from a sub-batch of `rows` rows
   reading `prompts` prefilled prompts (module docstring)."""
   u = prompts * r // rows
-  return u if u and (prompts * r) % rows == 0 and r % u == 0 else r
+  if u and (prompts * r) % rows == 0 and r % u == 0:
+    return u
+  return prompts if r % prompts == 0 else r
 
 
 def _compile_one(policy, mcfg, mesh, sample_kw, dtype, opts, *, bound, rows, prompts, new_len, prompt_len):
