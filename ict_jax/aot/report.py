@@ -103,6 +103,11 @@ def format_report(r: Report, target: Target) -> str:
         + (", ".join(f"{k} {v}" for k, v in coll.items()) + f", {nbytes / 2**20:.2f} MiB a chip" if coll else "none")
         + f"; decode step compiles: {len((r.decode_grid or {}).get('compiled', ()))} (bound, rows) at "
         f"{(r.decode_grid or {}).get('depths')} layers, {(r.decode_grid or {}).get('mode')}"
+        + (
+            f" (the rows' line misses the middle row count by {miss:.2%})"
+            if (miss := (r.decode_grid or {}).get("affine_miss")) is not None
+            else ""
+        )
     )
   if r.decode_phase_grid_steps and any(r.decode_phase_grid_steps):
     lines.append(
