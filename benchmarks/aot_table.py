@@ -247,6 +247,22 @@ def _bound(r: dict | None, parts: bool = False) -> str:
   return text
 
 
+def _rollout(r: dict | None) -> str:
+  """The rollout's decode against its limit (issue 41): decode seconds / the limit's (the weights
+  split over the chips + the KV really read, at the HBM bandwidth), the compiled bytes / the
+  limit's, the rows x steps computed / the tokens generated; a report from before says so."""
+  b = r and r.get("step_bound")
+  if not b:
+    return "—"
+  if "decode_limit_s" not in b:
+    return "not regenerated (every row to its sub-batch's longest)"
+  return (
+      f"decode {b['decode_s']:.1f} s = {b['decode_s_over_limit']:.1f}x the limit {b['decode_limit_s']:.1f} s "
+      f"(bytes {b['decode_bytes_over_limit']:.1f}x; collectives {b['decode_ici_s']:.2f} s); "
+      f"row-steps / tokens {b['live_row_steps_over_real']:.2f}"
+  )
+
+
 def sampler_table(reports: dict[str, dict]) -> str:
   """The sampler reports (`ict_jax.aot --part sample`): bytes per chip."""
   rows = _header(
@@ -293,13 +309,13 @@ def recipes_table(reports: dict[str, dict[str, dict]], names=None) -> str:
   rows = _header(
       "model", "target", "mesh (data, fsdp, tensor)", "micro-batch", "train step: peak / usable GiB a chip, fits",
       "decode batch", "sampler: peak + train state / usable GiB, fits", "decode step bytes / minimum",
-      "step time LOWER BOUND (h for train.steps)",
+      "step time LOWER BOUND (h for train.steps)", "rollout: decode vs its limit",
   )  # fmt: skip
   for name in names or RECIPES:
     model, target = _label(name), RUNS[name][1]
     t, r = reports["train"].get(name), reports["sample"].get(SAME_SAMPLER.get(name, name))
     if t is None and r is None:
-      rows.append(f"| {model} | {target} | | | not measured | | not measured | | |")
+      rows.append(f"| {model} | {target} | | | not measured | | not measured | | | |")
       continue
     r = r and r["sampler"]
     train = (
@@ -319,7 +335,8 @@ def recipes_table(reports: dict[str, dict[str, dict]], names=None) -> str:
     rows.append(
         f"| {model} | {target} | {_mesh((t or r)['shapes'])} | "
         f"{_micro(t['shapes']) if t else '—'} | {train} | {r['decode_batch_size'] if r else '—'} | "
-        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {bound} |"
+        f"{sample} | {_ratio(r) + 'x' if r and r.get('decode_bytes_ratio') else '—'} | {bound} | "
+        f"{_rollout(r) if fits else '—'} |"
     )
   return "\n".join(rows)
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
+import tempfile
 
 import jax
 from etils import epath
 
+from ict_jax.aot.decode_grid import MODES
+from ict_jax.aot.measure import Report
 from ict_jax.aot.report import format_report
 from ict_jax.aot.sampler import compile_sampler
 from ict_jax.aot.step import compile_train_step
@@ -24,11 +29,32 @@ def _fail(msg: str) -> None:
   sys.exit(2)
 
 
-def main(argv=None) -> None:
-  from absl import flags
+def _train_in_a_child(argv: list[str], path: str) -> subprocess.Popen:
+  """`python -m ict_jax.aot ARGS --part train --json path` started beside this process: --part
+  both compiles the train step there while this one compiles the sampler (two compiles at once:
+  each is one thread for most of its minutes)."""
+  args, skip = [], False
+  for a in argv[1:]:
+    if skip or a.split("=", 1)[0] in ("--json", "--part"):
+      skip = not skip and "=" not in a  # "--json X": skip X too
+      continue
+    args.append(a)
+  cmd = [sys.executable, "-m", "ict_jax.aot", *args, "--part", "train", "--json", path]
+  return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-  from ict_jax import cli_config
-  from ict_jax import config as config_lib
+
+def _train_report(child: subprocess.Popen, path: str) -> Report:
+  """The child's train report (its bad-input line is this process's)."""
+  _, err = child.communicate()
+  if child.returncode not in (0, 1) or not os.path.exists(path):
+    _fail(err.strip().splitlines()[-1].removeprefix("ict_jax.aot: error: ") if err.strip() else "train step: failed")
+  d = json.load(open(path))
+  return Report(**{f.name: d[f.name] for f in dataclasses.fields(Report) if f.name in d})
+
+
+def _flags():
+  """The command line's flags (module docstring of `ict_jax.aot`)."""
+  from absl import flags
 
   fl = flags.FlagValues()
   flags.DEFINE_string("target", "", f"one of {', '.join(TARGETS)}", flag_values=fl)
@@ -57,6 +83,24 @@ def main(argv=None) -> None:
   flags.DEFINE_float("capped_share", d.capped_share, "share of completions at max_new_tokens", flag_values=fl)
   flags.DEFINE_integer("length_batches", 20, "simulated steps the bound averages", flag_values=fl)
   flags.DEFINE_integer("length_seed", 0, "seed of the simulated lengths", flag_values=fl)
+  flags.DEFINE_enum(
+      "decode_compiles",
+      "few",
+      MODES,
+      "few: the decode step compiled at the first and last phase bound x the fewest and all rows, "
+      "at 2 and 3 layers, the rest derived (affine; minutes); all: at every phase bound x every "
+      "compacted row count, at the model's depth (the check of the derivation; an hour on 1.5B TPU)",
+      flag_values=fl,
+  )
+  return fl
+
+
+def main(argv=None) -> None:
+
+  from ict_jax import cli_config
+  from ict_jax import config as config_lib
+
+  fl = _flags()
   argv = sys.argv if argv is None else argv
   try:  # flag and --config.* override errors become one line, not a traceback
     cd = cli_config.parse(fl, argv)
@@ -83,10 +127,12 @@ def main(argv=None) -> None:
   target = TARGETS[fl.target]
   if fl.hbm_gib:
     target = dataclasses.replace(target, usable_hbm=int(fl.hbm_gib * GiB))
-  reports = []
+  reports, child, tmp = [], None, tempfile.mkdtemp(prefix="ict_aot_")
   try:
     cfg = config_lib.validate(cd)
-    if fl.part in ("train", "both"):
+    if fl.part == "both":
+      child = _train_in_a_child(list(argv), os.path.join(tmp, "train.json"))
+    elif fl.part == "train":
       reports.append(compile_train_step(cfg, target, prompt_len=fl.prompt_len, completion_len=fl.completion_len))
     if fl.part in ("sample", "both"):
       reports.append(
@@ -98,10 +144,16 @@ def main(argv=None) -> None:
               lengths=lengths,
               length_batches=fl.length_batches,
               length_seed=fl.length_seed,
+              decode_compiles=fl.decode_compiles,
           )
       )
+    if child is not None:
+      reports.insert(0, _train_report(child, os.path.join(tmp, "train.json")))
   except (ConfigError, AotError) as e:
     _fail(" ".join(str(e).split()))
+  finally:
+    if child is not None and child.poll() is None:
+      child.kill()
   fits = all(r.fits for r in reports)
   if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
     by_program = {r.program: r.to_json() for r in reports}
@@ -113,12 +165,18 @@ def main(argv=None) -> None:
             for k in ("step_time_lower_bound_s", "hours_lower_bound", "decode_phase_bytes_over_weights_kv")
             if "sampler" in by_program
         },
+        **{  # the rollout's decode against its limit (`plan.step_bound`)
+            k: by_program["sampler"]["step_bound"][k]
+            for k in ("decode_s", "decode_limit_s", "decode_bytes_over_limit", "live_row_steps_over_real")
+            if "sampler" in by_program and by_program["sampler"]["step_bound"]
+        },
         "fits": fits,
         "part": fl.part,
         "config": fl["config"].config_filename,
         "chips": target.chips,
         "peak_tflops_per_chip": target.peak_tflops,
         "hbm_tb_s_per_chip": target.hbm_tb_s,
+        "ici_gb_s_per_chip": target.ici_gb_s,
         "jax": jax.__version__,
     }
     epath.Path(fl.json).write_text(json.dumps(out, indent=1))

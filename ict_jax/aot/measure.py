@@ -23,6 +23,11 @@ COLLECTIVES = (
     "ragged-all-to-all",
 )
 _COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# an instruction's result type and its collective: "%x = f32[16,1536]{1,0} all-reduce(" or an async
+# "-start" whose tuple holds the operand and the result ("(bf16[8,64], bf16[64,64]) all-gather-start(")
+_COLLECTIVE_TYPE_RE = re.compile(r"=\s*(\S.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "bf16": 2}
 _OOM_RES = (
     re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
     re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
@@ -67,7 +72,9 @@ class Report:
   prefill_rows: int | None = None
   prefill_flops: float | None = None
   # the sampler: KV cache slots the decode steps read over a whole rollout / the slots written when
-  # read (`sampling.kv_read_over_filled`: completions all running to the end, decode phases as compiled)
+  # read (`sampling.kv_read_over_filled`), assuming every completion runs to the last column and
+  # every row stays in the batch: it sees only the phases' read bounds, not the finished rows
+  # (step_bound's decode_bytes_over_limit and live_row_steps_over_real do)
   kv_read_over_filled: float | None = None
   # the sampler, one entry a decode phase (`sampling.decode_phases`, the last = decode_step_*): the
   # bytes one step of that phase's compiled decode step reads and writes a chip (None: no cost
@@ -83,6 +90,13 @@ class Report:
   step_bound: Any = None
   # the compiler options the decode phases' bytes were counted with (TPU: without VMEM staging)
   decode_bytes_options: dict | None = None
+  # the sampler: the decode step's costs a chip at each (phase bound, decode rows)
+  # (`plan.DecodeGrid` as a dict, + "mode": the decode_compiles that made it), and one step's
+  # collectives at all rows and the last bound, by kind: their number and the bytes they move a
+  # chip (`collective_bytes`)
+  decode_grid: dict | None = None
+  decode_step_collectives: dict[str, int] | None = None
+  decode_step_collective_bytes: dict[str, float] | None = None
 
   @property
   def margin_bytes(self) -> int | None:
@@ -129,6 +143,26 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
   for m in _COLLECTIVE_RE.finditer(hlo_text):
     counts[m.group(1)] += 1
   return counts
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  size = _ITEM_BYTES.get(dtype) or max(1, int(re.sub(r"\D", "", dtype.split("e")[0]) or 8) // 8)
+  return size * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """{kind: bytes a device's collectives of that kind put on the interconnect} in optimised HLO
+  text, counted from each instruction's result type: a sync collective's result arrays summed, an
+  async one's (-start, whose tuple also holds the operand) its largest array; an all-reduce counts
+  twice its bytes (a ring all-reduce is a reduce-scatter then an all-gather, each moving ~its
+  bytes), the others once (an all-gather: its result; a reduce-scatter: its shard, ~its operand
+  divided over the group; both ~ the bytes leaving a device)."""
+  out = {k: 0 for k in COLLECTIVES}
+  for m in _COLLECTIVE_TYPE_RE.finditer(hlo_text):
+    arrays = [_array_bytes(d, s) for d, s in _ARRAY_RE.findall(m.group(1))]
+    n = (max(arrays, default=0) if m.group(3) else sum(arrays)) * (2 if m.group(2) == "all-reduce" else 1)
+    out[m.group(2)] += n
+  return out
 
 
 def _parse_oom(msg: str) -> tuple[int | None, int | None]:

@@ -12,14 +12,28 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
 - prefill: each sub-batch's prompts once (the decoder forward on their real tokens, the head on
   the last), at max(FLOPs at the chips' peak, bytes at their bandwidth), the bytes being the rollout
   weights read once a sub-batch and the prompts' keys/values written;
-- decode: each sub-batch steps until its longest completion ends (i = 1 .. T - 1); a step of the
-  phase of bound b (`sampling.decode_phases`) costs max(its bytes at the bandwidth, its FLOPs at the
-  peak), a chip's bytes and FLOPs of that phase's compiled decode step (`cost_analysis()`), or,
-  where the compiler gives none (the CUDA plugin), its minimum: the rollout weights + the KV cache
-  of that phase, and the decode matmuls.
+- decode: the rows as the sampler lays them out (`sampling.decode_layout`: sub-batches, each
+  prompt's R rows consecutive, a sub-batch's rows in blocks over the chips); each sub-batch steps
+  until its longest completion ends (i = 1 .. T - 1), in the length-bounded phases of
+  `sampling.decode_phases`; at each boundary between phases the finished rows are dropped and
+  every chip keeps `sampling.compacted_rows(the most rows still live on a chip, its rows)` rows,
+  so a step of the phase of bound b runs at that row count r (the first phase at all rows).
+  A step costs max(its bytes at the HBM bandwidth, its FLOPs at the peak) + its collectives' bytes
+  at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
+  not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
+  (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), or, where the compiler gives no cost
+  analysis (the CUDA plugin), its minimum: the rollout weights + the KV cache read, and the
+  decode matmuls.
+
+The decode limit (`decode_limit`), counted without the compiled programs: each decode step of a
+sub-batch reads the rollout weights once split over the chips, plus the KV cache really read:
+each live row its filled slots (i at step i: its new one and those before), each prompt's slots
+once a step while any of its rows lives, at the HBM bandwidth. `decode_bytes_over_limit` is the
+compiled decode bytes a chip over a rollout / the limit's; `live_row_steps_over_real` the rows x
+steps the decode computes / the decode tokens generated (sum of completion length - 1).
 
 Not counted (so real steps are slower): padding, the sampler's and the loss's elementwise work,
-collectives, host work and reward scoring, compile time, the optimizer update.
+host work and reward scoring, compile time, the optimizer update.
 """
 
 from __future__ import annotations
@@ -32,6 +46,52 @@ from ict_jax.length_model import LengthDistribution
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeGrid:
+  """A chip's costs of one decode step at each (phase bound, decode rows): `bounds` the decode
+  phases' read bounds, `rows` the decode batches the step may run at (the mesh's rows, ascending:
+  `sampling.compacted_rows` counts x the row shards, the last all of a sub-batch's); entries
+  [bound][rows]. `compiled` the (bound, rows) whose programs were compiled (at `depths` layers),
+  the rest derived (`bilinear`, `derive_grid`)."""
+
+  bounds: tuple[int, ...]
+  rows: tuple[int, ...]
+  bytes: tuple[tuple[float, ...], ...]  # bytes accessed (cost_analysis), or the minimum without one
+  flops: tuple[tuple[float, ...], ...]
+  ici_bytes: tuple[tuple[float, ...], ...]  # the collectives' bytes (`measure.collective_bytes`)
+  collectives: tuple[tuple[float, ...], ...]  # the number of collectives
+  compiled: tuple[tuple[int, int], ...] = ()
+  depths: tuple[int, ...] = ()  # the layer counts compiled (the model's own: nothing derived in depth)
+
+  def full_rows(self, table) -> list[float]:
+    """One entry a phase: `table` at all of a sub-batch's rows (no row finished)."""
+    return [float(row[-1]) for row in table]
+
+
+def bilinear(points: dict[tuple[int, int], float], x: float, y: float) -> float:
+  """f(x, y) = a + b x + c y + d x y through the four measured points around (x, y): the nearest
+  measured x on each side (or x itself), likewise y (a side may be a single value). A decode
+  step's bytes and FLOPs are affine in its read bound at a fixed row count (the KV slots read)
+  and affine in its rows at a fixed bound, piecewise where a row count was measured between."""
+  xs, ys = sorted({k[0] for k in points}), sorted({k[1] for k in points})
+  near = lambda vs, v: (max((u for u in vs if u <= v), default=vs[0]), min((u for u in vs if u >= v), default=vs[-1]))
+  (x0, x1), (y0, y1) = near(xs, x), near(ys, y)
+  tx = 0.0 if x1 == x0 else (x - x0) / (x1 - x0)
+  ty = 0.0 if y1 == y0 else (y - y0) / (y1 - y0)
+  f = lambda a, b: points[(a, b)]
+  return (1 - tx) * (1 - ty) * f(x0, y0) + tx * (1 - ty) * f(x1, y0) + (1 - tx) * ty * f(x0, y1) + tx * ty * f(x1, y1)
+
+
+def derive_grid(bounds, rows, measured: dict[tuple[int, int], tuple[float, ...]]) -> list[list[tuple[float, ...]]]:
+  """[bound][rows] cost tuples: the measured (bound, rows) as measured, every other one `bilinear`
+  in each of the tuple's entries through the measured corners."""
+  n = len(next(iter(measured.values())))
+  at = lambda b, r: measured.get((b, r)) or tuple(
+      bilinear({k: v[j] for k, v in measured.items()}, b, r) for j in range(n)
+  )
+  return [[at(b, r) for r in rows] for b in bounds]
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeCosts:
   """What the sampler's compiled programs say about a rollout, per chip (`compile_sampler`)."""
 
@@ -41,12 +101,18 @@ class DecodeCosts:
   prompt_len: int  # prompt columns (the maximum prompt length)
   completion_len: int  # completion columns (the maximum completion length)
   phases: tuple[int, ...]  # the decode phases' read bounds
-  phase_bytes: tuple[float, ...]  # bytes one decode step of each phase reads and writes on a chip
-  phase_flops: tuple[float, ...]  # FLOPs of one decode step of each phase on a chip
+  grid: DecodeGrid  # one decode step's costs a chip at each (phase bound, decode rows)
   weights_read_bytes: (
       int  # the rollout weights a chip reads once a prefill (an untied input embedding: gathered, not read)
   )
   prompt_kv_bytes: int  # the prompt cache of a sub-batch on a chip (written by the prefill)
+  shards: int = 1  # row shards (mesh data x fsdp): a sub-batch's rows in equal consecutive blocks
+  prompts_per_sub_batch: int = 0  # `sampling.DecodeLayout.prompts` (padding prompts included)
+  samples: int = 1  # `sampling.DecodeLayout.samples`: consecutive rows reading one prefilled prompt
+  # the limit's inputs, counted from the model alone: the rollout weights a step must read, all
+  # chips together (an untied input embedding left out), and one KV slot of one row, all layers
+  weights_total_bytes: int = 0
+  kv_slot_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -67,9 +133,21 @@ class StepBound:
   prefill_s: float
   decode_phases: list[int]
   decode_steps_per_phase: list[float]  # over all sub-batches of a step
-  decode_phase_bytes: list[float]  # one step, a chip
-  decode_phase_flops: list[float]  # one step, a chip
+  decode_phase_bytes: list[float]  # one step at all rows, a chip
+  decode_phase_flops: list[float]  # one step at all rows, a chip
+  decode_phase_rows: list[float]  # the rows a chip a phase's steps run at (mean over its steps)
+  decode_bytes: float  # a chip's compiled decode bytes over a rollout
+  decode_ici_bytes: float  # a chip's collective bytes over a rollout
+  decode_ici_s: float  # those at the inter-chip bandwidth (in decode_s)
+  ici_gb_s: float  # a chip's, both directions
   decode_s: float
+  decode_limit_bytes: float  # a chip's: the weights split over the chips + the real KV reads
+  decode_limit_s: float  # at the HBM bandwidth
+  decode_bytes_over_limit: float
+  decode_s_over_limit: float
+  live_row_steps: float  # decode rows x steps computed over a rollout (compaction units included)
+  real_decode_tokens: float  # tokens the decode steps generate: sum of (completion length - 1)
+  live_row_steps_over_real: float
   step_time_lower_bound_s: float
   train_steps: int
   hours_lower_bound: float
@@ -108,6 +186,67 @@ def prefill_flops(mcfg, prompt_lens: np.ndarray) -> float:
   return float(sum(p * (mcfg.flops_per_token(p, training=False) - head) + head for p in prompt_lens.tolist()))
 
 
+def sub_batch_rows(completion: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> tuple[np.ndarray, np.ndarray]:
+  """The rows as the sampler lays them out (`sampling.decode_layout`, `generate`): completion
+  lengths [rows] (row k x G + s sample s of prompt k), prompt lengths [prompts] -> (completion
+  lengths [sub-batches, u x R] of each sub-batch's decode rows, prompt lengths [sub-batches, u]
+  of its prefilled prompts; 0 for a padding prompt and its rows). Prompt k is prefilled G / R
+  times (copy t decoding its samples t R .. t R + R - 1), sub-batch j holds the prefilled prompts
+  j, j + n, j + 2n, ..., each followed by its R rows; the chips hold equal consecutive blocks."""
+  n, u, r = costs.rows // costs.decode_batch_size, costs.prompts_per_sub_batch, costs.samples
+  pre = completion.reshape(-1, r)  # [prefilled prompts, R]
+  pre_p = np.repeat(prompt, costs.group_size // r)
+  pad = n * u - pre.shape[0]
+  pre, pre_p = np.pad(pre, ((0, pad), (0, 0))), np.pad(pre_p, (0, pad))
+  return pre.reshape(u, n, r).transpose(1, 0, 2).reshape(n, u * r), pre_p.reshape(u, n).T
+
+
+def phase_rows(phases, lens: np.ndarray, shards: int) -> list[int]:
+  """The decode rows a chip each phase runs at for one sub-batch's completion lengths [rows]: all
+  in the first phase; at each later phase's start (step i = the previous bound + 1) the rows
+  still live (length > i) are kept, `sampling.compacted_rows` of the fullest chip's count."""
+  from ict_jax import sampling
+
+  per_chip = lens.reshape(shards, -1)
+  rows, prev = [], 0
+  for k, bound in enumerate(phases):
+    live = int((per_chip > prev + 1).sum(axis=1).max())
+    rows.append(per_chip.shape[1] if k == 0 else sampling.compacted_rows(live, per_chip.shape[1]))
+    prev = bound
+  return rows
+
+
+def decode_limit(lens: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> float:
+  """The bytes one sub-batch's decode must read, all chips together (module docstring): its
+  longest completion's steps x the rollout weights + the KV slots really read: a row of length c
+  reads i slots at step i (1 .. c - 1), a prompt its p slots at every step while any of its R
+  rows lives."""
+  steps = max(int(lens.max()) - 1, 0)
+  row_slots = float(np.sum(lens * np.maximum(lens - 1, 0) / 2))
+  prompt_slots = float(np.sum(prompt * np.maximum(lens.reshape(-1, costs.samples).max(axis=1) - 1, 0)))
+  return steps * costs.weights_total_bytes + costs.kv_slot_bytes * (row_slots + prompt_slots)
+
+
+def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw: float, peak: float, ici: float):
+  """One step's decode over its sub-batches: (steps a phase [phases], row-steps a phase [phases]
+  (a chip), bytes, ICI bytes, seconds, limit bytes; bytes a chip, the limit all chips')."""
+  g = costs.grid
+  steps, row_steps = np.zeros(len(g.bounds)), np.zeros(len(g.bounds))
+  nbytes = ici_bytes = secs = limit = 0.0
+  for sub, pre in zip(lens, prompt):
+    limit += decode_limit(sub, pre, costs)
+    for k, (n, r) in enumerate(zip(phase_steps(g.bounds, int(sub.max())), phase_rows(g.bounds, sub, costs.shards))):
+      if not n:
+        continue
+      j = g.rows.index(r * costs.shards)
+      b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
+      steps[k] += n
+      row_steps[k] += n * r
+      nbytes, ici_bytes = nbytes + n * b, ici_bytes + n * x
+      secs += n * (max(b / bw, f / peak) + (x / ici if ici else 0.0))
+  return steps, row_steps, nbytes, ici_bytes, secs, limit
+
+
 def step_bound(
     mcfg,
     costs: DecodeCosts,
@@ -116,6 +255,7 @@ def step_bound(
     peak_tflops: float,
     hbm_tb_s: float,
     train_steps: int,
+    ici_gb_s: float = 0.0,
     passes: int = 1,
     with_ref: bool = False,
     lengths: LengthDistribution = LengthDistribution(),
@@ -123,13 +263,13 @@ def step_bound(
     seed: int = 0,
 ) -> StepBound:
   """The lower bound of one step (module docstring), averaged over `batches` steps of lengths."""
-  peak, bw = peak_tflops * 1e12, hbm_tb_s * 1e12
+  peak, bw, ici = peak_tflops * 1e12, hbm_tb_s * 1e12, ici_gb_s * 1e9
   rng = np.random.default_rng(seed)
   group = costs.group_size
   prompts = costs.rows // group
   sub_batches = costs.rows // costs.decode_batch_size
-  upd = pre = tokens = completion = capped = 0.0
-  steps = np.zeros(len(costs.phases))
+  upd = pre = tokens = completion = capped = real = 0.0
+  steps, row_steps, dec = np.zeros(len(costs.phases)), np.zeros(len(costs.phases)), np.zeros(4)
   for _ in range(batches):
     p, c = lengths.sample(rng, prompts, group, costs.prompt_len, costs.completion_len)
     rows_p = np.repeat(p, group)
@@ -137,15 +277,18 @@ def step_bound(
     pre += prefill_flops(mcfg, p)
     tokens += float(rows_p.sum() + c.sum())
     completion += float(c.sum())
+    real += float(np.maximum(c - 1, 0).sum())
     capped += float(np.mean(c == costs.completion_len))
-    for sub in c.reshape(sub_batches, -1):
-      steps += phase_steps(costs.phases, int(sub.max()))
-  upd, pre, tokens, completion, capped, steps = (x / batches for x in (upd, pre, tokens, completion, capped, steps))
+    s, rs, *rest = _decode_rollout(costs, *sub_batch_rows(c, p, costs), bw, peak, ici)
+    steps, row_steps, dec = steps + s, row_steps + rs, dec + rest
+  upd, pre, tokens, completion, capped, real = (x / batches for x in (upd, pre, tokens, completion, capped, real))
+  steps, row_steps, (decode_bytes, ici_bytes, decode_s, limit) = steps / batches, row_steps / batches, dec / batches
   prefill_bytes = sub_batches * (costs.weights_read_bytes + costs.prompt_kv_bytes)
   prefill_s = max(pre / (chips * peak), prefill_bytes / bw)
-  decode_s = float(sum(n * max(b / bw, f / peak) for n, b, f in zip(steps, costs.phase_bytes, costs.phase_flops)))
   update_s = upd / (chips * peak)
   total = update_s + prefill_s + decode_s
+  limit_chip = limit / chips
+  live = float(row_steps.sum()) * costs.shards
   return StepBound(
       chips=chips,
       peak_tflops=peak_tflops,
@@ -161,9 +304,21 @@ def step_bound(
       prefill_s=prefill_s,
       decode_phases=list(costs.phases),
       decode_steps_per_phase=[float(x) for x in steps],
-      decode_phase_bytes=[float(x) for x in costs.phase_bytes],
-      decode_phase_flops=[float(x) for x in costs.phase_flops],
-      decode_s=decode_s,
+      decode_phase_bytes=costs.grid.full_rows(costs.grid.bytes),
+      decode_phase_flops=costs.grid.full_rows(costs.grid.flops),
+      decode_phase_rows=[float(r / n) if n else 0.0 for r, n in zip(row_steps, steps)],
+      decode_bytes=float(decode_bytes),
+      decode_ici_bytes=float(ici_bytes),
+      decode_ici_s=float(ici_bytes / ici) if ici else 0.0,
+      ici_gb_s=ici_gb_s,
+      decode_s=float(decode_s),
+      decode_limit_bytes=limit_chip,
+      decode_limit_s=limit_chip / bw,
+      decode_bytes_over_limit=float(decode_bytes / limit_chip) if limit_chip else 0.0,
+      decode_s_over_limit=float(decode_s / (limit_chip / bw)) if limit_chip else 0.0,
+      live_row_steps=live,
+      real_decode_tokens=real,
+      live_row_steps_over_real=live / real if real else 0.0,
       step_time_lower_bound_s=total,
       train_steps=train_steps,
       hours_lower_bound=total * train_steps / 3600,
@@ -180,5 +335,10 @@ def format_bound(b: StepBound, target_name: str) -> str:
       f"{b.step_time_lower_bound_s:.3g} s = update {b.update_s:.3g} s ({b.update_flops:.3e} FLOPs) + "
       f"prefill {b.prefill_s:.3g} s + decode {b.decode_s:.3g} s "
       f"({sum(b.decode_steps_per_phase):,.0f} steps in phases {b.decode_phases}); "
-      f"{b.train_steps} steps >= {b.hours_lower_bound:.3g} h"
+      f"{b.train_steps} steps >= {b.hours_lower_bound:.3g} h\n"
+      f"  decode over a rollout, a chip: {b.decode_bytes / 1e9:,.1f} GB compiled ({b.decode_bytes_over_limit:.2f}x the "
+      f"limit {b.decode_limit_bytes / 1e9:,.1f} GB = {b.decode_limit_s:.3g} s: the weights split over the chips + the KV "
+      f"really read), collectives {b.decode_ici_bytes / 1e9:,.2f} GB = {b.decode_ici_s:.3g} s at {b.ici_gb_s:g} GB/s; "
+      f"decode_s / limit {b.decode_s_over_limit:.2f}; rows a chip each phase "
+      f"{', '.join(f'{r:.0f}' for r in b.decode_phase_rows)}; row-steps / decode tokens {b.live_row_steps_over_real:.2f}"
   )

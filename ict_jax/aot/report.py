@@ -95,6 +95,20 @@ def format_report(r: Report, target: Target) -> str:
         f"  decode phases {s.get('decode_phases')}: step bytes / (weights + that phase's KV) "
         + ("n/a (no cost analysis)" if ratios is None else ", ".join(f"{x:.2f}" for x in ratios))
     )
+  if r.decode_step_collectives is not None:
+    coll = {k: v for k, v in r.decode_step_collectives.items() if v}
+    nbytes = sum((r.decode_step_collective_bytes or {}).values())
+    lines.append(
+        "  one decode step's collectives (all rows, last phase): "
+        + (", ".join(f"{k} {v}" for k, v in coll.items()) + f", {nbytes / 2**20:.2f} MiB a chip" if coll else "none")
+        + f"; decode step compiles: {len((r.decode_grid or {}).get('compiled', ()))} (bound, rows) at "
+        f"{(r.decode_grid or {}).get('depths')} layers, {(r.decode_grid or {}).get('mode')}"
+        + (
+            f" (the rows' line misses the middle row count by {miss:.2%})"
+            if (miss := (r.decode_grid or {}).get("affine_miss")) is not None
+            else ""
+        )
+    )
   if r.decode_phase_grid_steps and any(r.decode_phase_grid_steps):
     lines.append(
         f"  decode phases' Pallas grid steps a step: {', '.join(map(str, r.decode_phase_grid_steps))} "

@@ -1,156 +1,32 @@
 """The rollout's sampler compiled for a target as the trainer runs it (`compile_sampler`), and its
-decode step alone, one compile a decode phase, for the bytes a step reads (`compile_decode_step`)."""
+decode step alone (`decode_step.compile_decode_step`) at the (phase bound, rows) the bound needs
+(`decode_grid`), for the bytes, FLOPs and collectives a step costs."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
 
 import jax
-import jax.extend
 import jax.numpy as jnp
-from flax import nnx
-from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ict_jax import sampling
 from ict_jax import setup as setup_lib
+from ict_jax.aot import decode_grid as decode_grid_lib
 from ict_jax.aot import plan
+from ict_jax.aot.decode_step import (  # noqa: F401  (re-exported: tests and benchmarks import them from here)
+    HBM_BYTES_OPTIONS,
+    compile_decode_step,
+    decode_cache,
+    pallas_grid_steps,
+)
 from ict_jax.aot.measure import Report, bytes_per_device, measure
 from ict_jax.aot.step import _cudnn_tracing, _setup
 from ict_jax.aot.targets import AotError, Target
 from ict_jax.config import Config
 from ict_jax.length_model import LengthDistribution
 from ict_jax.rollout import decode_batch_size
-from ict_jax.models.axes import axis_rules, logical_to_spec
-from ict_jax.models.qwen2 import CACHE_AXES, JointCache, LayerCache, make_cache
 from ict_jax.sampling import bucket_length
-
-
-def _decode_step(
-    state, cache, prompt_cache, tok, num_prompt, i, prompt_mask, rng, temperature, top_p, *, graphdef, kw, read_len
-):
-  """One step of the sampler's decode loop (`sampling.decode._decode_rows`'s while-loop body,
-  without writing the outputs): token i - 1 [b] in, its KV written at completion slot i - 1, the
-  shared prompt cache and the first read_len completion slots (the phase's bound) read, token i
-  sampled."""
-  model = nnx.merge(graphdef, state)
-  logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
-  kernels, split = model.cfg.kernels, model.cfg.decode_weights == "tensor"
-  key = jax.random.fold_in(rng, i)
-  tok, _ = sampling.rules._sample_step(logits, key, temperature, top_p, kernels=kernels, vocab_split=split, **kw)
-  return tok, cache
-
-
-def decode_cache(mcfg, mesh, batch: int, cache_len: int, dtype: str) -> LayerCache | JointCache:
-  """The abstract KV cache `Qwen2.init_cache` makes for a decode batch, in the decoding layout
-  (decode_attention "pallas": one joint [L, B, K, S, 2H] array)."""
-
-  def struct(shape):
-    with axis_rules(sampling.DECODE_RULES):
-      spec = logical_to_spec(CACHE_AXES, shape, dict(mesh.shape))
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-  return make_cache(mcfg, batch, cache_len, struct)
-
-
-@contextlib.contextmanager
-def _unrolled_scans():
-  """`jax.lax.scan` unrolled while a program is traced: `cost_analysis()` counts a loop body once,
-  so the decode step's layer scan must be straight-line code for its bytes to count every layer."""
-  scan = jax.lax.scan
-
-  def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
-    return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
-
-  jax.lax.scan = unrolled
-  try:
-    yield
-  finally:
-    jax.lax.scan = scan
-
-
-# libtpu's cost analysis counts an operand staged into on-chip VMEM by memory-space assignment
-# (MSA) several times: the HBM read, the VMEM write, each read from VMEM (a 37 MiB logits array
-# reduced twice on v5p: 7 x its bytes with MSA, 3 x without). The decode step's bytes are counted
-# with MSA off: what the step moves through HBM when nothing is kept on-chip, an upper bound on
-# the HBM traffic of the program the sampler runs (MSA only moves traffic off HBM).
-HBM_BYTES_OPTIONS = {"xla_msa_enable": False}
-
-
-def compile_decode_step(
-    policy,
-    mesh,
-    cache: LayerCache,
-    prompt_cache: LayerCache,
-    sample_kw: dict,
-    read_len: int | None = None,
-    compiler_options: dict | None = None,
-    *,
-    traced: bool = False,
-):
-  """`_decode_step` compiled for `mesh` (the decode cache donated, as the loop carries it in
-  place; the prompt cache only read), reading read_len completion slots (a decode phase's bound;
-  None: all), its layer scan unrolled (`_unrolled_scans`). traced=True: (the compiled step, its
-  `jax.stages.Traced`, whose jaxpr `pallas_grid_steps` counts).
-
-  The layouts of the cache and the weights are the compiler's choice (`Layout.AUTO`), as inside
-  the sampler, where the cache is made in the program and a weight relayout is loop-invariant
-  (done once, before the loop): with the default layouts of arguments, XLA relayouts the whole
-  cache into and out of the layer scan (4 x its bytes: 1.5B on v5e-8, 64 rows a chip, 18 GB) and
-  the tied embedding for its gather, and the step would be charged for what the loop does not do."""
-  batch, prompts, prompt_len = cache[0].shape[1], prompt_cache[0].shape[1], prompt_cache[0].shape[3]
-  cache_formats = type(cache)(*(Format(Layout.AUTO, x.sharding) for x in cache))
-  rows, repl = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
-  sds = jax.ShapeDtypeStruct
-  args = (
-      policy.state,
-      cache,
-      prompt_cache,
-      sds((batch,), jnp.int32, sharding=rows),  # the last token
-      sds((batch,), jnp.int32, sharding=rows),  # prompt lengths
-      sds((), jnp.int32, sharding=repl),  # i
-      sds((prompts, prompt_len), jnp.int32, sharding=sampling.prompt_sharding(mesh, prompts)),
-      sds((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=repl),
-      sds((), jnp.float32, sharding=repl),
-      sds((), jnp.float32, sharding=repl),
-  )
-  in_shardings = list(jax.tree.map(lambda x: x.sharding, args))
-  in_shardings[0] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), policy.state)
-  in_shardings[1] = cache_formats
-  in_shardings[2] = type(prompt_cache)(*(Format(Layout.AUTO, x.sharding) for x in prompt_cache))
-  step = jax.jit(
-      functools.partial(_decode_step, graphdef=policy.graphdef, kw=sample_kw, read_len=read_len),
-      in_shardings=tuple(in_shardings),
-      out_shardings=(rows, cache_formats),
-      donate_argnums=(1,),
-      compiler_options=compiler_options,
-  )
-  with jax.set_mesh(mesh), axis_rules(sampling.DECODE_RULES), _unrolled_scans():
-    trace = step.trace(*args)
-    compiled = trace.lower().compile()
-  return (compiled, trace) if traced else compiled
-
-
-def pallas_grid_steps(jaxpr) -> int:
-  """The Pallas grid steps one run of `jaxpr` takes (a device's, inside `shard_map`): each
-  `pallas_call`'s grid size, times the length of a scan around it; a cond's largest branch; a
-  while loop's body once. A TPU grid step costs ~0.35 us whatever it reads (Pallas TPU docs,
-  "Matrix Multiplication"), which a byte count does not see."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "pallas_call":
-      total += math.prod(eqn.params["grid_mapping"].grid)
-      continue
-    inner = [pallas_grid_steps(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)]
-    if name == "cond":
-      total += max(inner, default=0)
-    else:
-      total += sum(inner) * (eqn.params["length"] if name == "scan" else 1)
-  return total
 
 
 def _join_notes(note: str, more: str) -> str:
@@ -211,58 +87,61 @@ class _Rollout:
   sub: int  # rows decoded at once (rollout.decode_batch_size resolved)
   layout: sampling.DecodeLayout  # as `generate` lays the rows out
   phases: tuple[int, ...]  # the decode phases' read bounds (`sampling.decode_phases`)
+  shards: int  # row shards (mesh data x fsdp)
+  dtype: str  # the rollout copy's (and its KV cache's)
 
 
 @dataclasses.dataclass
 class _DecodeStepCosts:
-  """The decode step's costs a chip, one list entry a decode phase (`Report.decode_phase_*`): its
-  `cost_analysis()` bytes (None where the compiler gives no cost analysis), its FLOPs (the decode
-  matmuls' where it gives none), its minimum bytes, its Pallas grid steps (an entry a phase
-  compiled); the report's error (the first phase whose step alone failed to compile); the bytes
-  of a sub-batch's prompt cache and of its prompt + completion caches."""
+  """The decode step's costs a chip, one list entry a decode phase at all of a sub-batch's rows
+  (`Report.decode_phase_*`): its `cost_analysis()` bytes (None where the compiler gives no cost
+  analysis), its FLOPs (the decode matmuls' where it gives none), its minimum bytes, its Pallas
+  grid steps; the grid at every (bound, rows) (`decode_grid`) and the step's collectives; the
+  report's error (the first decode step that failed to compile); the bytes of a sub-batch's
+  prompt cache and of its prompt + completion caches."""
 
   bytes: list[float | None]
   flops: list[float]
   min_bytes: list[int]
   grid_steps: list[int]
+  grid: decode_grid_lib.GridResult
   error: str
   prompt_kv_bytes: int
   kv_cache_bytes: int
 
 
 def _decode_step_costs(
-    policy, mcfg, mesh, target: Target, ro: _Rollout, sample_kw: dict, dtype: str, opts, *, weights_read, error
+    mcfg, mesh, target: Target, ro: _Rollout, sample_kw: dict, dtype: str, opts, *, weights_read, error, mode, weights
 ) -> _DecodeStepCosts:
-  """The decode step alone compiled once a decode phase (`compile_decode_step`, reading the slots
-  that phase reads) for its costs: cost_analysis counts a loop body once, so the whole program's
-  figure is not per step; this is the body as its own program, its cache donated (updated in
-  place). A phase's minimum: weights_read + the prompt cache + the completion slots it reads."""
+  """The decode step alone compiled (`decode_grid`: a few (bound, rows), the rest derived; or
+  every one) for its costs: cost_analysis counts a loop body once, so the whole program's figure
+  is not per step; this is the body as its own program, its cache donated (updated in place). A
+  phase's minimum: weights_read + the prompt cache + the completion slots it reads."""
   cache = decode_cache(mcfg, mesh, ro.layout.rows, ro.new_len, dtype)
-  prompt_cache = decode_cache(mcfg, mesh, ro.layout.prompts, ro.prompt_len, dtype)
-  prompt_kv = bytes_per_device(prompt_cache)
-  out = _DecodeStepCosts([], [], [], [], error, prompt_kv, bytes_per_device(cache) + prompt_kv)
-  matmul_flops = ro.layout.rows * mcfg.flops_per_token(0, training=False) / target.chips  # no cost analysis
-  for bound in ro.phases:
-    costs = None
-    if not out.bytes or out.bytes[-1] is not None:  # no cost analysis in one phase: none in any
-      try:
-        compiled, trace = compile_decode_step(policy, mesh, cache, prompt_cache, sample_kw, bound, opts, traced=True)
-        costs = compiled.cost_analysis()
-        out.grid_steps.append(pallas_grid_steps(trace.jaxpr.jaxpr))
-      except Exception as e:  # noqa: BLE001 - the step alone overflowing is reported, not fatal
-        out.error = out.error or f"decode step (phase {bound}): {' '.join(str(e).split())[:300]}"
-    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-    out.bytes.append(float(costs["bytes accessed"]) if costs and costs.get("bytes accessed") else None)
-    out.flops.append(float(costs["flops"]) if costs and costs.get("flops") else matmul_flops)
-    out.min_bytes.append(
-        weights_read + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, ro.layout.rows, bound, dtype))
-    )
-  return out
+  prompt_kv = bytes_per_device(decode_cache(mcfg, mesh, ro.layout.prompts, ro.prompt_len, dtype))
+  res = decode_grid_lib.decode_grid(
+      mcfg, mesh, ro, sample_kw, dtype, opts, chips=target.chips, weights_read=weights_read, mode=mode, weights=weights
+  )
+  min_bytes = [
+      weights_read + prompt_kv + bytes_per_device(decode_cache(mcfg, mesh, ro.layout.rows, bound, dtype))
+      for bound in ro.phases
+  ]
+  full_bytes = res.grid.full_rows(res.grid.bytes) if res.cost_analysis else [None] * len(min_bytes)
+  return _DecodeStepCosts(
+      full_bytes,
+      res.grid.full_rows(res.grid.flops),
+      min_bytes,
+      res.grid_steps,
+      res,
+      error or res.error,
+      prompt_kv,
+      bytes_per_device(cache) + prompt_kv,
+  )
 
 
-def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeStepCosts, weights_read: int, **kw):
-  """`plan.step_bound` of the rollout as compiled, a phase without cost analysis at its minimum
-  bytes; kw: the length distribution (`lengths`, `batches`, `seed`)."""
+def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeStepCosts, weights: tuple, **kw):
+  """`plan.step_bound` of the rollout as compiled; weights: (a chip's rollout weights a step
+  reads, all chips' together); kw: the length distribution (`lengths`, `batches`, `seed`)."""
   costs = plan.DecodeCosts(
       rows=ro.rows,
       group_size=ro.group,
@@ -270,10 +149,14 @@ def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeSt
       prompt_len=ro.prompt_len,
       completion_len=ro.new_len,
       phases=tuple(ro.phases),
-      phase_bytes=tuple(b if b is not None else m for b, m in zip(step.bytes, step.min_bytes)),
-      phase_flops=tuple(step.flops),
-      weights_read_bytes=weights_read,
+      grid=step.grid.grid,
+      weights_read_bytes=weights[0],
       prompt_kv_bytes=step.prompt_kv_bytes,
+      shards=ro.shards,
+      prompts_per_sub_batch=ro.layout.prompts,
+      samples=ro.layout.samples,
+      weights_total_bytes=weights[1],
+      kv_slot_bytes=sampling.kv_bytes(mcfg, 1, None, ro.dtype),
   )
   return plan.step_bound(
       mcfg,
@@ -281,6 +164,7 @@ def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeSt
       chips=target.chips,
       peak_tflops=target.peak_tflops,
       hbm_tb_s=target.hbm_tb_s,
+      ici_gb_s=target.ici_gb_s,
       train_steps=cfg.train.steps,
       passes=cfg.train.num_iterations,
       with_ref=cfg.loss.beta > 0,
@@ -335,6 +219,7 @@ def compile_sampler(
     lengths: LengthDistribution = LengthDistribution(),
     length_batches: int = 20,
     length_seed: int = 0,
+    decode_compiles: str = "few",
 ) -> Report:
   """Compile the rollout's sampler (`sampling.lower_generate`) for `target` as the trainer runs
   it: the rollout copy of the policy (`rollout.dtype`, the decoding layout), all
@@ -342,9 +227,10 @@ def compile_sampler(
   from what the target's HBM leaves free next to the train state and the rollout copy, as
   `sampling.resolve_decode_batch_size` sizes it from the devices' memory statistics). Fits when
   its peak plus the train state (which stays on the devices meanwhile) is within the usable HBM.
-  Then the decode step alone is compiled once a decode phase (`sampling.decode_phases`: the
-  completion slots it reads) for its `cost_analysis()` bytes accessed and FLOPs, and the step's
-  time is bounded (`plan.step_bound`) on `length_batches` steps of `lengths`."""
+  Then the decode step alone is compiled at a few (phase bound, decode rows) (`decode_grid`,
+  `decode_compiles` "few"; "all": at every one) for its `cost_analysis()` bytes accessed, FLOPs
+  and collectives, and the step's time is bounded (`plan.step_bound`) on `length_batches` steps
+  of `lengths`, the finished rows dropped at each phase's start."""
   su = _setup(cfg, target)
   cfg, mesh, mcfg, note = su.cfg, su.mesh, su.mcfg, su.note
   prompt_len = prompt_len or bucket_length(cfg.data.max_prompt_len)
@@ -352,12 +238,15 @@ def compile_sampler(
   rows = cfg.rollout.rows
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   dtype = setup_lib.rollout_dtype(cfg, mesh)
-  policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh)
+  policy = sampling.abstract_rollout_policy(mcfg, dtype=dtype, mesh=mesh, weights=cfg.rollout.decode_weights)
   resident = bytes_per_device(su.state) + (bytes_per_device(su.params) if cfg.loss.beta > 0 else 0)
   policy_bytes = bytes_per_device(policy.state)
   # what a prefill or decode step must read of them: all, less an untied input embedding, of which
   # it gathers one row a token (a tied one is the LM head, read whole)
   weights_read = policy_bytes - (0 if mcfg.tie_word_embeddings else bytes_per_device(policy.state["embed"]))
+  # the same, all chips together, whatever the layout: what the limit splits over the chips
+  whole = lambda tree: sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  weights_total = whole(policy.state) - (0 if mcfg.tie_word_embeddings else whole(policy.state["embed"]))
   free = target.usable_hbm - resident - policy_bytes
   sub, note = _decode_batch_size(
       cfg, mcfg, target, mesh, rows=rows, prompt_len=prompt_len, new_len=new_len, dtype=dtype, free=free, note=note
@@ -380,11 +269,21 @@ def compile_sampler(
   report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
   phases = sampling.decode_phases(new_len)
   report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
-  ro = _Rollout(rows, group, prompt_len, new_len, sub, layout, phases)
+  ro = _Rollout(rows, group, prompt_len, new_len, sub, layout, phases, shards, dtype)
   opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
   report.decode_bytes_options = opts
   step = _decode_step_costs(
-      policy, mcfg, mesh, target, ro, sample_kw, dtype, opts, weights_read=weights_read, error=report.error
+      mcfg,
+      mesh,
+      target,
+      ro,
+      sample_kw,
+      dtype,
+      opts,
+      weights_read=weights_read,
+      error=report.error,
+      mode=decode_compiles,
+      weights=cfg.rollout.decode_weights,
   )
   report.error = step.error
   if step.bytes[-1] is None and not report.error:  # the CUDA plugin's compile-only executables
@@ -396,8 +295,19 @@ def compile_sampler(
   report.decode_phase_grid_steps = step.grid_steps if len(step.grid_steps) == len(phases) else None
   report.decode_step_bytes = step.bytes[-1]  # the last phase reads every slot
   report.decode_step_min_bytes = weights_read + step.kv_cache_bytes
+  report.decode_grid = dict(dataclasses.asdict(step.grid.grid), mode=decode_compiles, affine_miss=step.grid.affine_miss)
+  report.decode_step_collectives = step.grid.collectives
+  report.decode_step_collective_bytes = step.grid.collective_bytes
   report.step_bound = _step_bound(
-      cfg, mcfg, target, ro, step, weights_read, lengths=lengths, batches=length_batches, seed=length_seed
+      cfg,
+      mcfg,
+      target,
+      ro,
+      step,
+      (weights_read, weights_total),
+      lengths=lengths,
+      batches=length_batches,
+      seed=length_seed,
   )
   report.shapes = _shapes(cfg, mcfg, mesh, ro, dtype, policy_bytes, weights_read, step, note)
   return report

@@ -32,19 +32,59 @@ class Target:
   gpu_spec: str = ""  # file in gpu_specs/
   gpu_memory: int = 0  # bytes, replaces the spec's device_memory_size when set
   gpu_bandwidth: int = 0  # bytes/s, replaces the spec's memory_bandwidth when set
+  ici_gb_s: float = 0.0  # inter-chip bandwidth a chip, GB/s, both directions (ICI; NVLink on GPU)
 
 
 # Peak dense bf16 TFLOP/s and HBM TB/s a chip, as published: Cloud TPU docs (cloud.google.com/tpu/docs/
 # v4, v5e, v5p, v6e: 275 TFLOP/s & 1200 GBps; 197 & 819 GBps; 459 & 2765 GBps; 918 & 1640 GBps) and
 # NVIDIA's H100 / H200 datasheets (SXM: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3; 4.8 TB/s HBM3e).
+# Inter-chip bandwidth a chip, both directions (`ici_gb_s`): Cloud TPU docs' "Bidirectional
+# inter-chip interconnect (ICI) bandwidth (per chip)": v5e 400 GBps, v5p 1200 GBps, v6e 800 GBps;
+# v4's page gives no per-chip figure, only "All-reduce bandwidth per Pod 1.1 PB/s" over 4096
+# chips, which x 2 is 537 GB/s a chip (the same rule gives v5e's 400 and v6e's 800 from their
+# pods' 51.2 and 102.4 TB/s over 256 chips); NVLink 4 on H100 SXM and H200 SXM: 900 GB/s (datasheets).
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("v4-8", "tpu", 4, int(30.75 * GiB), 275, 1.2, "v4:2x2x1", "megacore", (2, 2, 1), "v4-8"),
-        Target("v5e-8", "tpu", 8, int(15.75 * GiB), 197, 0.819, "v5e:2x4", "default", (2, 2, 1), "v5litepod-8"),
-        Target("v5p-32", "tpu", 16, int(95.74 * GiB), 459, 2.765, "v5:2x2x4", "megacore", (2, 2, 1), "v5p-32"),
-        Target("v6e-8", "tpu", 8, int(31.25 * GiB), 918, 1.64, "v6e:2x4", "default", (2, 4, 1), "v6e-8"),
-        Target("h100-8", "gpu", 8, int(84978434048 * GPU_MEM_FRACTION), 989, 3.35, "1x1x8", gpu_spec="h100_sxm.txtpb"),
+        Target("v4-8", "tpu", 4, int(30.75 * GiB), 275, 1.2, "v4:2x2x1", "megacore", (2, 2, 1), "v4-8", ici_gb_s=537),
+        Target(
+            "v5e-8",
+            "tpu",
+            8,
+            int(15.75 * GiB),
+            197,
+            0.819,
+            "v5e:2x4",
+            "default",
+            (2, 2, 1),
+            "v5litepod-8",
+            ici_gb_s=400,
+        ),
+        Target(
+            "v5p-32",
+            "tpu",
+            16,
+            int(95.74 * GiB),
+            459,
+            2.765,
+            "v5:2x2x4",
+            "megacore",
+            (2, 2, 1),
+            "v5p-32",
+            ici_gb_s=1200,
+        ),
+        Target("v6e-8", "tpu", 8, int(31.25 * GiB), 918, 1.64, "v6e:2x4", "default", (2, 4, 1), "v6e-8", ici_gb_s=800),
+        Target(
+            "h100-8",
+            "gpu",
+            8,
+            int(84978434048 * GPU_MEM_FRACTION),
+            989,
+            3.35,
+            "1x1x8",
+            gpu_spec="h100_sxm.txtpb",
+            ici_gb_s=900,
+        ),
         # H200: the H100 SXM chip with 141 GB of HBM3e at 4.8 TB/s.
         Target(
             "h200-8",
@@ -57,6 +97,7 @@ TARGETS: dict[str, Target] = {
             gpu_spec="h100_sxm.txtpb",
             gpu_memory=int(141e9),
             gpu_bandwidth=int(4.8e12),
+            ici_gb_s=900,
         ),
     )
 }

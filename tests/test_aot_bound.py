@@ -1,0 +1,196 @@
+"""The decode part of `ict_jax.aot`'s step bound (issue 41 items 3-4): the rows live at each step,
+compacted at the decode phases' starts, against a step-by-step count; the limit (the weights split
+over the chips + the KV really read); the collectives' bytes from HLO; and the decode step's costs
+derived from a few compiles against every (phase bound, rows) compiled, on an absent TPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from compilers import SKIP_REASON, libtpu_found
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _grid(bounds, rows, f):
+  """A `plan.DecodeGrid` whose costs at (bound b, rows r) are f(b, r) (bytes), b x r (FLOPs) and
+  r (collective bytes)."""
+  from ict_jax.aot import plan
+
+  table = lambda g: tuple(tuple(float(g(b, r)) for r in rows) for b in bounds)
+  return plan.DecodeGrid(
+      bounds, rows, table(f), table(lambda b, r: b * r), table(lambda b, r: r), table(lambda b, r: 2)
+  )
+
+
+def test_decode_bound_counts_live_rows_step_by_step():
+  """2 prompts x G 8 = 16 rows in one sub-batch over 2 chips (8 rows each, prompt k's 8 samples on
+  chip k), 64 completion columns (phase bounds 16, 32, 48, 64), lengths drawn with half at the
+  cap: the bound's decode seconds, bytes, rows and limit equal a step-by-step count, in which a
+  step i of phase k runs at all rows (k = 0) or, from k = 1, at the most rows of a chip still
+  live at the phase's first step (length > that step; `compacted_rows` with 1-row units here),
+  and the limit reads the weights / 2 chips + i slots a live row + a prompt's slots while any of
+  its rows lives."""
+  from ict_jax import sampling
+  from ict_jax.aot import plan
+  from ict_jax.length_model import LengthDistribution
+  from ict_jax.models.config import Qwen2Config
+
+  phases = sampling.decode_phases(64)
+  assert phases == (16, 32, 48, 64)
+  f = lambda b, r: 1e6 + 300 * b + 7000 * r + 40 * b * r
+  grid = _grid(phases, tuple(range(2, 17, 2)), f)
+  costs = plan.DecodeCosts(
+      rows=16, group_size=8, decode_batch_size=16, prompt_len=32, completion_len=64, phases=phases, grid=grid,
+      weights_read_bytes=10**6, prompt_kv_bytes=0, shards=2, prompts_per_sub_batch=2, samples=8,
+      weights_total_bytes=2 * 10**6, kv_slot_bytes=100,
+  )  # fmt: skip
+  lengths = LengthDistribution(prompt_median=20, completion_median=20, completion_sigma=0.6, capped_share=0.5)
+  bw, peak, ici = 1e9, 1e12, 1e8
+  b = plan.step_bound(
+      Qwen2Config.preset("tiny"), costs, chips=2, peak_tflops=1, hbm_tb_s=1e-3, ici_gb_s=0.1, train_steps=1,
+      lengths=lengths, batches=3, seed=5,
+  )  # fmt: skip
+  rng = np.random.default_rng(5)
+  secs = nbytes = limit = row_steps = real = ici_bytes = 0.0
+  for _ in range(3):
+    p, c = lengths.sample(rng, 2, 8, 32, 64)
+    chip = c.reshape(2, 8)  # chip k: prompt k's rows
+    phase_rows = {}
+    for i in range(1, c.max()):
+      k = next(j for j, bound in enumerate(phases) if i <= bound)
+      if k not in phase_rows:
+        start = (0,) + phases
+        phase_rows[k] = 8 if k == 0 else max(1, int((chip > start[k] + 1).sum(axis=1).max()))
+      r = phase_rows[k]
+      x = f(phases[k], 2 * r)
+      secs += max(x / bw, phases[k] * 2 * r / peak) + 2 * r / ici
+      nbytes, row_steps, ici_bytes = nbytes + x, row_steps + 2 * r, ici_bytes + 2 * r
+      live = c > i
+      slots = i * live.sum() + sum(p[q] for q in range(2) if live[8 * q : 8 * q + 8].any())
+      limit += (2 * 10**6 + 100 * slots) / 2
+    real += (c - 1).sum()
+  assert b.capped_fraction > 0.3 and b.decode_phase_rows[-1] < 8  # rows were dropped
+  assert b.decode_s == pytest.approx(secs / 3) and b.decode_bytes == pytest.approx(nbytes / 3)
+  assert b.decode_ici_bytes == pytest.approx(ici_bytes / 3) and b.decode_ici_s == pytest.approx(ici_bytes / 3 / ici)
+  assert b.decode_limit_bytes == pytest.approx(limit / 3) and b.decode_limit_s == pytest.approx(limit / 3 / bw)
+  assert b.decode_bytes_over_limit == pytest.approx(nbytes / limit)
+  assert b.live_row_steps == pytest.approx(row_steps / 3) and b.real_decode_tokens == pytest.approx(real / 3)
+  assert b.live_row_steps_over_real == pytest.approx(row_steps / real)
+
+
+def test_live_rows_follow_the_samplers_layout():
+  """Sub-batches hold the prefilled prompts j, j + n, ... (`decode._generate_impl`), each followed
+  by its R rows; padding prompts' rows never live. 3 prompts x G 4, decode batch 6 (R 2: each
+  prompt prefilled twice), 2 sub-batches of 4 prefilled prompts (one padding: 8 rows fill the 4 chips) each."""
+  from ict_jax import sampling
+  from ict_jax.aot import plan
+
+  layout = sampling.decode_layout(12, 4, 6, 4)
+  assert (layout.sub_batches, layout.prompts, layout.samples) == (2, 4, 2)
+  costs = plan.DecodeCosts(
+      rows=12, group_size=4, decode_batch_size=6, prompt_len=8, completion_len=16, phases=(16,), grid=None,
+      weights_read_bytes=0, prompt_kv_bytes=0, shards=4, prompts_per_sub_batch=4, samples=2,
+  )  # fmt: skip
+  c = np.arange(1, 13)  # row k x 4 + s
+  lens, prompts = plan.sub_batch_rows(c, np.array([10, 20, 30]), costs)
+  # prefilled prompt q = k x 2 + t (samples 2t, 2t + 1 of prompt k): rows 4k + 2t + (0, 1)
+  # sub-batch 0: q = 0, 2, 4, (6: padding); sub-batch 1: q = 1, 3, 5, (7)
+  assert lens.tolist() == [[1, 2, 5, 6, 9, 10, 0, 0], [3, 4, 7, 8, 11, 12, 0, 0]]
+  assert prompts.tolist() == [[10, 20, 30, 0], [10, 20, 30, 0]]
+  assert plan.phase_rows((16,), lens[0], 4) == [2]  # the first phase: every row, padding included
+
+
+def test_collective_bytes_from_hlo():
+  """A sync all-reduce counts twice its result (a ring's reduce-scatter + all-gather), an async
+  all-gather its gathered result (the largest array of its -start tuple), a reduce-scatter its
+  results; other instructions nothing."""
+  from ict_jax.aot.measure import collective_bytes, count_collectives
+
+  hlo = (
+      "  %all-reduce.3 = f32[16,1536]{1,0:T(8,128)} all-reduce(f32[16,1536]{1,0} %fusion.5), channel_id=1\n"
+      "  %ag = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(bf16[8,64]{1,0} %p), dimensions={0}\n"
+      "  %agd = bf16[64,64]{1,0} all-gather-done((bf16[8,64]{1,0}, bf16[64,64]{1,0}) %ag)\n"
+      "  %rs = (f32[4]{0}, s32[2]{0}) reduce-scatter(f32[32]{0} %a, s32[16]{0} %b), dimensions={0}\n"
+      "  %add = f32[16,1536]{1,0} add(f32[16,1536]{1,0} %x, f32[16,1536]{1,0} %y)\n"
+  )
+  got = collective_bytes(hlo)
+  assert got["all-reduce"] == 2 * 16 * 1536 * 4 and got["all-gather"] == 64 * 64 * 2
+  assert got["reduce-scatter"] == 4 * 4 + 2 * 4 and sum(got.values()) == got["all-reduce"] + 8192 + 24
+  assert count_collectives(hlo)["all-gather"] == 1
+
+
+# ---- derived against compiled (needs libtpu) -------------------------------------------------
+# the tiny model 4 layers deep; 32 prompts x G 8 = 256 rows over fsdp 2 x tensor 4 (128 rows a
+# row shard, as 1.5B on v5e-8: compacted batches of 16, 32, .. 128 rows a shard, whole TPU
+# tiles); 32 completion columns: phase bounds 16, 32
+DEEP = [
+    "--config",
+    "configs/tiny_arith.py",
+    "--config.rollout.prompts_per_step=32",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=4",
+    "--completion_len",
+    "32",
+    "--target",
+    "v5e-8",
+    "--part",
+    "sample",
+    "--completion_median=20",
+    "--capped_share=0.3",
+]
+
+
+@pytest.fixture(scope="module")
+def few_and_all(tmp_path_factory):
+  """The sampler's report with the decode step compiled at a few points (derived) and at all."""
+  import dataclasses
+
+  from ict_jax.models.config import Qwen2Config
+
+  if not libtpu_found():
+    pytest.skip(SKIP_REASON)
+  tmp = tmp_path_factory.mktemp("bound")
+  (tmp / "deep").mkdir()
+  cfg = dataclasses.replace(Qwen2Config.preset("tiny"), num_hidden_layers=4)
+  (tmp / "deep" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+  out = {}
+  for mode in ("few", "all"):
+    path = tmp / f"{mode}.json"
+    cmd = [sys.executable, "-m", "ict_jax.aot", *DEEP, f"--config.model.path={tmp / 'deep'}"]
+    proc = subprocess.run(
+        [*cmd, f"--decode_compiles={mode}", "--json", str(path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[mode] = json.loads(path.read_text())["sampler"]
+  return out
+
+
+def test_derived_decode_costs_match_every_compile(few_and_all):
+  """The decode step's bytes, FLOPs and collectives at every (bound, rows), derived from the
+  programs compiled at 2 and 3 layers (`decode_grid`, "few"), within 2% of each compiled at the
+  model's 4 layers ("all"); the step bound's decode within 2% too."""
+  few, full = few_and_all["few"], few_and_all["all"]
+  gf, ga = few["decode_grid"], full["decode_grid"]
+  rows = list(range(32, 257, 32))
+  assert ga["bounds"] == gf["bounds"] == [16, 32] and ga["rows"] == gf["rows"] == rows
+  assert ga["depths"] == [4] and gf["depths"] == [2, 3]
+  assert sorted(map(tuple, ga["compiled"])) == [(b, r) for b in (16, 32) for r in rows]
+  # over tensor 4 XLA partitions the tiny model's step differently by row count: the line through
+  # 32 and 256 rows misses the check point (128 rows) by more than 1%, so "few" compiled every row
+  # count at both bounds (2 and 3 layers) and derived the depth only
+  assert gf["affine_miss"] > 0.01 and ga["affine_miss"] is None
+  assert sorted(map(tuple, gf["compiled"])) == [(b, r) for b in (16, 32) for r in rows]
+  for key in ("bytes", "flops", "ici_bytes", "collectives"):
+    np.testing.assert_allclose(gf[key], ga[key], rtol=0.02, err_msg=key)
+  assert min(map(min, ga["ici_bytes"])) > 0  # tensor 4: the step's all-reduces
+  assert few["decode_step_collectives"] == full["decode_step_collectives"]
+  bf, ba = few["step_bound"], full["step_bound"]
+  for key in ("decode_s", "decode_bytes", "decode_ici_bytes", "decode_bytes_over_limit"):
+    assert bf[key] == pytest.approx(ba[key], rel=0.02), key
+  assert bf["decode_limit_bytes"] == ba["decode_limit_bytes"]  # counted from the model, not compiled
+  assert ba["live_row_steps_over_real"] >= 1.0 and ba["decode_bytes_over_limit"] > 1.0
