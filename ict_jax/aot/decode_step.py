@@ -30,8 +30,7 @@ def _decode_step(
   model = nnx.merge(graphdef, state)
   logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
   kernels, split = model.cfg.kernels, model.cfg.decode_weights == "tensor"
-  rows = jnp.arange(tok.shape[0], dtype=jnp.int32)  # a key a row, as `sampling.decode._emit` draws
-  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), i))(rows)
+  keys = sampling.rules.row_keys(rng, jnp.arange(tok.shape[0], dtype=jnp.int32), i)  # as the sampler draws
   tok, _ = sampling.rules._sample_step(logits, keys, temperature, top_p, kernels=kernels, vocab_split=split, **kw)
   return tok, cache
 

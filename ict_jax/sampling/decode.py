@@ -39,7 +39,7 @@ from ict_jax import cpu_paths
 from ict_jax.models.axes import constrain
 from ict_jax.models.qwen2 import LayerCache
 from ict_jax.sampling.plan import decode_phases
-from ict_jax.sampling.rules import _sample_step
+from ict_jax.sampling.rules import _sample_step, row_keys
 
 Array = jax.Array
 
@@ -134,7 +134,7 @@ def _emit(cfg, c: Decoding, logits: Array, rng, scalars, flags: Flags) -> Decodi
   rows that share its batch."""
   _, temperature, top_p, eos_ids, pad_id = scalars
   i = c.i
-  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), i))(c.row_ids)  # [b]
+  keys = row_keys(rng, c.row_ids, i)  # [b]
   tok, lp = _sample_step(
       logits,
       keys,

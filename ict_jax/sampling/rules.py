@@ -65,6 +65,13 @@ def _top_p_threshold(e: Array, top_p: Array) -> Array:
   return jax.lax.cond(jnp.all(inside[:, -1]), lambda: fast, lambda: _bisect_threshold(e, target))
 
 
+def row_keys(rng: Array, row_ids: Array, i) -> Array:
+  """The draw's keys of decode step i: row r (its index in `generate`'s output, row_ids [B]) draws
+  with fold_in(fold_in(rng, r), i), so its tokens do not depend on the rows that share its batch
+  (compaction, sub-batches) -> keys [B]."""
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), i))(row_ids)
+
+
 def _categorical(key: Array, logits: Array) -> Array:
   """`jax.random.categorical` over the last axis of logits [B, n]: one key for the whole batch
   (key []) or row b drawn with its own key[b] (key [B]: a row's draw does not depend on the other
