@@ -67,13 +67,14 @@ POSITIVE = {
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "train.steps",
     "train.num_iterations", "train.checkpoint_every", "train.keep_checkpoints", "ict.chunk_size",
     "data.max_prompt_len", "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
-    "train.eval_samples", "train.eval_prompts", "train.heartbeat_timeout_s",
+    "train.eval_samples", "train.eval_prompts", "train.heartbeat_timeout_s", "model.lora_alpha",
 }  # fmt: skip
 NON_NEGATIVE = {
     "ict.warmup_steps", "train.micro_batch_size", "train.token_budget", "train.micro_batch_tokens",
     "train.eval_every", "warm_start.sft_steps", "optim.warmup_steps", "optim.weight_decay",
     "optim.max_grad_norm", "rollout.temperature", "rollout.top_k", "loss.beta", "loss.epsilon_low",
     "loss.epsilon_high", "reward.num_workers", "reward.format_weight", "train.sigterm_grace_s",
+    "model.lora_rank",
 }  # fmt: skip
 FRACTIONS = {"ict.top_fraction", "ict.entropy_top_fraction", "ict.stapo_tau_h_quantile", "rollout.top_p"}
 

@@ -28,7 +28,8 @@ from benchmarks.faults import harness
 REPO = Path(__file__).resolve().parent.parent
 
 STEPS, EVERY = 4, 3  # checkpoints at 3 and 4; a SIGTERM in step 2 saves a step no schedule does
-FLAGS = harness.quick_flags(STEPS, EVERY, extra=["--config.model.vocab=task"])  # no data_dir: the gs:// default
+FLAGS = harness.quick_flags(STEPS, EVERY, sft=40, extra=["--config.model.vocab=task"])  # no data_dir: the gs:// default
+# sft 40: with the per-row draw keys (issue 41) 20 warm-start steps left this run at reward 0, no gradient
 
 
 def _objects(gcs, prefix: str) -> list[str]:
