@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def _train_report(child: subprocess.Popen, path: str) -> Report:
   _, err = child.communicate()
   if child.returncode not in (0, 1) or not os.path.exists(path):
     _fail(err.strip().splitlines()[-1].removeprefix("ict_jax.aot: error: ") if err.strip() else "train step: failed")
-  d = json.load(open(path))
+  d = json.loads(epath.Path(path).read_text())  # a local temporary file of this process's
   return Report(**{f.name: d[f.name] for f in dataclasses.fields(Report) if f.name in d})
 
 
@@ -154,6 +155,7 @@ def main(argv=None) -> None:
   finally:
     if child is not None and child.poll() is None:
       child.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
   fits = all(r.fits for r in reports)
   if fl.json:  # first: a compile of many minutes must not be lost to a closed stdout
     by_program = {r.program: r.to_json() for r in reports}

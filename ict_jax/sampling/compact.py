@@ -146,7 +146,5 @@ def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags
     if keep < c.tok.shape[0] // flags.shards:
       c = _compact(c, shards=flags.shards, keep=keep)
     c, live = _phase(state, c, rng, scalars, graphdef=graphdef, flags=flags, bound=bound)
-  names = (
-      ("ids", "mask") + (("logprobs",) if flags.return_logprobs else ()) + (("logits",) if flags.return_logits else ())
-  )
+  names = decode.output_names(flags.return_logprobs, flags.return_logits)
   return _close(c, shards=flags.shards, names=names)

@@ -279,10 +279,14 @@ def _generate_impl(
   return output_tuple(out, return_logprobs, return_logits)
 
 
+def output_names(return_logprobs: bool, return_logits: bool) -> tuple[str, ...]:
+  """The outputs `generate` returns, in order: ids, mask[, logprobs][, logits]."""
+  return ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
+
+
 def output_tuple(out: dict, return_logprobs: bool, return_logits: bool) -> tuple:
   """(ids, mask[, logprobs][, logits]) of a decode's outputs, as `generate` returns them."""
-  names = ("ids", "mask") + (("logprobs",) if return_logprobs else ()) + (("logits",) if return_logits else ())
-  return tuple(out[k] for k in names)
+  return tuple(out[k] for k in output_names(return_logprobs, return_logits))
 
 
 def join_sub_batches_rows(v: Array, samples: int) -> Array:

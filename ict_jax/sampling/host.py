@@ -293,7 +293,7 @@ def _place(job: _Job, ids: np.ndarray, mask: np.ndarray, row_ids: np.ndarray) ->
   if job.mesh is None:
     return (ids, mask, row_ids, rng, *job.scalars)
   prompts = prompt_sharding(job.mesh, ids.shape[0])
-  rows = NamedSharding(job.mesh, PartitionSpec(prompt_sharding(job.mesh, row_ids.shape[0]).spec[0]))
+  rows = _row_ids_sharding(job.mesh, row_ids.shape[0])
   repl = replicated(job.mesh)
   rng = jax.random.wrap_key_data(put_global(jax.random.key_data(rng), repl), impl=jax.random.key_impl(rng))
   placed = (put_global(ids, prompts), put_global(mask, prompts), put_global(row_ids, rows))
@@ -375,6 +375,11 @@ def prompt_sharding(mesh: Mesh, n_prompts: int) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("act_batch", None), (n_prompts, 1), dict(mesh.shape)))
 
 
+def _row_ids_sharding(mesh: Mesh, n_rows: int) -> NamedSharding:
+  """The row ids [n_rows] laid out as the decode rows are (`prompt_sharding`'s first axis)."""
+  return NamedSharding(mesh, PartitionSpec(prompt_sharding(mesh, n_rows).spec[0]))
+
+
 def lower_generate(
     policy: RolloutPolicy,
     batch: int,
@@ -404,7 +409,7 @@ def lower_generate(
   layout = decode_layout(batch, num_samples, sub, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   prompts = None if mesh is None else prompt_sharding(mesh, layout.prefill_rows)
   n_rows = layout.prefill_rows * layout.samples
-  rows = None if mesh is None else NamedSharding(mesh, PartitionSpec(prompt_sharding(mesh, n_rows).spec[0]))
+  rows = None if mesh is None else _row_ids_sharding(mesh, n_rows)
   repl = None if mesh is None else replicated(mesh)
   sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
   args = (

@@ -42,7 +42,6 @@ _PARAM_NAMES = ("embed", "vocab", "heads", "kv_heads", "mlp", "head_dim", "norm"
 # where they are instead of all-gathering them from the FSDP shards every token.
 DECODE_RULES = tuple((name, () if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
-DECODE_WEIGHTS = DECODE_WEIGHTS  # "replicated" (DECODE_RULES) | "tensor" (TENSOR_RULES)
 
 # The tensor layout's parameters: one dimension of each weight over every chip, in the order of
 # the activations' "act_split" (models/axes.py), so a weight shard and the activation shard it
@@ -125,12 +124,12 @@ def make_rollout_policy(
   nothing to cast, `params` is used as is."""
   _check_weights(weights)
   model = nnx.merge(graphdef, params)  # Python objects around the same device arrays: no copy
-  if lora.is_lora(model):  # LoRA: decode with the merged weights, W + alpha / rank * A.B
-    return _merged_policy(model, dtype, mesh, weights)
   cfg = model.cfg
   dtype = cfg.dtype if dtype is None else dtype
   if dtype not in ROLLOUT_DTYPES:
     raise ValueError(f"rollout dtype must be one of {ROLLOUT_DTYPES}, got {dtype!r}")
+  if lora.is_lora(model):  # LoRA: decode with the merged weights, W + alpha / rank * A.B
+    return _merged_policy(model, dtype, mesh, weights)
   state = nnx.state(model, nnx.Param)
   pure = state.to_pure_dict()
   rgraphdef = _rollout_graphdef(cfg, dtype, weights)
@@ -150,10 +149,9 @@ def make_rollout_policy(
   return RolloutPolicy(rgraphdef, fn(pure))
 
 
-def _merged_policy(model, dtype: str | None, mesh: Mesh | None, weights: str) -> RolloutPolicy:
+def _merged_policy(model, dtype: str, mesh: Mesh | None, weights: str) -> RolloutPolicy:
   """A LoRA model's rollout copy: its adapters merged, cast and laid out by one jitted call."""
   cfg = model.cfg
-  dtype = cfg.dtype if dtype is None else dtype
   graphdef, params = nnx.split(model)
   out = None if mesh is None else decode_shardings(nnx.state(abstract_model(cfg), nnx.Param), mesh, weights)
   leaves, treedef = jax.tree.flatten(out)
