@@ -80,6 +80,7 @@ from benchmarks.compare_tables import (  # noqa: E402,F401  (the tables' names, 
     table,
     unsolved_problems,
     unsolved_report,
+    validation_table,
     variant_name,
 )
 
@@ -267,11 +268,51 @@ def test_one(s: Setting, variant: str, lr: float | None, seed: int, hf_dir: str)
   return result
 
 
-def select_lrs(validation: list[dict], lrs, seeds) -> dict[str, float]:
-  """{variant: the lr of `lrs` with the highest validation pass@1 averaged over `seeds`} from
-  validation records ({"variant", "lr", "seed", "val_pass@1"}); ties go to the first lr in
-  `lrs`. Every (variant, lr, seed) must be there."""
-  table = {(r["variant"], r["lr"], r["seed"]): r["val_pass@1"] for r in validation}
+def validate_one(s: Setting, variant: str, lr: float, seed: int, hf_dir: str) -> dict:
+  """A finished run's result.json with "val": its final checkpoint's validation pass@1, pass@4 (the
+  paper's metric) and pass@`val_samples` on the validation problems `train[:V]`, by the run's own
+  periodic eval (same problems, samples and key), evaluated again from the checkpoint. One code
+  path for every run of a grid, including runs trained before the periodic eval reported pass@4."""
+  from ict_jax.eval.loading import load_workdir
+  from ict_jax.eval.periodic import PREFIX, PeriodicEval
+  from ict_jax.rewards.pool import RewardPool
+  from ict_jax.task_vocab import load_tokenizer
+  from ict_jax.build import load_examples
+
+  done = os.path.join(run_dir(s, variant, lr, seed), "result.json")
+  result = json.load(open(done))
+  if "val" in result:
+    return result
+  c = base_config(s)
+  c.train.seed = seed  # the periodic eval's key
+  cfg = config_lib.validate(c)
+  loaded, mesh = load_workdir(os.path.dirname(done))
+  ev = PeriodicEval.from_config(cfg, load_tokenizer(hf_dir), load_examples(cfg, cfg.data.eval_split, s.out), mesh=mesh)
+  with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+    metrics = ev(loaded.model, reward_pool=pool)
+  result["val"] = {k[len(PREFIX) :].replace("_at_", "@"): v for k, v in metrics.items() if "_at_" in k}
+  with open(done, "w") as f:
+    json.dump(result, f)
+  return result
+
+
+def val_metric(record: dict, metric: str) -> float:
+  """A validation record's `metric`: "pass@1" from the run's last periodic eval unless the record
+  was validated again (`validate_one`, "val"), which any other metric needs."""
+  if "val" in record:
+    return record["val"][metric]
+  if metric == "pass@1":
+    return record["val_pass@1"]
+  raise ValueError(
+      f"{record['variant']} lr {record['lr']:g} seed {record['seed']}: no validation {metric} (validate_one)"
+  )
+
+
+def select_lrs(validation: list[dict], lrs, seeds, metric: str = "pass@1") -> dict[str, float]:
+  """{variant: the lr of `lrs` with the highest validation `metric` averaged over `seeds`} from
+  validation records ({"variant", "lr", "seed", "val_pass@1"} or "val": {metric: ...}); ties go to
+  the first lr in `lrs`. Every (variant, lr, seed) must be there."""
+  table = {(r["variant"], r["lr"], r["seed"]): val_metric(r, metric) for r in validation}
   out = {}
   for variant in dict.fromkeys(r["variant"] for r in validation):
     means = []
@@ -284,20 +325,26 @@ def select_lrs(validation: list[dict], lrs, seeds) -> dict[str, float]:
   return out
 
 
-def sweep(methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, test, log=print) -> dict:
-  """The order that keeps the test out of the choice: every validation run, then `select_lrs`,
-  then the chosen-lr runs of the other seeds and, only now, the test evaluations.
+def sweep(
+    methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, test, log=print, select_by="pass@1",
+    validation_only=False,
+) -> dict:  # fmt: skip
+  """The order that keeps the test out of the choice: every validation run, then `select_lrs` (by
+  validation `select_by`), then the chosen-lr runs of the other seeds and, only now, the test
+  evaluations (none with `validation_only`: the lrs are chosen, the test budget not yet spent).
   `run(variant, lr, seed) -> validation record`, `test(variant, lr, seed) -> test record`."""
   validation = [run(m, lr, sd) for m in methods for lr in lrs for sd in selection_seeds]
   for r in validation:
-    log({k: r[k] for k in ("variant", "lr", "seed", "val_pass@1")})
-  chosen = select_lrs(validation, lrs, selection_seeds)
+    log({**{k: r[k] for k in ("variant", "lr", "seed")}, f"val_{select_by}": val_metric(r, select_by)})
+  chosen = select_lrs(validation, lrs, selection_seeds, select_by)
   for v in ablations:  # each at its method's chosen lr (ICT's for ICT's ablations)
     method = parse_variant(v)["method"]
     if method not in chosen:
       raise ValueError(f"the ablation {v} runs at {method}'s chosen lr: add {method} to --methods")
     chosen[v] = chosen[method]
   log({"chosen_lr": chosen})
+  if validation_only:
+    return chosen
   tests = [test(BASELINE, None, sd) for sd in seeds]
   for variant in [*methods, *ablations]:
     for sd in ablation_seeds if variant in ablations else seeds:
@@ -427,6 +474,29 @@ def report(out: str, title: str, texts=None) -> dict:
   return summary
 
 
+def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
+  """A validation-only sweep's report: validation.md (the grid, the choice, the runs' wall time) and
+  validation.json (its records without their curves), from the runs under `out`/runs."""
+  records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
+  records = [
+      {k: v for k, v in r.items() if k != "curves"}
+      for r in records
+      if r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds
+  ]
+  chosen = select_lrs(records, list(lrs), seeds, select_by)
+  md = f"Learning rates chosen by validation {select_by} over seeds {', '.join(map(str, seeds))}.\n\n"
+  md += "\n".join(validation_table(records, chosen)) + "\n\n"
+  edge = [v for v in chosen if chosen[v] in (min(lrs), max(lrs))]
+  md += f"Chosen at the grid's edge (extend the grid): {', '.join(map(variant_name, edge)) or 'none'}.\n"
+  md += f"RL wall time: {sum(r['train_s'] for r in records) / 3600:.2f} h over {len(records)} runs.\n"
+  with open(os.path.join(out, "validation.md"), "w") as f:
+    f.write(md)
+  with open(os.path.join(out, "validation.json"), "w") as f:
+    json.dump({"chosen_lr": chosen, "select_by": select_by, "validation": records}, f)
+  print(f"## {out}\n\n{md}", flush=True)
+  return {"chosen_lr": chosen, "edge": edge}
+
+
 def plan(a, settings) -> dict:
   """The runs the command will make and their expected CPU time (`CPU_S`)."""
   n_methods, n_lrs = len(a.methods), len(a.lrs)
@@ -436,6 +506,8 @@ def plan(a, settings) -> dict:
       + len(a.ablations) * len(a.ablation_seeds),
   }
   per["test_evals"] = len(a.seeds) * (1 + n_methods) + len(a.ablations) * len(a.ablation_seeds)
+  if a.validation_only:  # the grid on the selection seeds, nothing after the choice
+    per = {"rl_runs": n_methods * n_lrs * len(a.selection_seeds), "test_evals": 0}
   cpu = CPU_S["warm_start"] + per["rl_runs"] * a.steps * CPU_S["rl_step"]
   cpu += per["test_evals"] * a.test_prompts * a.test_samples * CPU_S["test_sample"]
   return {**per, "settings": list(settings), "expected_cpu_h": round(len(settings) * cpu / 3600, 2)}
@@ -459,10 +531,16 @@ def main(argv=None) -> dict:
   p.add_argument("--ablations", type=csv(str), default=list(ABLATIONS), help="'' for none")
   p.add_argument("--set", default="", help="extra config overrides, e.g. rollout.prompts_per_step=4")
   p.add_argument("--out", default="benchmarks/compare")
+  p.add_argument(
+      "--select_by", default="pass@4", choices=("pass@4", "pass@1"), help="validation metric of the lr choice"
+  )
+  p.add_argument("--validation_only", action="store_true", help="choose the lrs, no test: validation.md")
   p.add_argument("--report", action="store_true", help="only rebuild the reports from finished runs")
   p.add_argument("--dry_run", action="store_true", help="print the plan and its expected CPU time")
   a = p.parse_args(argv)
   a.selection_seeds = a.seeds if a.selection_seeds is None else a.selection_seeds
+  if a.select_by != "pass@1" and a.val_samples < int(a.select_by[len("pass@") :]):
+    p.error(f"--select_by {a.select_by} needs --val_samples >= {a.select_by[len('pass@'):]}, got {a.val_samples}")
   a.ablation_seeds = a.seeds if a.ablation_seeds is None else a.ablation_seeds
   for name in a.settings:
     if name not in SETTINGS:
@@ -498,15 +576,21 @@ def main(argv=None) -> dict:
       def log(record, name=name):
         print(json.dumps({"setting": name, **record}), flush=True)
 
+      def run(v, lr, sd, s=s, hf=hf_dir):
+        result = run_one(s, v, lr, sd, hf)
+        return result if a.select_by == "pass@1" else validate_one(s, v, lr, sd, hf)
+
       chosen = sweep(
           a.methods, a.ablations, a.lrs, a.seeds, a.selection_seeds, a.ablation_seeds,
-          run=lambda v, lr, sd, s=s, hf=hf_dir: run_one(s, v, lr, sd, hf),
-          test=lambda v, lr, sd, s=s, hf=hf_dir: test_one(s, v, lr, sd, hf),
-          log=log,
+          run=run, test=lambda v, lr, sd, s=s, hf=hf_dir: test_one(s, v, lr, sd, hf),
+          log=log, select_by=a.select_by, validation_only=a.validation_only,
       )  # fmt: skip
-      with open(os.path.join(s.out, "chosen_lr.json"), "w") as f:
+      with open(os.path.join(s.out, "validation_chosen_lr.json" if a.validation_only else "chosen_lr.json"), "w") as f:
         json.dump(chosen, f)
-    summaries[name] = report(s.out, title, problem_texts(s))
+    if a.validation_only:
+      summaries[name] = validation_report(s.out, a.lrs, a.selection_seeds, a.methods, a.select_by)
+    else:
+      summaries[name] = report(s.out, title, problem_texts(s))
   return summaries
 
 

@@ -196,17 +196,29 @@ def table(summary: dict[str, dict], validation: list[dict] = ()) -> str:
     lines.append("| " + " | ".join(cells) + " |")
   lines += signature_table(summary)
   if validation:
-    lrs = sorted({r["lr"] for r in validation})
-    lines += ["", "Validation pass@1 (%, mean over seeds; * the chosen lr):", ""]
-    lines += ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
-    for v in order({r["variant"] for r in validation}):
-      cells = [variant_name(v)]
-      for lr in lrs:
-        vals = [r["val_pass@1"] for r in validation if r["variant"] == v and r["lr"] == lr]
-        mark = "*" if summary.get(v, {}).get("lr") == lr else ""
-        cells.append(f"{100 * np.mean(vals):.1f}{mark} (n={len(vals)})" if vals else "–")
-      lines.append("| " + " | ".join(cells) + " |")
+    chosen = {v: row["lr"] for v, row in summary.items()}
+    lines += [""] + validation_table(validation, chosen)
   return "\n".join(lines) + "\n"
+
+
+def validation_table(validation: list[dict], chosen: dict) -> list[str]:
+  """The validation grid the lrs were chosen on, markdown lines: per variant and lr the mean over
+  seeds of validation pass@4 and pass@1 where the runs were validated again (records with "val",
+  compare_methods.validate_one), else pass@1 of their last periodic eval; * the chosen lr."""
+  validated = all("val" in r for r in validation)
+  metrics = ("pass@4", "pass@1") if validated else ("pass@1",)
+  lrs = sorted({r["lr"] for r in validation})
+  lines = [f"Validation {' / '.join(metrics)} (%, mean over seeds; * the chosen lr):", ""]
+  lines += ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
+  for v in order({r["variant"] for r in validation}):
+    cells = [variant_name(v)]
+    for lr in lrs:
+      runs = [r for r in validation if r["variant"] == v and r["lr"] == lr]
+      means = [100 * np.mean([r["val"][m] if validated else r["val_pass@1"] for r in runs]) for m in metrics]
+      mark = "*" if chosen.get(v) == lr else ""
+      cells.append(" / ".join(f"{x:.1f}" for x in means) + f"{mark} (n={len(runs)})" if runs else "–")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
 
 
 def signature_table(summary: dict[str, dict]) -> list[str]:

@@ -195,19 +195,20 @@ def test_aot_table_compiles_one_recipe_into_its_own_folder(tmp_path):
 
 
 def test_compare_methods_one_seed_one_step(tmp_path):
-  """The comparison's own loop (warm-start, RL run ending on validation, lr choice, held-out test
-  of the checkpoint, report) on one setting, seed, lr and step; tests/test_compare_methods.py
+  """The comparison's own loop (warm-start, RL run ending on validation, the checkpoint validated
+  again for pass@4, lr choice, held-out test of the checkpoint, report) on one setting, seed, lr
+  and step, then a validation-only grid over the finished run; tests/test_compare_methods.py
   checks its statistics and the order that keeps the test out of the lr choice."""
-  proc = _run_script(
+  args = (
       "compare_methods.py", "--settings", "level1", "--seeds", "0", "--lrs", "3e-4", "--steps", "1",
-      "--sft_steps", "1", "--val_prompts", "4", "--val_samples", "2", "--test_prompts", "3",
+      "--sft_steps", "1", "--val_prompts", "4", "--val_samples", "4", "--test_prompts", "3",
       "--test_samples", "4", "--methods", "ict", "--ablations", "", "--set", "rollout.prompts_per_step=2",
       "--out", str(tmp_path),
   )  # fmt: skip
-  rows = _json_lines(proc)
+  rows = _json_lines(_run_script(*args))
   plan = rows[0]["plan"]
   assert (plan["rl_runs"], plan["test_evals"], plan["settings"]) == (1, 2, ["level1"]) and plan["expected_cpu_h"] > 0
-  assert [(r["variant"], r["lr"], r["seed"]) for r in rows if "val_pass@1" in r] == [("ict", 3e-4, 0)]
+  assert [(r["variant"], r["lr"], r["seed"]) for r in rows if "val_pass@4" in r] == [("ict", 3e-4, 0)]
   assert [r["chosen_lr"] for r in rows if "chosen_lr" in r] == [{"ict": 3e-4}]
   tests = [(r["variant"], r["lr"], r["seed"], r["test_pass@1"]) for r in rows if "test_pass@1" in r]
   assert [t[:3] for t in tests] == [("warm-start", None, 0), ("ict", 3e-4, 0)] and all(0 <= t[3] <= 1 for t in tests)
@@ -221,6 +222,13 @@ def test_compare_methods_one_seed_one_step(tmp_path):
   assert "ICT | active_mean | 1 |" in (out / "table.md").read_text()
   assert (out / "passk.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
   assert "| ICT | 0.0003 | 1 |" in (out / "table.md").read_text()
+  (record,) = results["validation"]  # validated again from the checkpoint: the periodic eval's numbers
+  assert record["val"]["pass@1"] == record["val_pass@1"] and record["val"]["pass@1"] <= record["val"]["pass@4"]
+  assert "Validation pass@4 / pass@1" in (out / "table.md").read_text()
+  rows = _json_lines(_run_script(*args, "--validation_only"))  # the finished run: no training, no test
+  assert rows[0]["plan"]["test_evals"] == 0 and not [r for r in rows if "test_pass@1" in r]
+  assert json.load(open(out / "validation.json"))["chosen_lr"] == {"ict": 3e-4}
+  assert "Chosen at the grid's edge (extend the grid): ICT." in (out / "validation.md").read_text()
 
 
 def test_compile_head_tiny_on_v5e_8():

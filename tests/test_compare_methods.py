@@ -72,6 +72,39 @@ def test_select_lrs_is_the_argmax_of_mean_validation(cm):
     cm.select_lrs(records, lrs, [0, 7])
 
 
+def test_select_lrs_by_validation_pass_at_4(cm, tables):
+  """Validated records ("val") are chosen on the metric asked for, not on pass@1; a record without
+  it (trained before the periodic eval reported pass@4) is a clear error, not a silent pass@1."""
+  lrs = [1e-4, 5e-4]
+  val = {1e-4: {"pass@1": 0.30, "pass@4": 0.40}, 5e-4: {"pass@1": 0.20, "pass@4": 0.50}}
+  records = [{"variant": "grpo", "lr": lr, "seed": s, "val": val[lr], "val_pass@1": 0.0} for lr in lrs for s in (0, 1)]
+  assert cm.select_lrs(records, lrs, [0, 1], "pass@4") == {"grpo": 5e-4}
+  assert cm.select_lrs(records, lrs, [0, 1], "pass@1") == {"grpo": 1e-4}  # "val" first, where it is there
+  old = [{"variant": "ict", "lr": 1e-4, "seed": 0, "val_pass@1": 0.3}]
+  assert cm.select_lrs(old, [1e-4], [0]) == {"ict": 1e-4}
+  with pytest.raises(ValueError, match="ict lr 0.0001 seed 0: no validation pass@4"):
+    cm.select_lrs(old, [1e-4], [0], "pass@4")
+  lines = tables.validation_table(records, {"grpo": 5e-4})
+  assert lines[0].startswith("Validation pass@4 / pass@1")
+  assert lines[-1] == "| GRPO | 40.0 / 30.0 (n=2) | 50.0 / 20.0* (n=2) |"
+  assert tables.validation_table(old, {})[-1] == "| ICT | 30.0 (n=1) |"  # pass@1 only: not validated again
+
+
+def test_sweep_validation_only_runs_no_test(cm):
+  events = []
+
+  def run(v, lr, sd):
+    events.append(("run", v, lr, sd))
+    return {"variant": v, "lr": lr, "seed": sd, "val": {"pass@4": lr}}
+
+  chosen = cm.sweep(
+      ["grpo"], [], [1e-4, 5e-4], [0, 1, 2], [0, 1], [], run, lambda *a: events.append(("test", *a)),
+      log=lambda r: None, select_by="pass@4", validation_only=True,
+  )  # fmt: skip
+  assert chosen == {"grpo": 5e-4}
+  assert events == [("run", "grpo", lr, s) for lr in (1e-4, 5e-4) for s in (0, 1)]
+
+
 def test_sweep_chooses_on_validation_before_any_test(cm):
   """The fake test scores are the reverse of validation, so a choice that peeked would differ; no
   test runs before the last validation run, and only the chosen lrs are tested."""

@@ -463,3 +463,13 @@ def test_cli_workdir_after_one_training_step(tmp_path, ab_model_dir, capsys):
   saved = read_run_config(str(workdir))
   (workdir / "config.json").unlink()
   assert read_run_config(str(workdir)) == saved == loaded.config
+
+
+def test_periodic_eval_reports_the_papers_pass_at_4():
+  """The periodic eval (and so every run's validation) reports pass@1, pass@4 (the ICT paper's
+  metric; compare_methods chooses lrs on it) and pass@samples."""
+  from ict_jax.eval.periodic import PeriodicEval
+
+  fields = dict(examples=[], tokenizer=None, every=1, answer_type="answer", prompt_style="chat", max_new_tokens=1)
+  fields.update(max_prompt_len=1, temperature=1.0, top_p=1.0, top_k=0, batch_size=1, seed=0)
+  assert [PeriodicEval(samples=n, **fields).ks for n in (1, 3, 4, 8)] == [(1,), (1, 3), (1, 4), (1, 4, 8)]

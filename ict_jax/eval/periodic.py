@@ -20,7 +20,7 @@ import jax
 from ict_jax.data.prompts import MATH_INSTRUCTION
 from ict_jax.eval.run import evaluate
 
-PREFIX = "eval_"  # metric names: eval_pass_at_1, eval_pass_at_4, eval_s (TensorBoard tags allow no "@")
+PREFIX = "eval_"  # eval_pass_at_1, eval_pass_at_4, eval_pass_at_<samples>, eval_s (TensorBoard tags allow no "@")
 
 
 @dataclasses.dataclass
@@ -63,7 +63,8 @@ class PeriodicEval:
 
   @property
   def ks(self) -> tuple[int, ...]:
-    return tuple(sorted({1, self.samples}))
+    """pass@1, pass@4 (the ICT paper's metric) where there are 4 samples, and pass@samples."""
+    return tuple(sorted({1, min(4, self.samples), self.samples}))
 
   def due(self, step: int, total: int) -> bool:
     """After step `step` (1-based) of `total`: every `every` steps and after the last one."""
