@@ -14,10 +14,13 @@ the box must be right). Per setting, under `<out>/<setting>/`:
    and disjoint from the test split, which only step 3 reads.
 2. Each method at its own lr. One supervised warm-start (shared by every run, saved as a Hugging
    Face folder); then for each method, each lr of `--lrs` and each selection seed the same RL
-   budget (`--steps` steps) with `ict_jax.train.train`, ending on validation pass@1
-   (`--val_samples` samples a problem). A method's lr is the grid's argmax of its validation pass@1
-   averaged over the selection seeds (ties: the first in the grid); `select_lrs` sees validation
-   numbers only, and no test evaluation exists before it has chosen (`sweep`). The ablations
+   budget (`--steps` steps) with `ict_jax.train.train`, ending on validation (`--val_samples`
+   samples a problem; `validate_one` evaluates the final checkpoint again with the run's periodic
+   eval key, for pass@4). A method's lr is the grid's argmax of its validation pass@4 (the paper's
+   metric; `--select_by pass@1`: the run's last periodic eval, as the committed level1/level4/steps
+   sweeps chose) averaged over the selection seeds (ties: the first in the grid); `select_lrs` sees
+   validation numbers only, and no test evaluation exists before it has chosen (`sweep`);
+   `--validation_only` stops there (`validation.md`, `validation.json`). The ablations
    (`[method+]key=value[+key=value]` over `ict.score`, `ict.keep`, `ict.top_fraction`,
    `ict.reference` for ICT, the default method, and `loss.selected_norm` for any method, e.g.
    `entropy+selected_norm=response`) run at their method's chosen lr; a variant of `--methods`
@@ -478,11 +481,8 @@ def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
   """A validation-only sweep's report: validation.md (the grid, the choice, the runs' wall time) and
   validation.json (its records without their curves), from the runs under `out`/runs."""
   records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
-  records = [
-      {k: v for k, v in r.items() if k != "curves"}
-      for r in records
-      if r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds
-  ]
+  keep = lambda r: r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds  # noqa: E731
+  records = [{k: v for k, v in r.items() if k != "curves"} for r in records if keep(r)]
   chosen = select_lrs(records, list(lrs), seeds, select_by)
   md = f"Learning rates chosen by validation {select_by} over seeds {', '.join(map(str, seeds))}.\n\n"
   md += "\n".join(validation_table(records, chosen)) + "\n\n"
