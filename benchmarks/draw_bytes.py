@@ -4,8 +4,9 @@
 
 The decode step's last part alone, as the sampler runs it: the head (`Qwen2.next_token_logits`'s
 einsum, float32 logits [rows, V]) and `sampling.rules._sample_step` at temperature 0 (greedy)
-and 1 (plain sampling, the paper configs'), plus the head and its row maximum only (the least
-any of them can access: the embedding read once). Each is compiled for one chip of --target
+and 1 (plain sampling, the paper configs', with one key, and `row_keys`: a key a row, as the
+decode loop draws since `sampling.rules.row_keys`), plus the head and its row maximum only (the
+least any of them can access: the embedding read once). Each is compiled for one chip of --target
 (libtpu, compile only) with and without memory-space assignment (`xla_msa_enable`; without it
 `cost_analysis()` counts HBM traffic, with it also every VMEM staging copy and read). Prints one
 JSON line per row count: MiB accessed per program and setting, and the logits' MiB.
@@ -52,6 +53,8 @@ def main(argv=None) -> list[dict]:
     t = jnp.float32(1.0)
     if kind == "head_max":
       return jnp.max(logits, axis=-1), jnp.argmax(logits, axis=-1)
+    if kind == "row_keys":  # [rows] keys, row r's fold_in(fold_in(key, r), step)
+      key = rules.row_keys(key, jnp.arange(logits.shape[0], dtype=jnp.int32), 0)
     return rules._sample_step(logits, key, t, t, greedy=kind == "greedy", top_k=0, use_top_p=False)
 
   out = []
@@ -68,7 +71,7 @@ def main(argv=None) -> list[dict]:
         jax.ShapeDtypeStruct((a.vocab, a.hidden), jnp.bfloat16, sharding=one),  # the tied embedding
         jax.ShapeDtypeStruct((), key_dtype, sharding=one),
     )
-    for kind in ("head_max", "greedy", "plain"):
+    for kind in ("head_max", "greedy", "plain", "row_keys"):
       for msa in (True, False):
 
         def program(h, w, key, kind=kind):

@@ -257,13 +257,15 @@ def test_compile_step_tiny_on_v5e_8():
 
 def test_draw_bytes_tiny_on_v5e_8():
   """The head + draw of 8 rows over 4096 ids on one v5e chip: plain sampling accesses at most one
-  logits array more than greedy, and greedy at least what the head and its maximum do."""
+  logits array more than greedy, and greedy at least what the head and its maximum do; a key a
+  row (the decode loop's draw) accesses what one key does, give or take one logits array."""
   proc = _run_script("draw_bytes.py", "--target", "v5e-8", "--rows", "8", "--hidden", "64", "--vocab", "4096")
   (out,) = _json_lines(proc)
   assert (out["target"], out["rows"], out["vocab"]) == ("v5e-8", 8, 4096)
   for msa in ("", "_no_msa"):
     assert out[f"head_max_mib{msa}"] <= out[f"greedy_mib{msa}"]
     assert out[f"plain_mib{msa}"] <= out[f"greedy_mib{msa}"] + out["logits_mib"]
+    assert abs(out[f"row_keys_mib{msa}"] - out[f"plain_mib{msa}"]) <= out["logits_mib"]
 
 
 def test_device_check_smoke_packed_and_padded(tmp_path):
