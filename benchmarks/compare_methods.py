@@ -82,7 +82,10 @@ from benchmarks.compare_tables import (  # noqa: E402,F401  (the tables' names, 
     summarize,
     table,
     unsolved_problems,
+    select_lrs,
     unsolved_report,
+    val_metric,
+    validation_report,
     validation_table,
     variant_name,
 )
@@ -299,35 +302,6 @@ def validate_one(s: Setting, variant: str, lr: float, seed: int, hf_dir: str) ->
   return result
 
 
-def val_metric(record: dict, metric: str) -> float:
-  """A validation record's `metric`: "pass@1" from the run's last periodic eval unless the record
-  was validated again (`validate_one`, "val"), which any other metric needs."""
-  if "val" in record:
-    return record["val"][metric]
-  if metric == "pass@1":
-    return record["val_pass@1"]
-  raise ValueError(
-      f"{record['variant']} lr {record['lr']:g} seed {record['seed']}: no validation {metric} (validate_one)"
-  )
-
-
-def select_lrs(validation: list[dict], lrs, seeds, metric: str = "pass@1") -> dict[str, float]:
-  """{variant: the lr of `lrs` with the highest validation `metric` averaged over `seeds`} from
-  validation records ({"variant", "lr", "seed", "val_pass@1"} or "val": {metric: ...}); ties go to
-  the first lr in `lrs`. Every (variant, lr, seed) must be there."""
-  table = {(r["variant"], r["lr"], r["seed"]): val_metric(r, metric) for r in validation}
-  out = {}
-  for variant in dict.fromkeys(r["variant"] for r in validation):
-    means = []
-    for lr in lrs:
-      missing = [sd for sd in seeds if (variant, lr, sd) not in table]
-      if missing:
-        raise ValueError(f"select_lrs: {variant} at lr {lr:g} has no validation result for seeds {missing}")
-      means.append(np.mean([table[variant, lr, sd] for sd in seeds]))
-    out[variant] = lrs[int(np.argmax(means))]
-  return out
-
-
 def sweep(
     methods, ablations, lrs, seeds, selection_seeds, ablation_seeds, run, test, log=print, select_by="pass@1",
     validation_only=False,
@@ -475,26 +449,6 @@ def report(out: str, title: str, texts=None) -> dict:
   source = "" if from_runs else " (rebuilt from results.json)"
   print(f"## {out}{source}\n\n{md}", flush=True)
   return summary
-
-
-def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
-  """A validation-only sweep's report: validation.md (the grid, the choice, the runs' wall time) and
-  validation.json (its records without their curves), from the runs under `out`/runs."""
-  records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
-  keep = lambda r: r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds  # noqa: E731
-  records = [{k: v for k, v in r.items() if k != "curves"} for r in records if keep(r)]
-  chosen = select_lrs(records, list(lrs), seeds, select_by)
-  md = f"Learning rates chosen by validation {select_by} over seeds {', '.join(map(str, seeds))}.\n\n"
-  md += "\n".join(validation_table(records, chosen)) + "\n\n"
-  edge = [v for v in chosen if chosen[v] in (min(lrs), max(lrs))]
-  md += f"Chosen at the grid's edge (extend the grid): {', '.join(map(variant_name, edge)) or 'none'}.\n"
-  md += f"RL wall time: {sum(r['train_s'] for r in records) / 3600:.2f} h over {len(records)} runs.\n"
-  with open(os.path.join(out, "validation.md"), "w") as f:
-    f.write(md)
-  with open(os.path.join(out, "validation.json"), "w") as f:
-    json.dump({"chosen_lr": chosen, "select_by": select_by, "validation": records}, f)
-  print(f"## {out}\n\n{md}", flush=True)
-  return {"chosen_lr": chosen, "edge": edge}
 
 
 def plan(a, settings) -> dict:

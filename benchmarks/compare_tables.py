@@ -8,7 +8,10 @@ setting's `results.json` when the runs are not there (a checkout of the committe
 
 from __future__ import annotations
 
+import glob
+import json
 import math
+import os
 
 import numpy as np
 
@@ -201,22 +204,25 @@ def table(summary: dict[str, dict], validation: list[dict] = ()) -> str:
   return "\n".join(lines) + "\n"
 
 
-def validation_table(validation: list[dict], chosen: dict) -> list[str]:
+def validation_table(validation: list[dict], chosen: dict, lrs=None) -> list[str]:
   """The validation grid the lrs were chosen on, markdown lines: per variant and lr the mean over
   seeds of validation pass@4 and pass@1 where the runs were validated again (records with "val",
   compare_methods.validate_one), else pass@1 of their last periodic eval; * the chosen lr."""
   validated = all("val" in r for r in validation)
   metrics = ("pass@4", "pass@1") if validated else ("pass@1",)
-  lrs = sorted({r["lr"] for r in validation})
+  lrs = sorted(lrs or {r["lr"] for r in validation})  # the grid's lrs, "–" where no run is there
   lines = [f"Validation {' / '.join(metrics)} (%, mean over seeds; * the chosen lr):", ""]
   lines += ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
   for v in order({r["variant"] for r in validation}):
     cells = [variant_name(v)]
     for lr in lrs:
       runs = [r for r in validation if r["variant"] == v and r["lr"] == lr]
+      if not runs:
+        cells.append("–")
+        continue
       means = [100 * np.mean([r["val"][m] if validated else r["val_pass@1"] for r in runs]) for m in metrics]
       mark = "*" if chosen.get(v) == lr else ""
-      cells.append(" / ".join(f"{x:.1f}" for x in means) + f"{mark} (n={len(runs)})" if runs else "–")
+      cells.append(" / ".join(f"{x:.1f}" for x in means) + f"{mark} (n={len(runs)})")
     lines.append("| " + " | ".join(cells) + " |")
   return lines
 
@@ -293,3 +299,63 @@ def unsolved_report(tests: list[dict], chosen: dict, texts=None, k: int = 64) ->
       extra = "" if diff is None else f", − GRPO {_paired_cell(diff)}"
       lines.append(f"- {variant_name(v)}: {100 * p['mean']:.1f} ± {100 * p['std']:.1f}{extra}")
   return "\n".join(lines) + "\n"
+
+
+def val_metric(record: dict, metric: str) -> float:
+  """A validation record's `metric`: "pass@1" from the run's last periodic eval unless the record
+  was validated again (`validate_one`, "val"), which any other metric needs."""
+  if "val" in record:
+    return record["val"][metric]
+  if metric == "pass@1":
+    return record["val_pass@1"]
+  raise ValueError(
+      f"{record['variant']} lr {record['lr']:g} seed {record['seed']}: no validation {metric} (validate_one)"
+  )
+
+
+def select_lrs(validation: list[dict], lrs, seeds, metric: str = "pass@1") -> dict[str, float]:
+  """{variant: the lr of `lrs` with the highest validation `metric` averaged over `seeds`} from
+  validation records ({"variant", "lr", "seed", "val_pass@1"} or "val": {metric: ...}); ties go to
+  the first lr in `lrs`. Every (variant, lr, seed) must be there."""
+  table = {(r["variant"], r["lr"], r["seed"]): val_metric(r, metric) for r in validation}
+  out = {}
+  for variant in dict.fromkeys(r["variant"] for r in validation):
+    means = []
+    for lr in lrs:
+      missing = [sd for sd in seeds if (variant, lr, sd) not in table]
+      if missing:
+        raise ValueError(f"select_lrs: {variant} at lr {lr:g} has no validation result for seeds {missing}")
+      means.append(np.mean([table[variant, lr, sd] for sd in seeds]))
+    out[variant] = lrs[int(np.argmax(means))]
+  return out
+
+
+def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
+  """A validation-only sweep's report from the runs under `out`/runs: validation.md (the grid, the
+  choice over each variant's complete lrs, the grid points still missing, the runs' wall time) and
+  validation.json (the records without their curves). A run counts once validated for `select_by`."""
+  records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
+  keep = lambda r: r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds  # noqa: E731
+  records = [{k: v for k, v in r.items() if k != "curves"} for r in records if keep(r)]
+  records = [r for r in records if select_by == "pass@1" or "val" in r]
+  have = {(r["variant"], r["lr"], r["seed"]) for r in records}
+  missing = [(v, lr, sd) for v in variants for lr in lrs for sd in seeds if (v, lr, sd) not in have]
+  chosen = {}
+  for v in variants:
+    complete = [lr for lr in lrs if all((v, lr, sd) in have for sd in seeds)]
+    if complete:
+      chosen.update(select_lrs([r for r in records if r["variant"] == v], complete, seeds, select_by))
+  md = f"Learning rates chosen by validation {select_by} over seeds {', '.join(map(str, seeds))}.\n\n"
+  md += "\n".join(validation_table(records, chosen, lrs)) + "\n\n"
+  edge = [v for v in chosen if chosen[v] in (min(lrs), max(lrs))]
+  md += f"Chosen at the grid's edge (extend the grid): {', '.join(map(variant_name, edge)) or 'none'}.\n"
+  if missing:
+    md += "Not run yet (chosen over the complete lrs only): "
+    md += ", ".join(f"{variant_name(v)} lr {lr:g} seed {sd}" for v, lr, sd in missing) + ".\n"
+  md += f"RL wall time: {sum(r['train_s'] for r in records) / 3600:.2f} h over {len(records)} runs.\n"
+  with open(os.path.join(out, "validation.md"), "w") as f:
+    f.write(md)
+  with open(os.path.join(out, "validation.json"), "w") as f:
+    json.dump({"chosen_lr": chosen, "select_by": select_by, "missing": missing, "validation": records}, f)
+  print(f"## {out}\n\n{md}", flush=True)
+  return {"chosen_lr": chosen, "edge": edge, "missing": missing}

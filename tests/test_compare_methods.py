@@ -372,3 +372,26 @@ def test_assemble_sweep_reports_every_variant_at_one_lr(tmp_path):
   assert "| GRPO | 0.0001 |" in (out / "level4" / "table.md").read_text()
   with pytest.raises(SystemExit, match="expected a results.json or a setting folder"):
     asm.main(["--setting", "level4", "--lr", "1e-4", "--sources", str(tmp_path / "nothing"), "--out", str(out)])
+
+
+def test_validation_report_chooses_over_complete_lrs_and_names_the_missing(tables, tmp_path):
+  """An interim grid: a variant is chosen over the lrs every selection seed has finished and
+  validated; the points not there yet (or trained, not yet validated for pass@4) are named."""
+  val = {(1e-4, 0): 0.2, (1e-4, 1): 0.4, (5e-4, 0): 0.5, (5e-4, 1): 0.5, (1e-3, 0): 0.9}
+  for (lr, sd), p4 in val.items():
+    os.makedirs(tmp_path / "runs" / f"grpo_lr{lr:g}_seed{sd}")
+    record = {"variant": "grpo", "lr": lr, "seed": sd, "train_s": 360.0, "val_pass@1": 0.1, "curves": {}}
+    record["val"] = {"pass@1": p4 / 4, "pass@4": p4}
+    json.dump(record, open(tmp_path / "runs" / f"grpo_lr{lr:g}_seed{sd}" / "result.json", "w"))
+  unvalidated = {"variant": "ict", "lr": 1e-4, "seed": 0, "train_s": 1.0, "val_pass@1": 0.3}
+  os.makedirs(tmp_path / "runs" / "ict_lr0.0001_seed0")
+  json.dump(unvalidated, open(tmp_path / "runs" / "ict_lr0.0001_seed0" / "result.json", "w"))
+  out = tables.validation_report(str(tmp_path), [1e-4, 5e-4, 1e-3], [0, 1], ["grpo", "ict"], "pass@4")
+  assert out["chosen_lr"] == {"grpo": 5e-4} and out["edge"] == []  # 1e-3 has seed 0 only
+  assert out["missing"] == [("grpo", 1e-3, 1)] + [("ict", lr, sd) for lr in (1e-4, 5e-4, 1e-3) for sd in (0, 1)]
+  md = (tmp_path / "validation.md").read_text()
+  assert "| GRPO | 30.0 / 7.5 (n=2) | 50.0 / 12.5* (n=2) | 90.0 / 22.5 (n=1) |" in md
+  assert "Not run yet (chosen over the complete lrs only): GRPO lr 0.001 seed 1, ICT lr 0.0001 seed 0" in md
+  assert "RL wall time: 0.50 h over 5 runs." in md
+  saved = json.load(open(tmp_path / "validation.json"))
+  assert saved["chosen_lr"] == {"grpo": 5e-4} and all("curves" not in r for r in saved["validation"])
