@@ -1,11 +1,13 @@
-"""One report at one learning rate from finished sweep runs: the equal-lr controls of issue 42.
+"""One report at one learning rate (or each variant at its own) from finished sweep runs: the
+equal-lr controls of issue 42 and the test at a validation grid's choice.
 
     python benchmarks/assemble_sweep.py --setting level4 --lr 1e-4 \
         --sources benchmarks/compare_sweep/level4/results.json,/scratch/eq1e-4/level4 \
         --out benchmarks/compare_sweep/equal_lr1e-4
 
 `compare_methods.py` picks each method's lr by validation and reports every method at its own lr.
-Here every variant is reported at the one `--lr`: the runs are gathered from `--sources`, each a
+Here every variant is reported at the one `--lr` (or, with `--chosen grpo=1e-4,ict=5e-5`, each at
+the lr a validation grid chose: `compare_methods.py --validation_only`): the runs are gathered from `--sources`, each a
 committed `results.json` or a sweep's setting folder (`<out>/<setting>`, whose `runs/*/result.json`
 and `test.json` are read, the signature from a run's metrics log when its result.json predates
 it). The validation and test records at `--lr` are kept, and the warm-start's tests (lr None);
@@ -53,18 +55,20 @@ def load_source(source: str) -> tuple[list[dict], list[dict]]:
   return _from_runs(source)
 
 
-def gather(sources: list[tuple[list[dict], list[dict]]], lr: float) -> tuple[list[dict], list[dict], list[dict]]:
-  """(validation, tests, conflicts): the records at `lr` (tests also the warm-start's, lr None),
-  the first source's where several hold the same (variant, lr, seed)."""
+def gather(sources: list[tuple[list[dict], list[dict]]], lr) -> tuple[list[dict], list[dict], list[dict]]:
+  """(validation, tests, conflicts): the records at `lr` (a float, or {variant: lr}: each variant
+  at its own; tests also the warm-start's, lr None), the first source's where several hold the
+  same (variant, lr, seed)."""
+  at = (lambda r: r["lr"] == lr.get(r["variant"])) if isinstance(lr, dict) else (lambda r: r["lr"] == lr)
   validation: dict[Key, dict] = {}
   tests: dict[Key, dict] = {}
   conflicts = []
   for val, tst in sources:
     for r in val:
-      if r["lr"] == lr:
+      if at(r):
         validation.setdefault((r["variant"], r["lr"], r["seed"]), r)
     for r in tst:
-      if r["lr"] not in (lr, None):
+      if not (at(r) or r["lr"] is None):
         continue
       key = (r["variant"], r["lr"], r["seed"])
       if key in tests and tests[key]["counts"] != r["counts"]:
@@ -76,20 +80,30 @@ def gather(sources: list[tuple[list[dict], list[dict]]], lr: float) -> tuple[lis
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--setting", required=True, choices=list(cm.SETTINGS))
-  p.add_argument("--lr", type=float, required=True)
+  which = p.add_mutually_exclusive_group(required=True)
+  which.add_argument("--lr", type=float, help="every variant at this lr")
+  which.add_argument("--chosen", help="each variant at its own lr: grpo=1e-4,ict=5e-5 (a validation grid's choice)")
   p.add_argument("--sources", required=True, help="comma-separated results.json files / setting folders")
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
-  validation, tests, conflicts = gather([load_source(s) for s in a.sources.split(",") if s], a.lr)
+  lr = a.lr
+  if a.chosen:
+    try:
+      lr = {v: float(x) for v, x in (kv.split("=") for kv in a.chosen.split(","))}
+    except ValueError:
+      p.error(f"--chosen: expected variant=lr,... (grpo=1e-4,ict=5e-5), got {a.chosen!r}")
+  validation, tests, conflicts = gather([load_source(s) for s in a.sources.split(",") if s], lr)
   variants = sorted({r["variant"] for r in tests if r["lr"] is not None})
   out = os.path.join(a.out, a.setting)
   os.makedirs(out, exist_ok=True)
-  chosen = {v: a.lr for v in variants}
+  chosen = {v: lr[v] if a.chosen else lr for v in variants}
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump({"chosen_lr": chosen, "summary": {}, "validation": validation, "tests": tests}, f)
   level = cm.SETTINGS[a.setting]["level"]
-  cm.report(out, f"tiny Qwen2, synthetic_chain level {level}, every method at lr {a.lr:g}: mean and min-max over seeds")
-  summary = {"setting": a.setting, "lr": a.lr, "variants": variants, "tests": len(tests), "conflicts": conflicts}
+  at = "each method at its validation-chosen lr" if a.chosen else f"every method at lr {lr:g}"
+  cm.report(out, f"tiny Qwen2, synthetic_chain level {level}, {at}: mean and min-max over seeds")
+  summary = {"setting": a.setting, "lr": chosen if a.chosen else lr, "variants": variants, "tests": len(tests)}
+  summary["conflicts"] = conflicts
   print(json.dumps(summary), flush=True)
   return summary
 

@@ -367,6 +367,16 @@ def test_assemble_sweep_reports_every_variant_at_one_lr(tmp_path):
   summary = results["summary"]
   assert summary["warm-start"]["pass@1"]["mean"] == pytest.approx(1 / 12)  # the committed source's, first
   assert summary["grpo"]["pass@1"]["mean"] == pytest.approx(6 / 12) and summary["grpo"]["seeds"] == seeds
+  # each variant at its own lr (a validation grid's choice): GRPO's 5e-4 runs beside ICT's 1e-4
+  own = tmp_path / "own"
+  got = asm.main(
+      ["--setting", "level4", "--chosen", "grpo=5e-4,ict=1e-4", "--sources", str(committed), "--out", str(own)]
+  )
+  assert got["lr"] == {"grpo": 5e-4, "ict": 1e-4} and got["tests"] == 2 + 2 + 2
+  mine = json.loads((own / "level4" / "results.json").read_text())["summary"]
+  assert mine["grpo"]["lr"] == 5e-4 and mine["grpo"]["pass@1"]["mean"] == pytest.approx(8 / 12)
+  with pytest.raises(SystemExit):
+    asm.main(["--setting", "level4", "--chosen", "grpo:5e-4", "--sources", str(committed), "--out", str(own)])
   # ICT minus GRPO at the same lr, paired by seed: (3 - 6) / 12 on both seeds
   assert summary["ict"]["diff@1"]["mean"] == pytest.approx(-3 / 12)
   assert "| GRPO | 0.0001 |" in (out / "level4" / "table.md").read_text()
