@@ -331,10 +331,14 @@ def select_lrs(validation: list[dict], lrs, seeds, metric: str = "pass@1") -> di
 
 
 def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
-  """A validation-only sweep's report from the runs under `out`/runs: validation.md (the grid, the
+  """A validation-only sweep's report from the runs under `out`/runs (else `out`/validation.json's
+  records): validation.md (the grid, the
   choice over each variant's complete lrs, the grid points still missing, the runs' wall time) and
   validation.json (the records without their curves). A run counts once validated for `select_by`."""
   records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
+  saved = os.path.join(out, "validation.json")
+  if not records and os.path.exists(saved):  # a checkout of the committed grid: its saved records
+    records = json.load(open(saved))["validation"]
   keep = lambda r: r["variant"] in variants and r["lr"] in lrs and r["seed"] in seeds  # noqa: E731
   records = [{k: v for k, v in r.items() if k != "curves"} for r in records if keep(r)]
   records = [r for r in records if select_by == "pass@1" or "val" in r]
@@ -355,7 +359,7 @@ def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
   md += f"RL wall time: {sum(r['train_s'] for r in records) / 3600:.2f} h over {len(records)} runs.\n"
   with open(os.path.join(out, "validation.md"), "w") as f:
     f.write(md)
-  with open(os.path.join(out, "validation.json"), "w") as f:
+  with open(saved, "w") as f:
     json.dump({"chosen_lr": chosen, "select_by": select_by, "missing": missing, "validation": records}, f)
   print(f"## {out}\n\n{md}", flush=True)
   return {"chosen_lr": chosen, "edge": edge, "missing": missing}

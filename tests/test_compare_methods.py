@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -405,3 +406,6 @@ def test_validation_report_chooses_over_complete_lrs_and_names_the_missing(table
   assert "RL wall time: 0.50 h over 5 runs." in md
   saved = json.load(open(tmp_path / "validation.json"))
   assert saved["chosen_lr"] == {"grpo": 5e-4} and all("curves" not in r for r in saved["validation"])
+  shutil.rmtree(tmp_path / "runs")  # a checkout of the committed grid: rebuilt from validation.json
+  assert tables.validation_report(str(tmp_path), [1e-4, 5e-4, 1e-3], [0, 1], ["grpo", "ict"], "pass@4") == out
+  assert (tmp_path / "validation.md").read_text() == md
