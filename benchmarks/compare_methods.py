@@ -493,8 +493,10 @@ def main(argv=None) -> dict:
   p.add_argument("--dry_run", action="store_true", help="print the plan and its expected CPU time")
   a = p.parse_args(argv)
   a.selection_seeds = a.seeds if a.selection_seeds is None else a.selection_seeds
-  if a.select_by != "pass@1" and a.val_samples < int(a.select_by[len("pass@") :]):
-    p.error(f"--select_by {a.select_by} needs --val_samples >= {a.select_by[len('pass@'):]}, got {a.val_samples}")
+  if a.select_by != "pass@1" and a.val_samples < int(a.select_by.removeprefix("pass@")):
+    p.error(
+        f"--select_by {a.select_by} needs --val_samples >= {a.select_by.removeprefix('pass@')}, got {a.val_samples}"
+    )
   a.ablation_seeds = a.seeds if a.ablation_seeds is None else a.ablation_seeds
   for name in a.settings:
     if name not in SETTINGS:
@@ -539,8 +541,9 @@ def main(argv=None) -> dict:
           run=run, test=lambda v, lr, sd, s=s, hf=hf_dir: test_one(s, v, lr, sd, hf),
           log=log, select_by=a.select_by, validation_only=a.validation_only,
       )  # fmt: skip
-      with open(os.path.join(s.out, "validation_chosen_lr.json" if a.validation_only else "chosen_lr.json"), "w") as f:
-        json.dump(chosen, f)
+      if not a.validation_only:  # validation_report writes the choice into validation.json
+        with open(os.path.join(s.out, "chosen_lr.json"), "w") as f:
+          json.dump(chosen, f)
     if a.validation_only:
       summaries[name] = validation_report(s.out, a.lrs, a.selection_seeds, a.methods, a.select_by)
     else:

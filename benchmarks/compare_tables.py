@@ -220,7 +220,7 @@ def validation_table(validation: list[dict], chosen: dict, lrs=None) -> list[str
       if not runs:
         cells.append("–")
         continue
-      means = [100 * np.mean([r["val"][m] if validated else r["val_pass@1"] for r in runs]) for m in metrics]
+      means = [100 * np.mean([val_metric(r, m) for r in runs]) for m in metrics]
       mark = "*" if chosen.get(v) == lr else ""
       cells.append(" / ".join(f"{x:.1f}" for x in means) + f"{mark} (n={len(runs)})")
     lines.append("| " + " | ".join(cells) + " |")
@@ -332,9 +332,9 @@ def select_lrs(validation: list[dict], lrs, seeds, metric: str = "pass@1") -> di
 
 def validation_report(out: str, lrs, seeds, variants, select_by: str) -> dict:
   """A validation-only sweep's report from the runs under `out`/runs (else `out`/validation.json's
-  records): validation.md (the grid, the
-  choice over each variant's complete lrs, the grid points still missing, the runs' wall time) and
-  validation.json (the records without their curves). A run counts once validated for `select_by`."""
+  records): validation.md (the grid, the choice over each variant's complete lrs, the grid points
+  still missing, the runs' wall time) and validation.json (the choice and the records without
+  their curves). A run counts once validated for `select_by`."""
   records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "runs", "*", "result.json")))]
   saved = os.path.join(out, "validation.json")
   if not records and os.path.exists(saved):  # a checkout of the committed grid: its saved records
