@@ -91,7 +91,7 @@ def main() -> None:
   targets = _targets(rng, rows, args.new, args.median, args.sigma, args.capped)
   eos = tuple(sorted({int(stream[r, t - 1]) for r, t in enumerate(targets) if t < args.new}))
 
-  recorded = []  # (rows computed, steps) of each phase program of the counting run
+  recorded = []  # (rows computed, steps) of each stretch (a program call) of the counting run
   open_, phase = compact._open, compact._phase
 
   def counting_open(*a, **k):
@@ -142,7 +142,10 @@ def main() -> None:
               "tokens_generated": tokens,
               "row_steps": row_steps,
               "row_steps_over_tokens": {k: v / tokens for k, v in row_steps.items()},
-              "phase_rows_compacted": [b for b, _ in recorded],
+              "stretches": [
+                  list(x) for x in sampling.decode_stretches(sampling.decode_phases(sampling.bucket_length(args.new)))
+              ],
+              "stretch_rows_compacted": [b for b, _ in recorded],
               "wall_s_best": best,
               "wall_s": times,
               "speedup": best["full"] / best["compacted"],

@@ -29,19 +29,21 @@ def _grid(bounds, rows, f):
 
 def test_decode_bound_counts_live_rows_step_by_step():
   """2 prompts x G 8 = 16 rows in one sub-batch over 2 chips (8 rows each, prompt k's 8 samples on
-  chip k), 64 completion columns (phase bounds 16, 32, 48, 64), lengths drawn with half at the
-  cap: the bound's decode seconds, bytes, rows and limit equal a step-by-step count, in which a
-  step i of phase k runs at all rows (k = 0) or, from k = 1, at the most rows of a chip still
-  live at the phase's first step (length > that step; `compacted_rows` with 1-row units here),
-  and the limit reads the weights / 2 chips + i slots a live row + a prompt's slots while any of
-  its rows lives."""
+  chip k), 64 completion columns (phase bounds 16, 32, 48, 64, each of 2 stretches of 8 steps),
+  lengths drawn with half at the cap: the bound's decode seconds, bytes, rows and limit equal a
+  step-by-step count, in which a step i of stretch s (in the phase of bound b) costs the grid at
+  (b, its rows): all rows (s = 0) or, from s = 1, the most rows of a chip still live at the
+  stretch's first step (length > that step; `compacted_rows` with 1-row units here), and the
+  limit reads the weights / 2 chips + i slots a live row + a prompt's slots while any of its rows
+  lives."""
   from ict_jax import sampling
   from ict_jax.aot import plan
   from ict_jax.length_model import LengthDistribution
   from ict_jax.models.config import Qwen2Config
 
   phases = sampling.decode_phases(64)
-  assert phases == (16, 32, 48, 64)
+  stretches = sampling.decode_stretches(phases)
+  assert phases == (16, 32, 48, 64) and stretches == tuple((8 * j, 16 * ((j + 1) // 2)) for j in range(1, 9))
   f = lambda b, r: 1e6 + 300 * b + 7000 * r + 40 * b * r
   grid = _grid(phases, tuple(range(2, 17, 2)), f)
   costs = plan.DecodeCosts(
@@ -60,15 +62,15 @@ def test_decode_bound_counts_live_rows_step_by_step():
   for _ in range(3):
     p, c = lengths.sample(rng, 2, 8, 32, 64)
     chip = c.reshape(2, 8)  # chip k: prompt k's rows
-    phase_rows = {}
+    stretch_rows = {}
     for i in range(1, c.max()):
-      k = next(j for j, bound in enumerate(phases) if i <= bound)
-      if k not in phase_rows:
-        start = (0,) + phases
-        phase_rows[k] = 8 if k == 0 else max(1, int((chip > start[k] + 1).sum(axis=1).max()))
-      r = phase_rows[k]
-      x = f(phases[k], 2 * r)
-      secs += max(x / bw, phases[k] * 2 * r / peak) + 2 * r / ici
+      s = next(j for j, (end, _) in enumerate(stretches) if i <= end)
+      if s not in stretch_rows:
+        start = 0 if s == 0 else stretches[s - 1][0]
+        stretch_rows[s] = 8 if s == 0 else max(1, int((chip > start + 1).sum(axis=1).max()))
+      r, bound = stretch_rows[s], stretches[s][1]
+      x = f(bound, 2 * r)
+      secs += max(x / bw, bound * 2 * r / peak) + 2 * r / ici
       nbytes, row_steps, ici_bytes = nbytes + x, row_steps + 2 * r, ici_bytes + 2 * r
       live = c > i
       slots = i * live.sum() + sum(p[q] for q in range(2) if live[8 * q : 8 * q + 8].any())

@@ -325,7 +325,7 @@ def test_compaction_same_tokens_fewer_row_steps():
   assert out["same_tokens"] and out["rows"] == 8 and out["phases"] == [16, 32]
   steps = out["row_steps"]
   assert out["tokens_generated"] - out["rows"] <= steps["compacted"] < steps["full"]  # token 0 is the prefill's
-  assert out["phase_rows_compacted"][0] == 8 and out["phase_rows_compacted"][-1] < 8
+  assert out["stretch_rows_compacted"][0] == 8 and out["stretch_rows_compacted"][-1] < 8
   assert min(out["wall_s_best"].values()) > 0
 
 

@@ -45,6 +45,20 @@ def test_phase_bounds_and_the_slots_they_read():
   assert ratio((4,), 1, 2, 2) == pytest.approx(30 / 12)
 
 
+def test_stretches_cut_each_phase_into_up_to_four_of_at_least_eight_steps():
+  """`decode_stretches`: the compacted decode's checks for finished rows. Each phase's steps in
+  equal stretches ending at its bound, 4 when the phase has >= 32 steps; the ends strictly
+  increase and the last is max_len."""
+  stretch = lambda n: sampling.decode_stretches(sampling.decode_phases(n))
+  assert stretch(16) == ((8, 16), (16, 16))
+  assert stretch(2048) == tuple((64 * j, 256 * -(-j // 4)) for j in range(1, 33))  # every 64 steps
+  assert stretch(100)[-3:] == ((88, 96), (96, 96), (100, 100))  # a 4-step last phase: one stretch
+  for n in (16, 48, 100, 256, 1000, 2048):
+    ends, bounds = zip(*stretch(n))
+    assert ends[-1] == n and all(a < b for a, b in zip(ends, ends[1:])) and all(e <= b for e, b in zip(ends, bounds))
+    assert sorted(set(bounds)) == list(sampling.decode_phases(n)) and all(e in ends for e in bounds)
+
+
 def test_compacted_rows_keep_every_live_row_in_eighths_of_a_shard():
   # 128 rows a shard (1.5B v5e-8): units of 16 rows
   got = [sampling.compacted_rows(n, 128) for n in range(129)]

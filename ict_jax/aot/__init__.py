@@ -32,12 +32,13 @@ The sampler (`compile_sampler`, --part sample): `sampling.lower_generate` for th
 plus the train state (on the chips during the rollout) is within the usable HBM. Its decode step
 is compiled alone, layer scan unrolled, at the (phase bound, row count) shapes the rollout runs
 (`decode_grid.py`: the length-bounded phases' read bounds x the row counts compaction keeps,
-`sampling.compacted_rows`), for `cost_analysis()` bytes accessed and FLOPs and the HLO's
-collectives (count, bytes), reported against each phase's minimum (rollout weights + the KV
-cache it reads, per chip). `--decode_compiles few` (default) compiles the first and last bound x
-the fewest and all rows at 2 and 3 layers and derives the rest (affine in each; checked at the
-middle row count, every row count compiled when that misses by > 1%); `all` compiles every shape
-at the model's depth. On TPU that step is compiled without memory-space
+`sampling.compacted_rows`, with the prompt cache as the loop reads it: shared by a prompt's rows
+until the first compaction, a copy a row after), for `cost_analysis()` bytes accessed and FLOPs
+and the HLO's collectives (count, bytes), reported against each phase's minimum (rollout weights +
+the KV cache it reads, per chip). `--decode_compiles few` (default) compiles the first and last
+bound x the fewest and all rows (a prompt copy a row) and all rows (shared prompts) at 2 and 3
+layers and derives the rest (affine in each; checked at the middle row count, every row count
+compiled when that misses by > 1%); `all` compiles every shape at the model's depth. On TPU that step is compiled without memory-space
 assignment (`decode_step.HBM_BYTES_OPTIONS`): with it, libtpu's cost analysis also counts each VMEM
 staging copy and every read from VMEM, the same bytes several times over. The decode attention is
 the run's (`model.decode_attention`: on TPU the fused Pallas kernel, whose bytes are the ones it

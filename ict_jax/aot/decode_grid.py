@@ -12,10 +12,13 @@ TPU pads to its 8-row tiles) at two depths (2 and 3 layers, or the model's own w
 rest: `plan.bilinear` in (b, r), then a straight line in the depth to the model's layers. "all"
 compiles every (b, r) at the model's depth (slow: the check of the derivation, tests/test_aot.py).
 
-A compacted step's prompt cache is the sub-batch's cut in the rows' proportion (u x r / rows
-prompts, R rows each); else all u prompts when u divides r, else one prompt row a decode row. This
-is an assumption about the sampler's compaction (issue 41 item 1, not on main yet): once it lands,
-`compile_decode_step` should compile its compacted step as the loop runs it.
+A step's prompt cache is the one the sampler's loop reads (`sampling.compact`): before any row is
+dropped (all of a sub-batch's rows) the u prefilled prompts, each read by its R rows; once a
+compaction has dropped rows, a copy a kept row (`compact._compact` gathers each kept row's prompt,
+as its rows of a prompt no longer sit together), so a compacted step of r rows reads r prompt
+rows. The rows' line in "few" runs through the compacted form at both ends (the fewest rows, and
+all rows with a prompt copy a row, a knot compiled for the line only); the all-rows step the loop
+runs before its first compaction is compiled as it is, at both ends of the bounds.
 """
 
 from __future__ import annotations
@@ -61,13 +64,12 @@ def row_counts(rows: int, shards: int) -> list[int]:
   return sorted({sampling.compacted_rows(n, per_chip) * shards for n in range(1, per_chip + 1)})
 
 
-def prompt_rows(prompts: int, rows: int, r: int) -> int:
-  """The prompt cache rows of a step of r decode rows cut from a sub-batch of `rows` rows
-  reading `prompts` prefilled prompts (module docstring)."""
-  u = prompts * r // rows
-  if u and (prompts * r) % rows == 0 and r % u == 0:
-    return u
-  return prompts if r % prompts == 0 else r
+def prompt_rows(prompts: int, rows: int, r: int, shared: bool | None = None) -> int:
+  """The prompt cache rows of a step of r decode rows cut from a sub-batch of `rows` rows reading
+  `prompts` prefilled prompts: the prompts while the step runs all rows (no compaction yet), a
+  copy a row once compacted (module docstring). shared: force one form (the rows' line's knot)."""
+  shared = r == rows if shared is None else shared
+  return prompts if shared else r
 
 
 def _compile_one(policy, mcfg, mesh, sample_kw, dtype, opts, *, bound, rows, prompts, new_len, prompt_len):
@@ -97,15 +99,12 @@ def _min_bytes(mcfg, mesh, dtype, weights_read: int, *, bound: int, rows: int, p
 def _affine_miss(measured: dict, depth: int, bounds, corners, mid: int) -> float:
   """How far the line through the corners' (bytes, FLOPs, collective bytes, collectives) misses
   the compiled (first bound, `mid` rows) at `depth`: the largest relative error (inf: not compiled)."""
-  got = measured[depth, bounds[0], mid]
-  line = lambda j: plan.bilinear({(b, r): (measured[depth, b, r][j] or 0) for b, r in corners}, bounds[0], mid)
+  got = measured[depth, bounds[0], mid, False]
+  at = lambda k: measured[depth, *k, False]
+  line = lambda j: plan.bilinear({k: (at(k)[j] or 0) for k in corners}, bounds[0], mid)
   values = [(got[0], line(0)), (got[1], line(1))] if got[0] is not None else []
-  values.append(
-      (sum(got[3].values()), plan.bilinear({k: sum(measured[depth, *k][3].values()) for k in corners}, bounds[0], mid))
-  )
-  values.append(
-      (sum(got[2].values()), plan.bilinear({k: sum(measured[depth, *k][2].values()) for k in corners}, bounds[0], mid))
-  )
+  values.append((sum(got[3].values()), plan.bilinear({k: sum(at(k)[3].values()) for k in corners}, bounds[0], mid)))
+  values.append((sum(got[2].values()), plan.bilinear({k: sum(at(k)[2].values()) for k in corners}, bounds[0], mid)))
   return max((abs(x - y) / max(abs(x), 1.0) for x, y in values), default=float("inf"))
 
 
@@ -133,11 +132,12 @@ def decode_grid(
   bounds, rows = tuple(ro.phases), tuple(row_counts(ro.layout.rows, shards))
   layers = mcfg.num_hidden_layers
   ends = sorted({bounds[0], bounds[-1]})
+  full = [(b, rows[-1], True) for b in (bounds if mode == "all" else ends)]  # before any compaction
   if mode == "all":
-    points, depths = [(b, r) for b in bounds for r in rows], (layers,)
-  else:
+    points, depths = [(b, r, False) for b in bounds for r in rows[:-1]] + full, (layers,)
+  else:  # the compacted rows' line: knots at the fewest rows and at all rows (a prompt copy a row)
     knots = rows if rows[0] // shards < _TILE_ROWS else sorted({rows[0], rows[-1]})
-    points = [(b, r) for b in ends for r in knots]
+    points = [(b, r, False) for b in ends for r in knots if len(rows) > 1] + full
     depths = _DEPTHS if layers > _DEPTHS[-1] else (layers,)
   measured, error = {}, ""
 
@@ -145,29 +145,30 @@ def decode_grid(
     nonlocal error
     cfg = dataclasses.replace(mcfg, num_hidden_layers=depth)
     policy = sampling.abstract_rollout_policy(cfg, dtype=dtype, mesh=mesh, weights=weights)
-    for b, r in pts:
-      if (depth, b, r) in measured:
+    for b, r, shared in pts:
+      if (depth, b, r, shared) in measured:
         continue
-      u = prompt_rows(ro.layout.prompts, ro.layout.rows, r)
+      u = prompt_rows(ro.layout.prompts, ro.layout.rows, r, shared)
       shape = dict(bound=b, rows=r, prompts=u, new_len=ro.new_len, prompt_len=ro.prompt_len)
       try:
-        measured[depth, b, r] = _compile_one(policy, cfg, mesh, sample_kw, dtype, opts, **shape)
+        measured[depth, b, r, shared] = _compile_one(policy, cfg, mesh, sample_kw, dtype, opts, **shape)
       except Exception as e:  # noqa: BLE001 - a step alone overflowing is reported, not fatal
         error = error or f"decode step (phase {b}, {r} rows): {' '.join(str(e).split())[:300]}"
-        measured[depth, b, r] = (None, None, {}, {}, 0)
+        measured[depth, b, r, shared] = (None, None, {}, {}, 0)
 
   for depth in depths:
     compile_at(depth, points)
   miss = None
-  if mode == "few" and len({r for _, r in points}) == 2 < len(rows):
+  knots = sorted({(b, r) for b, r, shared in points if not shared})
+  if mode == "few" and len({r for _, r in knots}) == 2 < len(rows):
     mid = rows[len(rows) // 2]
-    compile_at(depths[0], [(bounds[0], mid)])
-    miss = _affine_miss(measured, depths[0], ends, points, mid)
+    compile_at(depths[0], [(bounds[0], mid, False)])
+    miss = _affine_miss(measured, depths[0], ends, knots, mid)
     if miss > AFFINE_TOLERANCE:  # not a line in the rows: every row count
       for depth in depths:
-        compile_at(depth, [(b, r) for b in ends for r in rows])
+        compile_at(depth, [(b, r, False) for b in ends for r in rows])
     else:  # a knot at one depth and bound only: not one of the grid's
-      del measured[depths[0], bounds[0], mid]
+      del measured[depths[0], bounds[0], mid, False]
   res = _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, chips=chips, weights_read=weights_read)
   res.affine_miss = miss
   return res
@@ -180,9 +181,9 @@ def _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, *, c
   layers = mcfg.num_hidden_layers
   kinds = sorted({k for got in measured.values() for k in got[2]})
 
-  def costs(depth, b, r, got):
+  def costs(depth, b, r, shared, got):
     cfg = dataclasses.replace(mcfg, num_hidden_layers=depth)
-    u = prompt_rows(ro.layout.prompts, ro.layout.rows, r)
+    u = prompt_rows(ro.layout.prompts, ro.layout.rows, r, shared)
     nbytes = (
         got[0]
         if got[0] is not None
@@ -193,9 +194,14 @@ def _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, *, c
     return (nbytes, flops, sum(got[3].values()), sum(counts), got[4], *counts, *(got[3].get(k, 0) for k in kinds))
 
   per_depth = []
-  for depth in depths:
-    pts = {(b, r): costs(depth, b, r, got) for (d, b, r), got in measured.items() if d == depth}
-    per_depth.append(plan.derive_grid(bounds, rows, pts))
+
+  def points(depth, form):
+    return {(b, r): costs(depth, b, r, s, got) for (d, b, r, s), got in measured.items() if (d, s) == (depth, form)}
+
+  for depth in depths:  # the compacted rows' grid, then the all-rows column as the loop first runs it
+    first = plan.derive_grid(bounds, rows[-1:], points(depth, True))
+    lower = plan.derive_grid(bounds, rows[:-1], points(depth, False)) if len(rows) > 1 else [[] for _ in bounds]
+    per_depth.append([row + col for row, col in zip(lower, first)])
   if len(depths) == 1:
     grid = per_depth[0]
   else:  # a straight line through the two depths, to the model's
@@ -215,7 +221,7 @@ def _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, *, c
           flops=table(1),
           ici_bytes=table(2),
           collectives=table(3),
-          compiled=tuple(sorted({(b, r) for (_, b, r) in measured})),
+          compiled=tuple(sorted({(b, r) for (_, b, r, _) in measured})),
           depths=tuple(depths),
       ),
       grid_steps=[round(row[-1][4]) for row in grid],

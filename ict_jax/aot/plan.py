@@ -15,9 +15,12 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
 - decode: the rows as the sampler lays them out (`sampling.decode_layout`: sub-batches, each
   prompt's R rows consecutive, a sub-batch's rows in blocks over the chips); each sub-batch steps
   until its longest completion ends (i = 1 .. T - 1), in the length-bounded phases of
-  `sampling.decode_phases`; at each boundary between phases the finished rows are dropped and
-  every chip keeps `sampling.compacted_rows(the most rows still live on a chip, its rows)` rows,
-  so a step of the phase of bound b runs at that row count r (the first phase at all rows).
+  `sampling.decode_phases`, each cut into the stretches of `sampling.decode_stretches`; at each
+  boundary between stretches the finished rows are dropped and every chip keeps
+  `sampling.compacted_rows(the most rows still live on a chip, its rows)` rows, so a step of a
+  stretch of the phase of bound b runs at that row count r (the first stretch at all rows; once
+  rows are dropped, each reads its own copy of its prompt's slots, as the sampler's compaction
+  gathers them: `decode_grid.prompt_rows`).
   A step costs max(its bytes at the HBM bandwidth, its FLOPs at the peak) + its collectives' bytes
   at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
   not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
@@ -158,9 +161,9 @@ class StepBound:
 
 
 def phase_steps(phases, longest: int) -> list[int]:
-  """Decode steps in each phase for a sub-batch whose longest completion has `longest` tokens: the
-  loop runs steps i = 1 .. longest - 1 (token 0 comes from the prefill), phase of bound b taking
-  those with previous bound < i <= b."""
+  """Decode steps in each phase (or stretch) for a sub-batch whose longest completion has `longest`
+  tokens: the loop runs steps i = 1 .. longest - 1 (token 0 comes from the prefill), the phase of
+  bound (or the stretch ending at) b taking those with the previous one's b < i <= b."""
   steps, prev = [], 0
   for b in phases:
     steps.append(max(0, min(b, longest - 1) - prev))
@@ -201,18 +204,19 @@ def sub_batch_rows(completion: np.ndarray, prompt: np.ndarray, costs: DecodeCost
   return pre.reshape(u, n, r).transpose(1, 0, 2).reshape(n, u * r), pre_p.reshape(u, n).T
 
 
-def phase_rows(phases, lens: np.ndarray, shards: int) -> list[int]:
-  """The decode rows a chip each phase runs at for one sub-batch's completion lengths [rows]: all
-  in the first phase; at each later phase's start (step i = the previous bound + 1) the rows
-  still live (length > i) are kept, `sampling.compacted_rows` of the fullest chip's count."""
+def phase_rows(ends, lens: np.ndarray, shards: int) -> list[int]:
+  """The decode rows a chip each stretch (or phase) runs at for one sub-batch's completion lengths
+  [rows], `ends` the stretches' last steps (`sampling.decode_stretches`): all in the first; at
+  each later one's start (step i = the previous end + 1) the rows still live (length > i) are
+  kept, `sampling.compacted_rows` of the fullest chip's count."""
   from ict_jax import sampling
 
   per_chip = lens.reshape(shards, -1)
   rows, prev = [], 0
-  for k, bound in enumerate(phases):
+  for k, end in enumerate(ends):
     live = int((per_chip > prev + 1).sum(axis=1).max())
     rows.append(per_chip.shape[1] if k == 0 else sampling.compacted_rows(live, per_chip.shape[1]))
-    prev = bound
+    prev = end
   return rows
 
 
@@ -230,15 +234,18 @@ def decode_limit(lens: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> fl
 def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw: float, peak: float, ici: float):
   """One step's decode over its sub-batches: (steps a phase [phases], row-steps a phase [phases]
   (a chip), bytes, ICI bytes, seconds, limit bytes; bytes a chip, the limit all chips')."""
+  from ict_jax import sampling
+
   g = costs.grid
   steps, row_steps = np.zeros(len(g.bounds)), np.zeros(len(g.bounds))
   nbytes = ici_bytes = secs = limit = 0.0
+  ends, bounds = zip(*sampling.decode_stretches(g.bounds))
   for sub, pre in zip(lens, prompt):
     limit += decode_limit(sub, pre, costs)
-    for k, (n, r) in enumerate(zip(phase_steps(g.bounds, int(sub.max())), phase_rows(g.bounds, sub, costs.shards))):
+    for n, r, bound in zip(phase_steps(ends, int(sub.max())), phase_rows(ends, sub, costs.shards), bounds):
       if not n:
         continue
-      j = g.rows.index(r * costs.shards)
+      k, j = g.bounds.index(bound), g.rows.index(r * costs.shards)
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
       steps[k] += n
       row_steps[k] += n * r

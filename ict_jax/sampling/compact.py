@@ -1,12 +1,13 @@
-"""Finished rows stop costing: the decode loop driven phase by phase from the host, the rows that
-have finished dropped from the batch it computes and reads at each phase boundary (issue 41).
+"""Finished rows stop costing: the decode loop driven stretch by stretch from the host, the rows
+that have finished dropped from the batch it computes and reads between stretches (issue 41).
 
 `decode._decode_rows` keeps every row of a decode batch to the end: a row that emitted its EOS
 token at step 30 still reads its KV cache and computes its logits at every step until the longest
-row of the batch ends. Here the length-bounded phases of `plan.decode_phases(max_len)` are run one
-program each, and between two of them the host reads (one small transfer) how many rows each row
-shard still decodes; when the fullest shard needs fewer rows than the batch holds, every shard
-moves its live rows to the front, in their order, and keeps `plan.compacted_rows(most live,
+row of the batch ends. Here the length-bounded phases of `plan.decode_phases(max_len)`, each cut
+into up to 4 stretches (`plan.decode_stretches`: 64 steps each at 2,048 columns), are run one
+program call a stretch, and between two of them the host reads (one small transfer) how many rows
+each row shard still decodes; when the fullest shard needs fewer rows than the batch holds, every
+shard moves its live rows to the front, in their order, and keeps `plan.compacted_rows(most live,
 rows a shard)` of them: the KV cache, the last tokens, the done flags, the row ids (the draws' keys)
 and the prompts' keys/values are gathered along. Rows never cross devices: the rows are sharded in
 blocks over ("data", "fsdp") and each shard gathers within its block (`_take_rows`). The outputs
@@ -21,9 +22,10 @@ Tokens, masks and log-probs are those of `decode._decode_rows` (rows are compute
 and row r draws with its own key, `decode._emit`).
 
 Programs. A decode of max_len columns compiles, for each shape of prompts: `_open` (prefill and
-the first phase) once; `_phase` per (phase bound, computed rows): at most (len(phases) - 1) x 8
-(`plan.compacted_rows` keeps a multiple of 1/8 of a shard's rows), at most len(phases) - 1 per
-decode; `_compact` per (rows in, rows out, prompts shared or not): gathers only; `_close` once.
+the first stretch) once; `_phase` per (phase bound, computed rows), the stretch's last step a
+traced argument: at most len(phases) x 8 (`plan.compacted_rows` keeps a multiple of 1/8 of a
+shard's rows); `_compact` per (rows in, rows out, prompts shared or not): gathers only, at most 7
+a decode (the kept rows only fall, by whole eighths); `_close` once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ict_jax.models.axes import constrain
 from ict_jax.models.qwen2 import CACHE_AXES
 from ict_jax.sampling import decode
 from ict_jax.sampling.decode import Decoding, Flags
-from ict_jax.sampling.plan import compacted_rows, decode_phases
+from ict_jax.sampling.plan import compacted_rows, decode_phases, decode_stretches
 
 Array = jax.Array
 
@@ -51,18 +53,22 @@ def _live(c: Decoding, shards: int) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "samples", "bound"))
-def _open(state, prompt_ids, prompt_mask, row_ids, rng, scalars, *, graphdef, flags: Flags, samples: int, bound: int):
-  """Prefill, token 0 and the first phase (bound `bound`) of every row -> (Decoding, `_live`)."""
+def _open(
+    state, prompt_ids, prompt_mask, row_ids, rng, scalars, stop, *, graphdef, flags: Flags, samples: int, bound: int
+):
+  """Prefill, token 0 and the first stretch (steps <= stop, bound `bound`) of every row ->
+  (Decoding, `_live`)."""
   model = nnx.merge(graphdef, state)
   c = decode._start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags, samples)
-  c = decode._phase(model, c, rng, scalars, flags, bound)
+  c = decode._phase(model, c, rng, scalars, flags, bound, stop)
   return c, _live(c, flags.shards)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "bound"), donate_argnames=("c",))
-def _phase(state, c: Decoding, rng, scalars, *, graphdef, flags: Flags, bound: int):
-  """One phase of the decode loop on the computed rows of c -> (Decoding, `_live`)."""
-  c = decode._phase(nnx.merge(graphdef, state), c, rng, scalars, flags, bound)
+def _phase(state, c: Decoding, rng, scalars, stop, *, graphdef, flags: Flags, bound: int):
+  """One stretch of the decode loop (steps <= stop of the phase of bound `bound`) on the computed
+  rows of c -> (Decoding, `_live`). `stop` is traced: a program a (bound, rows)."""
+  c = decode._phase(nnx.merge(graphdef, state), c, rng, scalars, flags, bound, stop)
   return c, _live(c, flags.shards)
 
 
@@ -133,18 +139,29 @@ def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags
   as `host._place` does), the finished rows dropped at each phase boundary. flags.shards: the row
   shards (("data", "fsdp") of the mesh); n_new: the tokens wanted (the loop's num_new). Blocks at
   each phase boundary (one [2] int32 transfer); call under the mesh (`jax.set_mesh`)."""
-  phases = decode_phases(flags.max_len)
+  (stop, bound), *rest = decode_stretches(decode_phases(flags.max_len))
+  stop_at = lambda n: jnp.asarray(n, jnp.int32)
   c, live = _open(
-      state, ids, mask, row_ids, rng, scalars, graphdef=graphdef, flags=flags, samples=samples, bound=phases[0]
+      state,
+      ids,
+      mask,
+      row_ids,
+      rng,
+      scalars,
+      stop_at(stop),
+      graphdef=graphdef,
+      flags=flags,
+      samples=samples,
+      bound=bound,
   )
   total = c.tok.shape[0] // flags.shards  # rows a shard
-  for bound in phases[1:]:
+  for stop, bound in rest:
     i, most = (int(v) for v in np.asarray(live.addressable_data(0)))
     if i >= n_new or most == 0:
       break
     keep = compacted_rows(most, total)
     if keep < c.tok.shape[0] // flags.shards:
       c = _compact(c, shards=flags.shards, keep=keep)
-    c, live = _phase(state, c, rng, scalars, graphdef=graphdef, flags=flags, bound=bound)
+    c, live = _phase(state, c, rng, scalars, stop_at(stop), graphdef=graphdef, flags=flags, bound=bound)
   names = decode.output_names(flags.return_logprobs, flags.return_logits)
   return _close(c, shards=flags.shards, names=names)

@@ -194,13 +194,15 @@ def _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, 
   return _emit(model.cfg, c, logits, rng, scalars, flags)
 
 
-def _phase(model, c: Decoding, rng, scalars, flags: Flags, bound: int) -> Decoding:
+def _phase(model, c: Decoding, rng, scalars, flags: Flags, bound: int, stop=None) -> Decoding:
   """The steps i <= bound of the decode loop (completion slots [0, i - 1) within [0, bound)), one
-  `lax.while_loop` that stops early when every row is done or num_new tokens are out."""
+  `lax.while_loop` that stops early when every row is done or num_new tokens are out; `stop` (a
+  traced int32, <= bound: not a new program) ends it after step `stop` (a stretch, `compact.py`)."""
   num_new = scalars[0]
+  last = bound if stop is None else jnp.minimum(stop, bound)
 
   def cond(c):
-    return (c.i < num_new) & (c.i <= bound) & ~jnp.all(c.done)
+    return (c.i < num_new) & (c.i <= last) & ~jnp.all(c.done)
 
   def body(c):  # c.tok [b]: completion token i - 1, into slot i - 1
     logits, cache = decode_one(model, c.tok, c.num_prompt, c.i, c.cache, c.prompt_cache, c.prompt_mask, bound)

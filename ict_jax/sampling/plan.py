@@ -52,6 +52,24 @@ def kv_read_over_filled(phases: Sequence[int], prompts: int, prompt_len: int, ro
   return read / filled
 
 
+_STRETCHES = 4  # the compacted decode looks for finished rows up to 4 times a phase,
+_MIN_STRETCH = 8  # every 8 steps at the most
+
+
+def decode_stretches(phases: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  """The compacted decode's stretches, (last step, phase bound) each, for the read bounds `phases`
+  (`decode_phases`): each phase's steps cut into up to 4 equal stretches of at least 8 steps.
+  Between two stretches the loop drops its finished rows (`compacted_rows`); a step reads as its
+  phase's bound says, so the stretches add no programs, only checks (a [2] int32 read each)."""
+  out, prev = [], 0
+  for bound in phases:
+    n = max(1, min(_STRETCHES, (bound - prev) // _MIN_STRETCH))
+    width = -(-(bound - prev) // n)
+    out += [(min(prev + width * (j + 1), bound), bound) for j in range(n)]
+    prev = bound
+  return tuple(out)
+
+
 _ROW_UNITS = 8  # a compacted decode batch keeps a multiple of 1/8 of a shard's rows
 
 
