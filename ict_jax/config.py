@@ -222,8 +222,8 @@ class RolloutConfig:
   # (`sampling.policy`): "tensor" (each weight split over every chip: a decode step reads 1/chips of
   # the weights a chip, and gathers / scatters the rows around the split matmuls) | "replicated"
   # (nothing over fsdp: every chip reads all the weights a step, no collective)
-  compact_rows: bool = True  # drop finished rows from the decode batch at each length-bounded phase's
-  # boundary (sampling/compact.py; same tokens); False: every row decoded to the end, one program
+  compact_rows: bool = True  # drop finished rows from the decode batch between stretches of the
+  # length-bounded phases (sampling/compact.py; same tokens); False: every row decoded to the end
 
   @property
   def rows(self) -> int:

@@ -193,7 +193,7 @@ class Collector:
 
   decode_batch_size as in `sampling.generate` (an int that no longer divides the rows because
   over-long prompts were dropped shrinks to their gcd); compact_rows as `sampling.generate`'s
-  (config.rollout.compact_rows): the finished rows dropped from the decode batch between phases."""
+  (config.rollout.compact_rows): the finished rows dropped from the decode batch between stretches."""
 
   def __init__(
       self,

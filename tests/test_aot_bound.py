@@ -27,9 +27,9 @@ def _grid(bounds, rows, f):
   )
 
 
-def test_decode_bound_counts_live_rows_step_by_step():
+def test_decode_bound_counts_live_rows_step_by_step(monkeypatch):
   """2 prompts x G 8 = 16 rows in one sub-batch over 2 chips (8 rows each, prompt k's 8 samples on
-  chip k), 64 completion columns (phase bounds 16, 32, 48, 64, each of 2 stretches of 8 steps),
+  chip k), 64 completion columns (phase bounds 16, 32, 48, 64, each of 2 stretches of 8 steps here),
   lengths drawn with half at the cap: the bound's decode seconds, bytes, rows and limit equal a
   step-by-step count, in which a step i of stretch s (in the phase of bound b) costs the grid at
   (b, its rows): all rows (s = 0) or, from s = 1, the most rows of a chip still live at the
@@ -41,6 +41,7 @@ def test_decode_bound_counts_live_rows_step_by_step():
   from ict_jax.length_model import LengthDistribution
   from ict_jax.models.config import Qwen2Config
 
+  monkeypatch.setattr(sampling.plan, "_MIN_STRETCH", 8)  # 2 stretches a 16-step phase
   phases = sampling.decode_phases(64)
   stretches = sampling.decode_stretches(phases)
   assert phases == (16, 32, 48, 64) and stretches == tuple((8 * j, 16 * ((j + 1) // 2)) for j in range(1, 9))

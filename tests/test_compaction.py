@@ -113,11 +113,17 @@ def _check(got, want):
   np.testing.assert_allclose(got[2], want[2], atol=1e-5)  # float rounding of other batch shapes / meshes
 
 
-@pytest.mark.parametrize("where,decode_batch_size", [("one device", None), ("mesh", None), ("mesh", 8)])
-def test_compacted_rows_give_the_full_decodes_tokens(model, mesh, case, where, decode_batch_size, monkeypatch):
+@pytest.mark.parametrize(
+    "where,decode_batch_size,min_stretch", [("one device", None, 16), ("mesh", None, 8), ("mesh", 8, 16)]
+)
+def test_compacted_rows_give_the_full_decodes_tokens(
+    model, mesh, case, where, decode_batch_size, min_stretch, monkeypatch
+):
   """Rows ending at scripted, different lengths: the compacted decode equals the decode that keeps
   every row (the product's path with compact_rows False) and the EOS-free stream cut at each
-  row's first stop token; finished rows were dropped (fewer rows a shard at the boundaries)."""
+  row's first stop token; finished rows were dropped (fewer rows a shard at the boundaries).
+  min_stretch 8: checks every 8 steps, mid-phase (`plan.decode_stretches`); 16: at the phases'."""
+  monkeypatch.setattr(sampling.plan, "_MIN_STRETCH", min_stretch)
   kw, eos, ref = case
   m = mesh if where == "mesh" else None
   kept = []
@@ -149,11 +155,12 @@ def test_sub_batches_one_by_one_match_generate(model, mesh, case):
   _check([np.asarray(x) for x in sampling.join_sub_batches(parts)], ref)
 
 
-def test_compiled_decode_programs_stay_within_the_bound(model, mesh):
-  """A decode of max_len 64 (4 phases of 2 stretches) compiles `_open` once, at most one `_phase`
-  a phase bound and computed rows (a stretch's last step is traced), and over any rollouts at most
-  phases x 8 of them (`plan.compacted_rows`: multiples of 1/8 of a shard's rows). Counted from
-  jax's caches of each program, on a fresh shape (a prompt bucket no other test uses)."""
+def test_compiled_decode_programs_stay_within_the_bound(model, mesh, monkeypatch):
+  """A decode of max_len 64 (4 phases, of 2 stretches here) compiles `_open` once, at most one
+  `_phase` a phase bound and computed rows (a stretch's last step is traced), and over any
+  rollouts at most phases x 8 of them (`plan.compacted_rows`: multiples of 1/8 of a shard's rows).
+  Counted from jax's caches of each program, on a fresh shape (a prompt bucket no other test uses)."""
+  monkeypatch.setattr(sampling.plan, "_MIN_STRETCH", 8)
   ids = np.random.RandomState(1).randint(1, VOCAB, (4, 20))  # prompt bucket 32
   mask = np.ones_like(ids)
   before = [f._cache_size() for f in (compact._open, compact._phase, compact._close)]

@@ -45,14 +45,14 @@ def test_phase_bounds_and_the_slots_they_read():
   assert ratio((4,), 1, 2, 2) == pytest.approx(30 / 12)
 
 
-def test_stretches_cut_each_phase_into_up_to_four_of_at_least_eight_steps():
+def test_stretches_cut_each_phase_into_up_to_four_of_at_least_sixteen_steps():
   """`decode_stretches`: the compacted decode's checks for finished rows. Each phase's steps in
-  equal stretches ending at its bound, 4 when the phase has >= 32 steps; the ends strictly
+  equal stretches ending at its bound, 4 when the phase has >= 64 steps; the ends strictly
   increase and the last is max_len."""
   stretch = lambda n: sampling.decode_stretches(sampling.decode_phases(n))
-  assert stretch(16) == ((8, 16), (16, 16))
+  assert stretch(64) == tuple((b, b) for b in (16, 32, 48, 64))  # 16-step phases: one stretch each
+  assert stretch(256)[:3] == ((16, 32), (32, 32), (48, 64))
   assert stretch(2048) == tuple((64 * j, 256 * -(-j // 4)) for j in range(1, 33))  # every 64 steps
-  assert stretch(100)[-3:] == ((88, 96), (96, 96), (100, 100))  # a 4-step last phase: one stretch
   for n in (16, 48, 100, 256, 1000, 2048):
     ends, bounds = zip(*stretch(n))
     assert ends[-1] == n and all(a < b for a, b in zip(ends, ends[1:])) and all(e <= b for e, b in zip(ends, bounds))

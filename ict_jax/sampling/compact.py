@@ -136,9 +136,9 @@ def _close(c: Decoding, *, shards: int, names: tuple) -> tuple:
 
 def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags: Flags, samples: int, n_new: int):
   """`decode._decode_rows`'s outputs (ids, mask[, logprobs][, logits]) for one decode batch (placed
-  as `host._place` does), the finished rows dropped at each phase boundary. flags.shards: the row
+  as `host._place` does), the finished rows dropped between stretches. flags.shards: the row
   shards (("data", "fsdp") of the mesh); n_new: the tokens wanted (the loop's num_new). Blocks at
-  each phase boundary (one [2] int32 transfer); call under the mesh (`jax.set_mesh`)."""
+  each stretch's end (one [2] int32 transfer); call under the mesh (`jax.set_mesh`)."""
   (stop, bound), *rest = decode_stretches(decode_phases(flags.max_len))
   stop_at = lambda n: jnp.asarray(n, jnp.int32)
   c, live = _open(

@@ -79,7 +79,7 @@ class _Job(NamedTuple):
   layout: DecodeLayout
   n_rows: int
   n_new: int
-  compact: bool  # drop the finished rows at the phase boundaries (`compact.decode_compacted`)
+  compact: bool  # drop the finished rows between stretches (`compact.decode_compacted`)
 
   def rows(self, j: int) -> np.ndarray:
     """[prompts x R] the row of `generate`'s output each row of sub-batch j is (>= n_rows: batch
@@ -260,7 +260,7 @@ def generate(
 
 
 def _decode_compacted(job: _Job, graphdef, state, j: int) -> tuple:
-  """Sub-batch j of `job` decoded with its finished rows dropped at the phase boundaries."""
+  """Sub-batch j of `job` decoded with its finished rows dropped between stretches."""
   n = job.layout.sub_batches
   ids, mask, rows, rng, *scalars = _place(job, job.ids[j::n], job.mask[j::n], job.rows(j))
   st = job.static

@@ -53,12 +53,12 @@ def kv_read_over_filled(phases: Sequence[int], prompts: int, prompt_len: int, ro
 
 
 _STRETCHES = 4  # the compacted decode looks for finished rows up to 4 times a phase,
-_MIN_STRETCH = 8  # every 8 steps at the most
+_MIN_STRETCH = 16  # every 16 steps at the most (a check stalls the device for a host round trip)
 
 
 def decode_stretches(phases: Sequence[int]) -> tuple[tuple[int, int], ...]:
   """The compacted decode's stretches, (last step, phase bound) each, for the read bounds `phases`
-  (`decode_phases`): each phase's steps cut into up to 4 equal stretches of at least 8 steps.
+  (`decode_phases`): each phase's steps cut into up to 4 equal stretches of at least 16 steps.
   Between two stretches the loop drops its finished rows (`compacted_rows`); a step reads as its
   phase's bound says, so the stretches add no programs, only checks (a [2] int32 read each)."""
   out, prev = [], 0
