@@ -7,8 +7,9 @@ EOS-free stream), and the stop tokens are the tokens at the rows' target positio
 its first stop token, so a few rows end earlier than their target: the lengths reported are the
 ones the rollout generates). Then `sampling.generate` as the `Collector` calls it (G samples a
 prompt, no log-probs) with `compact_rows` False (every row decoded until the longest ends: one
-program) and True (the finished rows dropped at each phase boundary, `sampling/compact.py`),
-interleaved --repeats times, best of each; the tokens and masks of both must be equal.
+program) and True (the finished rows dropped between stretches of the phases,
+`sampling/compact.py`), interleaved --repeats times, best of each; the tokens and masks of both
+must be equal.
 
 Row-steps: the decode steps' rows summed over the rollout (each step after token 0 computes one
 row per row of its batch): without compaction every row to the longest row's end, with it the rows

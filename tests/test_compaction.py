@@ -1,7 +1,8 @@
-"""Finished rows stop costing (`sampling/compact.py`): the decode with the finished rows dropped at
-each phase boundary gives the tokens, masks and log-probs of the decode that keeps every row to the
-end (`compact_rows=False`, one program) and of the EOS-free stream cut at each row's first stop
-token (numpy), greedy and sampled, on the 8-device mesh, in sub-batches; a key a row."""
+"""Finished rows stop costing (`sampling/compact.py`): the decode with the finished rows dropped
+between stretches (`plan.decode_stretches`) gives the tokens, masks and log-probs of the decode
+that keeps every row to the end (`compact_rows=False`, one program) and of the EOS-free stream cut
+at each row's first stop token (numpy), greedy and sampled, on the 8-device mesh, in sub-batches;
+a key a row."""
 
 import functools
 

@@ -38,9 +38,10 @@ and the HLO's collectives (count, bytes), reported against each phase's minimum 
 the KV cache it reads, per chip). `--decode_compiles few` (default) compiles the first and last
 bound x the fewest and all rows (a prompt copy a row) and all rows (shared prompts) at 2 and 3
 layers and derives the rest (affine in each; checked at the middle row count, every row count
-compiled when that misses by > 1%); `all` compiles every shape at the model's depth. On TPU that step is compiled without memory-space
-assignment (`decode_step.HBM_BYTES_OPTIONS`): with it, libtpu's cost analysis also counts each VMEM
-staging copy and every read from VMEM, the same bytes several times over. The decode attention is
+compiled when that misses by > 1%); `all` compiles every shape at the model's depth. On TPU that
+step is compiled without memory-space assignment (`decode_step.HBM_BYTES_OPTIONS`): with it,
+libtpu's cost analysis also counts each VMEM staging copy and every read from VMEM, the same bytes
+several times over. The decode attention is
 the run's (`model.decode_attention`: on TPU the fused Pallas kernel, whose bytes are the ones it
 declares in its `pl.CostEstimate`: libtpu counts a Mosaic call's bytes only from that).
 --part both (default) compiles the train step in a child process beside the sampler.
