@@ -79,8 +79,8 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     # LoRA (model.lora_rank): adapters + their AdamW state, the base frozen in bf16 (no optimizer
     # state): 7B on a v5e-8, which full fine-tuning does not fit
     "7b_v5e-8_lora16": ("7B", "v5e-8", V5E_7B + ["--config.model.lora_rank=16"]),
-    # the same on the configs' mesh (fsdp=8): the train step fits, the sampler does not (the
-    # decoding layout replicates the bf16 rollout copy over fsdp: 14.2 GiB a chip)
+    # the same on the configs' mesh (fsdp=8): both fit since the tensor decode layout (the rollout
+    # copy split over the 8 chips; replicated over fsdp it took 14.2 GiB a chip and did not)
     "7b_v5e-8_fsdp8_lora16": ("7B", "v5e-8", ["--config.model.lora_rank=16"]),
 }
 # the rows README.md and launch/README.md show: the configs as written (packed), 7B on v5e-8,
