@@ -128,12 +128,13 @@ def main() -> None:
       np.testing.assert_array_equal(out[0], full[0])
       np.testing.assert_array_equal(out[1], full[1])
   best = {k: min(v) for k, v in times.items()}
+  phases = sampling.decode_phases(sampling.bucket_length(args.new))
   print(
       json.dumps(
           {
               "rows": rows,
               "max_new_tokens": args.new,
-              "phases": list(sampling.decode_phases(sampling.bucket_length(args.new))),
+              "phases": list(phases),
               "lengths": {
                   "median": float(np.median(lengths)),
                   "mean": float(lengths.mean()),
@@ -143,9 +144,7 @@ def main() -> None:
               "tokens_generated": tokens,
               "row_steps": row_steps,
               "row_steps_over_tokens": {k: v / tokens for k, v in row_steps.items()},
-              "stretches": [
-                  list(x) for x in sampling.decode_stretches(sampling.decode_phases(sampling.bucket_length(args.new)))
-              ],
+              "stretches": [list(x) for x in sampling.decode_stretches(phases)],
               "stretch_rows_compacted": [b for b, _ in recorded],
               "wall_s_best": best,
               "wall_s": times,

@@ -64,11 +64,10 @@ def row_counts(rows: int, shards: int) -> list[int]:
   return sorted({sampling.compacted_rows(n, per_chip) * shards for n in range(1, per_chip + 1)})
 
 
-def prompt_rows(prompts: int, rows: int, r: int, shared: bool | None = None) -> int:
-  """The prompt cache rows of a step of r decode rows cut from a sub-batch of `rows` rows reading
-  `prompts` prefilled prompts: the prompts while the step runs all rows (no compaction yet), a
-  copy a row once compacted (module docstring). shared: force one form (the rows' line's knot)."""
-  shared = r == rows if shared is None else shared
+def prompt_rows(prompts: int, r: int, shared: bool) -> int:
+  """The prompt cache rows of a step of r decode rows reading `prompts` prefilled prompts: the
+  prompts while they are shared (all of a sub-batch's rows, no compaction yet), a copy a row once
+  compacted (module docstring)."""
   return prompts if shared else r
 
 
@@ -148,7 +147,7 @@ def decode_grid(
     for b, r, shared in pts:
       if (depth, b, r, shared) in measured:
         continue
-      u = prompt_rows(ro.layout.prompts, ro.layout.rows, r, shared)
+      u = prompt_rows(ro.layout.prompts, r, shared)
       shape = dict(bound=b, rows=r, prompts=u, new_len=ro.new_len, prompt_len=ro.prompt_len)
       try:
         measured[depth, b, r, shared] = _compile_one(policy, cfg, mesh, sample_kw, dtype, opts, **shape)
@@ -159,11 +158,11 @@ def decode_grid(
   for depth in depths:
     compile_at(depth, points)
   miss = None
-  knots = sorted({(b, r) for b, r, shared in points if not shared})
-  if mode == "few" and len({r for _, r in knots}) == 2 < len(rows):
+  corners = sorted({(b, r) for b, r, shared in points if not shared})  # the compacted rows' line
+  if mode == "few" and len({r for _, r in corners}) == 2 < len(rows):
     mid = rows[len(rows) // 2]
     compile_at(depths[0], [(bounds[0], mid, False)])
-    miss = _affine_miss(measured, depths[0], ends, knots, mid)
+    miss = _affine_miss(measured, depths[0], ends, corners, mid)
     if miss > AFFINE_TOLERANCE:  # not a line in the rows: every row count
       for depth in depths:
         compile_at(depth, [(b, r, False) for b in ends for r in rows])
@@ -183,7 +182,7 @@ def _assemble(mcfg, mesh, ro, dtype, bounds, rows, depths, measured, error, *, c
 
   def costs(depth, b, r, shared, got):
     cfg = dataclasses.replace(mcfg, num_hidden_layers=depth)
-    u = prompt_rows(ro.layout.prompts, ro.layout.rows, r, shared)
+    u = prompt_rows(ro.layout.prompts, r, shared)
     nbytes = (
         got[0]
         if got[0] is not None

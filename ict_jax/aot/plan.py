@@ -240,12 +240,13 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
   steps, row_steps = np.zeros(len(g.bounds)), np.zeros(len(g.bounds))
   nbytes = ici_bytes = secs = limit = 0.0
   ends, bounds = zip(*sampling.decode_stretches(g.bounds))
+  phase_of = [g.bounds.index(b) for b in bounds]  # each stretch's phase
   for sub, pre in zip(lens, prompt):
     limit += decode_limit(sub, pre, costs)
-    for n, r, bound in zip(phase_steps(ends, int(sub.max())), phase_rows(ends, sub, costs.shards), bounds):
+    for n, r, k in zip(phase_steps(ends, int(sub.max())), phase_rows(ends, sub, costs.shards), phase_of):
       if not n:
         continue
-      k, j = g.bounds.index(bound), g.rows.index(r * costs.shards)
+      j = g.rows.index(r * costs.shards)
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
       steps[k] += n
       row_steps[k] += n * r
