@@ -1,9 +1,9 @@
-"""The decode step of the two rollout-copy layouts (`rollout.decode_weights`), compiled for an
+"""The decode step of the rollout-copy layouts (`rollout.decode_weights`), compiled for an
 absent accelerator: the bytes a chip reads a step and the collectives it runs (issue 41, item 2).
 
     python benchmarks/decode_weights.py [--model qwen2_5_1_5b] [--target v5e-8] [--rows 1024]
         [--samples 8] [--prompt_len 512] [--slots 2048] [--bound 256] [--decode_attention pallas]
-        [--greedy] [--layers N] [--layouts replicated,tensor]
+        [--greedy] [--layers N] [--layouts replicated,tensor,mlp]
 
 For each layout, `ict_jax.aot.sampler.compile_decode_step` (the sampler's while-loop body: one
 token for every row, the KV cache donated, the layer scan unrolled) on the target's compile-only
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
   p.add_argument("--decode_attention", default="pallas")
   p.add_argument("--greedy", action="store_true")
   p.add_argument("--layers", type=int, default=0, help="the preset's layers (0), or fewer: a shorter compile")
-  p.add_argument("--layouts", default="replicated,tensor")
+  p.add_argument("--layouts", default="replicated,tensor,mlp")
   args = p.parse_args(argv)
   runs = {layout: measure(args, layout) for layout in args.layouts.split(",")}
   out = dict(vars(args), runs=runs)
@@ -171,6 +171,11 @@ def main(argv=None) -> dict:
     out["weight_share"] = t["weight_bytes"] / t["weight_bytes_total"]
     out["step_s_replicated"] = r["hbm_s"] + r["ici_s"]
     out["step_s_tensor"] = t["hbm_s"] + t["ici_s"]
+  if {"tensor", "mlp"} <= set(runs):  # the attention whole on every chip: weights read against rows moved
+    t, m = runs["tensor"], runs["mlp"]
+    out["mlp_bytes_over_tensor"] = m["bytes_accessed"] / t["bytes_accessed"]
+    out["mlp_ici_bytes_over_tensor"] = m["ici_bytes"] / t["ici_bytes"] if t["ici_bytes"] else float("nan")
+    out["step_s_mlp"] = m["hbm_s"] + m["ici_s"]
   print(json.dumps(out, indent=1))
   return out
 

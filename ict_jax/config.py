@@ -220,8 +220,10 @@ class RolloutConfig:
   # device memory; all rows on CPU) | "all" | a number dividing the step's rows
   decode_weights: str = field("tensor", choices(DECODE_WEIGHTS))  # the rollout copy's layout
   # (`sampling.policy`): "tensor" (each weight split over every chip: a decode step reads 1/chips of
-  # the weights a chip, and gathers / scatters the rows around the split matmuls) | "replicated"
-  # (nothing over fsdp: every chip reads all the weights a step, no collective)
+  # the weights a chip, and gathers / scatters the rows around the split matmuls) | "mlp" (the MLP
+  # and the head split so, the attention whole on every chip: fewer rows gathered, half the
+  # collective bytes; 1.5B's recipes) | "replicated" (nothing over fsdp: every chip reads all the
+  # weights a step, no collective)
   compact_rows: bool = True  # drop finished rows from the decode batch between stretches of the
   # length-bounded phases (sampling/compact.py; same tokens); False: every row decoded to the end
 

@@ -61,7 +61,7 @@ CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "reward.kind": ("math", "choice", "answer", "chain_steps"),
     "rollout.dtype": ("auto",) + DTYPES,
-    "rollout.decode_weights": ("replicated", "tensor"),
+    "rollout.decode_weights": ("replicated", "tensor", "mlp"),
 }
 POSITIVE = {
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "train.steps",

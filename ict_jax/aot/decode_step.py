@@ -29,7 +29,7 @@ def _decode_step(
   sampled."""
   model = nnx.merge(graphdef, state)
   logits, cache = sampling.decode_one(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
-  kernels, split = model.cfg.kernels, model.cfg.decode_weights == "tensor"
+  kernels, split = model.cfg.kernels, model.cfg.split_mlp
   keys = sampling.rules.row_keys(rng, jnp.arange(tok.shape[0], dtype=jnp.int32), i)  # as the sampler draws
   tok, _ = sampling.rules._sample_step(logits, keys, temperature, top_p, kernels=kernels, vocab_split=split, **kw)
   return tok, cache

@@ -13,7 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # compute and parameter dtypes
 REMAT_POLICIES = ("none", "full", "minimal")  # MaxText's names; see models/qwen2.REMAT_POLICIES
 ATTENTION = ("einsum", "dot_product", "cudnn", "splash")  # see models/attention.py
 DECODE_ATTENTION = ("xla", "pallas", "pallas_interpret")  # see models/decode_kernel.py
-DECODE_WEIGHTS = ("replicated", "tensor")  # see models/qwen2.py and sampling/policy.py
+DECODE_WEIGHTS = ("replicated", "tensor", "mlp")  # see models/qwen2.py and sampling/policy.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,9 @@ class Qwen2Config:
   # "replicated" (every weight whole on every row shard; a chip reads all of them a step) or
   # "tensor" (the MLP, the vocabulary and the attention's embed dimension split over every chip of
   # the mesh: the decode step gathers the rows for those matmuls and scatters them back, so a chip
-  # reads 1/chips of each weight a step; the attention itself still runs on each chip's rows).
+  # reads 1/chips of each weight a step; the attention itself still runs on each chip's rows) or
+  # "mlp" (the MLP and the vocabulary split so, the attention's projections whole on every chip and
+  # run on its own rows: more weight bytes, fewer gathered rows and collectives; see `split_mlp`).
   decode_weights: str = "replicated"
 
   def __post_init__(self):
@@ -94,6 +96,16 @@ class Qwen2Config:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"Qwen2Config.{name}: expected one of {DTYPES}, got {getattr(self, name)!r}")
+
+  @property
+  def split_mlp(self) -> bool:
+    """The decode step's MLP and LM head split over every chip (decode_weights "tensor" / "mlp")."""
+    return self.decode_weights in ("tensor", "mlp")
+
+  @property
+  def split_attention(self) -> bool:
+    """The decode step's q/k/v/o split on embed over every chip too (decode_weights "tensor")."""
+    return self.decode_weights == "tensor"
 
   @property
   def head_dim(self) -> int:

@@ -174,7 +174,7 @@ class Attention(nnx.Module):
     A `JointCache` (decode_attention "pallas") is passed whole, [L,B,K,S,2H] (and the prefix
     [L,U,K,P,2H]), with the `layer` to read: the kernel reads its slots in place."""
     cfg, dt = self.cfg, x.dtype
-    split = cfg.decode_weights == "tensor" and cache is not None and not prefill
+    split = cfg.split_attention and cache is not None and not prefill
     if split:  # q/k/v split on embed (`sampling.policy.TENSOR_RULES`): x's rows -> embed shards, partial
       x = constrain(x, (None, None, "act_split"))  # sums reduce-scattered back to rows by the constraints below
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -262,7 +262,7 @@ class DecoderLayer(nnx.Module):
     """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
     h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix, layer)
     x = x + h
-    split = self.attn.cfg.decode_weights == "tensor" and cache is not None and not prefill
+    split = self.attn.cfg.split_mlp and cache is not None and not prefill
     x = x + self.mlp(self.post_attn_norm(x), split)  # split: reduce-scattered to rows by the constraint
     return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
 
@@ -315,7 +315,7 @@ class Qwen2(nnx.Module):
     produces): the sampler's reductions over the vocabulary read either layout alike."""
     w, vocab_major = self.head_weight()
     names = ("act_vocab", "act_batch")
-    if self.cfg.decode_weights == "tensor":  # the vocabulary split over every chip: every row's
+    if self.cfg.split_mlp:  # the vocabulary split over every chip: every row's
       h, names = constrain(h, (None, None)), ("act_split", None)  # logits on 1/chips of the ids
     logits = jnp.einsum(
         "BD,VD->VB" if vocab_major else "BD,DV->VB", h, w.astype(h.dtype), preferred_element_type=jnp.float32

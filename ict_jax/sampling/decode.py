@@ -144,7 +144,7 @@ def _emit(cfg, c: Decoding, logits: Array, rng, scalars, flags: Flags) -> Decodi
       top_k=flags.top_k,
       use_top_p=flags.use_top_p,
       kernels=cfg.kernels,
-      vocab_split=cfg.decode_weights == "tensor",
+      vocab_split=cfg.split_mlp,
   )
   active = ~c.done
   tok = jnp.where(active, tok, pad_id)

@@ -2,7 +2,7 @@
 
 The parameters are cast once to the rollout dtype (bfloat16 on accelerators in training) and laid
 out for decoding by one jitted call (`make_rollout_policy`), so no decode step casts or all-gathers
-a weight. Two layouts (`DECODE_WEIGHTS`, the run config's `rollout.decode_weights`):
+a weight. Three layouts (`DECODE_WEIGHTS`, the run config's `rollout.decode_weights`):
 
 - "replicated" (`DECODE_RULES`): nothing over "fsdp", heads / MLP / vocabulary over "tensor" as in
   training; on a (data, fsdp, 1) mesh every chip holds, and reads a step, all the weights.
@@ -14,6 +14,13 @@ a weight. Two layouts (`DECODE_WEIGHTS`, the run config's `rollout.decode_weight
   for those matmuls and scatters the results back to the rows a chip holds, where the attention
   runs on its own KV cache (batch-sharded as in "replicated"), as MaxText's and JetStream's decode
   shard it. Norm scales and q/k/v biases (a few KiB a layer) stay whole on every chip.
+- "mlp": the MLP and the embedding / LM head split as in "tensor", the attention's projections as in
+  "replicated" (whole on every row shard): the attention runs on the rows a chip holds with no
+  collective, and only the MLP and the head gather the rows. A chip reads its q/k/v/o whole (11 MiB
+  a layer on 1.5B) but writes, reads and exchanges far fewer gathered activations: compiled for
+  v5e-8 at 1,024 rows, 1.5B's decode step reads ~16% fewer bytes a layer and exchanges half the
+  collective bytes of "tensor" (benchmarks/RESULTS.md, issue 41). For models whose attention
+  weights a chip cannot hold whole (7B LoRA on v5e-8), "tensor".
 
 `abstract_rollout_policy` gives the same structure as `ShapeDtypeStruct`s, for compiling the
 sampler for devices that are absent (`lower_generate`).
@@ -74,12 +81,15 @@ def _check_weights(weights: str) -> None:
     raise ValueError(f"decode weights layout must be one of {DECODE_WEIGHTS}, got {weights!r}")
 
 
-def _tensor_spec(variable: nnx.Variable, mesh: Mesh) -> P:
+def _tensor_spec(variable: nnx.Variable, mesh: Mesh, weights: str) -> P:
   """A parameter's PartitionSpec in the tensor layout: `TENSOR_RULES` with its "vocab" / "mlp"
-  dimension placed first (a mesh axis goes to the first dimension it divides)."""
+  dimension placed first (a mesh axis goes to the first dimension it divides); in the "mlp"
+  layout the attention's parameters (those with a heads axis) by `DECODE_RULES`."""
   names, shape = variable.get_metadata().get("axes"), variable.get_value().shape
   if names is None:
     return P()
+  if weights == "mlp" and {"heads", "kv_heads"} & set(names):
+    return logical_to_spec(names, shape, dict(mesh.shape), DECODE_RULES)
   order = sorted(range(len(names)), key=lambda i: names[i] not in _TENSOR_FIRST)
   spec = logical_to_spec([names[i] for i in order], [shape[i] for i in order], dict(mesh.shape), TENSOR_RULES)
   out = [None] * len(names)
@@ -89,14 +99,14 @@ def _tensor_spec(variable: nnx.Variable, mesh: Mesh) -> P:
 
 
 def decode_shardings(state: nnx.State, mesh: Mesh, weights: str = "replicated") -> dict:
-  """NamedShardings of a decoding layout (`DECODE_WEIGHTS`: "replicated", `DECODE_RULES`, or
-  "tensor", `TENSOR_RULES`) as a pure dict, for an `nnx.State` of the model's Params (arrays or
+  """NamedShardings of a decoding layout (`DECODE_WEIGHTS`: "replicated", `DECODE_RULES`;
+  "tensor", `TENSOR_RULES`; "mlp", the two mixed) as a pure dict, for an `nnx.State` of the model's Params (arrays or
   ShapeDtypeStructs, e.g. `nnx.state(abstract_model(cfg), nnx.Param)`); the logical axis names
   come from the parameters' metadata."""
   _check_weights(weights)
-  if weights == "tensor":
+  if weights in ("tensor", "mlp"):
     return jax.tree.map(
-        lambda v: v.replace(NamedSharding(mesh, _tensor_spec(v, mesh))),
+        lambda v: v.replace(NamedSharding(mesh, _tensor_spec(v, mesh, weights))),
         state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     ).to_pure_dict()
