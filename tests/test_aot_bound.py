@@ -3,6 +3,7 @@ compacted at the decode phases' starts, against a step-by-step count; the limit 
 over the chips + the KV really read); the collectives' bytes from HLO; and the decode step's costs
 derived from a few compiles against every (phase bound, rows) compiled, on an absent TPU."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -197,3 +198,56 @@ def test_derived_decode_costs_match_every_compile(few_and_all):
     assert bf[key] == pytest.approx(ba[key], rel=0.02), key
   assert bf["decode_limit_bytes"] == ba["decode_limit_bytes"]  # counted from the model, not compiled
   assert ba["live_row_steps_over_real"] >= 1.0 and ba["decode_bytes_over_limit"] > 1.0
+
+
+def test_stretch_batches_keep_the_live_rows_first_in_their_order():
+  """2 chips of 4 rows, stretches ending at steps 8, 16, 24 (1-row units here): at step 9 chip 0
+  has rows 1, 3 live and chip 1 rows 4, 5, 6, so each keeps 3 rows, its live ones first in their
+  order then its first finished ones (`compact._compact`'s stable sort); at step 17 chip 0 has rows
+  1, 3 live and chip 1 row 5, so each keeps 2 of the rows its batch still holds, live first."""
+  from ict_jax.aot import plan
+
+  import ict_jax.sampling.plan as sampling_plan
+
+  lens = np.array([5, 30, 9, 20, 12, 40, 11, 3])
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(sampling_plan, "_ROW_UNITS", 4)
+    batches = plan.stretch_batches((8, 16, 24), lens, 2)
+    assert plan.phase_rows((8, 16, 24), lens, 2) == [4, 3, 2]
+  assert [b.tolist() for b in batches] == [
+      [[0, 1, 2, 3], [4, 5, 6, 7]],
+      [[1, 3, 0], [4, 5, 6]],
+      [[1, 3], [5, 4]],
+  ]
+
+
+def test_prompt_bytes_skipped_counts_the_kernels_padding_blocks():
+  """The fused kernel's skipped prompt bytes in one step (`plan.prompt_bytes_skipped`), counted by
+  hand for 512 prompt slots in 128-slot blocks: after a compaction (a copy a row, row blocks of the
+  kernel's rows) a block skips the leading blocks no prompt of it needs; shared (2 rows a prompt)
+  with 512-slot blocks, nothing; the chip that skips the fewest sets the step."""
+  from ict_jax.aot import plan
+  from ict_jax.models import decode_kernel
+
+  costs = plan.DecodeCosts(
+      rows=16, group_size=2, decode_batch_size=16, prompt_len=512, completion_len=512, phases=(256, 512),
+      grid=None, weights_read_bytes=0, prompt_kv_bytes=0, shards=2, prompts_per_sub_batch=8, samples=2,
+      kernel_slot_bytes=1024, layers=3,
+  )  # fmt: skip
+  prompt = np.array([100, 100, 300, 300, 0, 0, 512, 512, 20, 20, 140, 140, 129, 129, 128, 128])
+  batch = np.array([[0, 2, 4, 6], [8, 10, 12, 14]])  # 4 rows a chip after a compaction
+  rows = decode_kernel.blocks(4, 1, 256, 512, 1024).rows
+  assert decode_kernel.blocks(4, 1, 256, 512, 1024).prompt_slots == 128
+  need = lambda n: 4 - (512 - n) // 128 if n else 1  # blocks a prompt of n tokens needs (at least the last)
+  per_chip = []
+  for chip in batch:
+    lens = prompt[chip].reshape(-1, rows)
+    per_chip.append(sum(rows * (4 - need(int(block.max()))) for block in lens))
+  assert per_chip[0] < per_chip[1]  # chip 0 holds a full 512-token prompt
+  got = plan.prompt_bytes_skipped(batch, prompt, 256, costs, shared=False)
+  assert got == min(per_chip) * 128 * 1024 * 3 > 0
+  shared = np.arange(16).reshape(2, 8)
+  assert decode_kernel.blocks(8, 2, 256, 512, 1024).prompt_slots == 512
+  assert plan.prompt_bytes_skipped(shared, prompt, 256, costs, shared=True) == 0
+  no_kernel = dataclasses.replace(costs, kernel_slot_bytes=0)  # XLA's attention reads every slot
+  assert plan.prompt_bytes_skipped(batch, prompt, 256, no_kernel, shared=False) == 0

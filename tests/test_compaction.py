@@ -52,9 +52,12 @@ def _prompts(n: int = 4):
   return ids, mask
 
 
-def _run(model, eos, *, compact_rows, mesh=None, decode_batch_size=None, samples=SAMPLES, **sampling_kw):
-  """16 rows: 16 / samples prompts, `samples` rows each."""
+def _run(model, eos, *, compact_rows, mesh=None, decode_batch_size=None, samples=SAMPLES, width=0, **sampling_kw):
+  """16 rows: 16 / samples prompts, `samples` rows each (left-padded to `width` columns if wider)."""
   ids, mask = _prompts(16 // samples)
+  if width:
+    pad = ((0, 0), (width - ids.shape[1], 0))
+    ids, mask = np.pad(ids, pad, constant_values=PAD), np.pad(mask, pad)
   kw = dict(temperature=0.0) | sampling_kw
   out = generate(
       model, ids, mask, max_new_tokens=N_NEW, rng=jax.random.key(7), eos_token_ids=eos, pad_id=PAD,
@@ -246,6 +249,11 @@ def test_compaction_over_the_joint_cache(case, monkeypatch):
   kept = []
   real = compact._compact
   monkeypatch.setattr(compact, "_compact", lambda c, **k: (kept.append(k["keep"]), real(c, **k))[1])
-  got = _run(_model(decode_attention="pallas_interpret"), eos, compact_rows=True, **kw)
+  joint = _model(decode_attention="pallas_interpret")
+  got = _run(joint, eos, compact_rows=True, **kw)
   _check(got, ref)
   assert kept and all(k < 16 for k in kept)
+  # 256 prompt slots (buckets 64, 256): the prompt copies in two 128-slot blocks, the first all
+  # padding, which the kernel skips (`decode_kernel.first_key_blocks`): the same tokens
+  wide = _run(joint, eos, compact_rows=True, width=200, buckets=(64, 256), **kw)
+  _check(wide, ref)

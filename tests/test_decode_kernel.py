@@ -39,6 +39,7 @@ def _numpy_decode(q, k, v, cache, prefix, cache_bias, prefix_bias, layer):
         (256, 40, 8, 2, 512, 4),  # cache blocks of 128, two prompts a row block (the budget)
         (40, 128, 2, 4, 128, 2),  # one odd cache block, half a prompt a row block (the budget)
         (256, 0, 4, 2, 2048, 4),  # no prompt block (the cache holds the prompt)
+        (256, 512, 8, 1, 2048, 4),  # a prompt copy a row: 128-slot prompt blocks, padding ones skipped
     ],
 )
 def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, block_kib, rows):
@@ -49,16 +50,33 @@ def test_kernel_matches_numpy(monkeypatch, slots, prompt_len, prompts, group, bl
   _check_against_numpy(slots, prompt_len, prompts, group, rows)
 
 
+def test_prompt_blocks_holding_keys():
+  """`first_key_blocks`: each prompt's first 128-slot block holding a key (left padding: the
+  prompt's last slots), 4 for an all-padding one, against the lengths; `prompt_blocks_read`: from
+  there to the last block for every prompt of a row block, at least the last one."""
+  p, bp = 512, 128
+  lens = np.array([512, 385, 384, 129, 128, 1, 0])
+  bias = np.where(np.arange(p)[None, :] >= p - lens[:, None], 0.0, NEG).astype(np.float32)
+  first = np.asarray(decode_kernel.first_key_blocks(jnp.asarray(bias), bp))
+  np.testing.assert_array_equal(first, [0, 0, 1, 2, 3, 3, 4])
+  assert decode_kernel.prompt_blocks_read([128, 1], p, bp) == 2  # the last block of each of 2 prompts
+  assert decode_kernel.prompt_blocks_read([129, 20, 0], p, bp) == 6  # the longest needs 2 blocks
+  assert decode_kernel.prompt_blocks_read([0, 0], p, bp) == 2
+  assert decode_kernel.prompt_blocks_read([512], p, bp) == 4
+
+
 def test_kernel_matches_numpy_per_shard_with_two_prompts_a_row_block(monkeypatch):
   """On the 8-device mesh (rows over data 2 x fsdp 4): 48 prompts x 2 rows, each shard's 12 rows
   in 3 row blocks of 2 prompts (a 512 KiB budget): a block's prompts are found from the shard's
-  first row and prompt (scalar-prefetched) with several prompts a block."""
+  first row and prompt (scalar-prefetched) with several prompts a block; and 16 rows with a prompt
+  copy each (2 a shard, a row a block), whose skipped padding blocks are found per shard alike."""
   from ict_jax import sampling, sharding
   from ict_jax.models.axes import axis_rules
 
   monkeypatch.setattr(decode_kernel, "BLOCK_BYTES", 512 << 10)
   with jax.set_mesh(sharding.make_mesh((2, 4, 1))), axis_rules(sampling.DECODE_RULES):
     _check_against_numpy(256, 40, 48, 2, 4, local_rows=12)
+    _check_against_numpy(256, 512, 16, 1, 1, local_rows=2)
 
 
 def _check_against_numpy(slots, prompt_len, prompts, group, rows, local_rows=None):
@@ -73,6 +91,9 @@ def _check_against_numpy(slots, prompt_len, prompts, group, rows, local_rows=Non
   cache_bias[b - 2, 1:5] = NEG
   prefix_bias = np.zeros((prompts, prompt_len), np.float32)
   prefix_bias[1, : prompt_len // 4] = NEG  # left padding
+  if group == 1 and prompt_len:  # rows with their own prompts: padding of every length, one all padding
+    for u, pad in enumerate(np.linspace(0, prompt_len, prompts).astype(int)):
+      prefix_bias[u, :pad] = NEG
   mask = (cache_bias[:, None, None, None, :], np.zeros((1, 1, 1, 1, 1), np.float32))
   if prompt_len:
     mask = (prefix_bias[:, None, None, None, None, :],) + mask

@@ -24,9 +24,10 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
   A step costs max(its bytes at the HBM bandwidth, its FLOPs at the peak) + its collectives' bytes
   at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
   not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
-  (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), or, where the compiler gives no cost
-  analysis (the CUDA plugin), its minimum: the rollout weights + the KV cache read, and the
-  decode matmuls.
+  (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), less the prompt blocks the fused decode
+  kernel skips as left padding at the rows' prompt lengths (`prompt_bytes_skipped`: its cost
+  estimate counts them all), or, where the compiler gives no cost analysis (the CUDA plugin), its
+  minimum: the rollout weights + the KV cache read, and the decode matmuls.
 
 The decode limit (`decode_limit`), counted without the compiled programs: each decode step of a
 sub-batch reads the rollout weights once split over the chips, plus the KV cache really read:
@@ -36,7 +37,8 @@ compiled decode bytes a chip over a rollout / the limit's; `live_row_steps_over_
 steps the decode computes / the decode tokens generated (sum of completion length - 1).
 
 Not counted (so real steps are slower): padding, the sampler's and the loss's elementwise work,
-host work and reward scoring, compile time, the optimizer update.
+host work and reward scoring, compile time, the optimizer update, the fused decode kernel's grid
+steps (~0.35 us each on TPU whatever they read: `decode_phase_grid_steps` counts them).
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ class DecodeCosts:
   # chips together (an untied input embedding left out), and one KV slot of one row, all layers
   weights_total_bytes: int = 0
   kv_slot_bytes: int = 0
+  # the fused decode kernel's (decode_attention "pallas", `models/decode_kernel.py`): a chip's KV
+  # slot of one row in one layer (its KV heads), and the layers; 0 without it (every prompt slot read)
+  kernel_slot_bytes: int = 0
+  layers: int = 0
 
 
 @dataclasses.dataclass
@@ -204,20 +210,60 @@ def sub_batch_rows(completion: np.ndarray, prompt: np.ndarray, costs: DecodeCost
   return pre.reshape(u, n, r).transpose(1, 0, 2).reshape(n, u * r), pre_p.reshape(u, n).T
 
 
-def phase_rows(ends, lens: np.ndarray, shards: int) -> list[int]:
-  """The decode rows a chip each stretch (or phase) runs at for one sub-batch's completion lengths
-  [rows], `ends` the stretches' last steps (`sampling.decode_stretches`): all in the first; at
-  each later one's start (step i = the previous end + 1) the rows still live (length > i) are
-  kept, `sampling.compacted_rows` of the fullest chip's count."""
+def stretch_batches(ends, lens: np.ndarray, shards: int) -> list[np.ndarray]:
+  """The rows each chip computes in each stretch (or phase), [shards, rows a chip] indices into
+  one sub-batch's completion lengths `lens` [rows] in the decode batch's order, `ends` the
+  stretches' last steps (`sampling.decode_stretches`): all rows in the first; at each later one's
+  start (step i = the previous end + 1) the rows still live (length > i) are counted and, when the
+  fullest chip needs fewer than the batch holds (`sampling.compacted_rows`), every chip moves its
+  live rows to the front in their order and keeps that many (`sampling.compact._compact`)."""
   from ict_jax import sampling
 
-  per_chip = lens.reshape(shards, -1)
-  rows, prev = [], 0
+  total = lens.size // shards
+  batch, out, prev = np.arange(lens.size).reshape(shards, total), [], 0
   for k, end in enumerate(ends):
-    live = int((per_chip > prev + 1).sum(axis=1).max())
-    rows.append(per_chip.shape[1] if k == 0 else sampling.compacted_rows(live, per_chip.shape[1]))
+    if k:
+      live = lens[batch] > prev + 1
+      keep = sampling.compacted_rows(int(live.sum(axis=1).max()), total)
+      if keep < batch.shape[1]:
+        batch = np.take_along_axis(batch, np.argsort(~live, axis=1, kind="stable"), axis=1)[:, :keep]
+    out.append(batch)
     prev = end
-  return rows
+  return out
+
+
+def phase_rows(ends, lens: np.ndarray, shards: int) -> list[int]:
+  """The decode rows a chip each stretch (or phase) runs at (`stretch_batches`)."""
+  return [b.shape[1] for b in stretch_batches(ends, lens, shards)]
+
+
+def prompt_bytes_skipped(
+    batch: np.ndarray, prompt_lens: np.ndarray, bound: int, costs: DecodeCosts, shared: bool
+) -> float:
+  """The prompt bytes the fused decode kernel skips in one decode step, on the chip that skips the
+  fewest (the step waits for it), which the decode step's compiled bytes count (its cost estimate
+  reads every prompt block): `batch` [shards, r] the rows each chip computes (`stretch_batches`),
+  `prompt_lens` [rows] each row's prompt length. Until the first compaction (`shared`) the rows
+  read their prompts shared (`costs.samples` rows a prompt), after it a copy a row;
+  a row block (`decode_kernel.blocks`) skips the leading prompt blocks that are left padding for
+  all of its prompts (`decode_kernel.prompt_blocks_read`). 0 without the kernel."""
+  from ict_jax.models import decode_kernel
+
+  if not costs.kernel_slot_bytes:
+    return 0.0
+  group = costs.samples if shared else 1
+  r = batch.shape[1]
+  p = costs.prompt_len
+  read = min(costs.completion_len, -(-bound // 16) * 16)  # as `decode_attention` reads the bound
+  rows, _, bp = decode_kernel.blocks(r, group, read, p, costs.kernel_slot_bytes)
+  skipped = []
+  for chip in batch:
+    lens = prompt_lens[chip].reshape(-1, rows)  # [row blocks, rows]
+    prompts = max(1, rows // group)
+    full = len(lens) * prompts * (p // bp)
+    copied = sum(decode_kernel.prompt_blocks_read([int(x.max())] * prompts, p, bp) for x in lens)
+    skipped.append(full - copied)
+  return float(min(skipped) * bp * costs.kernel_slot_bytes * costs.layers)
 
 
 def decode_limit(lens: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> float:
@@ -243,11 +289,14 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
   phase_of = [g.bounds.index(b) for b in bounds]  # each stretch's phase
   for sub, pre in zip(lens, prompt):
     limit += decode_limit(sub, pre, costs)
-    for n, r, k in zip(phase_steps(ends, int(sub.max())), phase_rows(ends, sub, costs.shards), phase_of):
+    row_prompt = np.repeat(pre, costs.samples)  # [rows]: each row's prompt length
+    for n, batch, k in zip(phase_steps(ends, int(sub.max())), stretch_batches(ends, sub, costs.shards), phase_of):
       if not n:
         continue
+      r = batch.shape[1]
       j = g.rows.index(r * costs.shards)
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
+      b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared=r * costs.shards == sub.size)
       steps[k] += n
       row_steps[k] += n * r
       nbytes, ici_bytes = nbytes + n * b, ici_bytes + n * x

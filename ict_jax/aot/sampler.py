@@ -139,9 +139,11 @@ def _decode_step_costs(
   )
 
 
-def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeStepCosts, weights: tuple, **kw):
-  """`plan.step_bound` of the rollout as compiled; weights: (a chip's rollout weights a step
-  reads, all chips' together); kw: the length distribution (`lengths`, `batches`, `seed`)."""
+def _step_bound(cfg: Config, mcfg, mesh, target: Target, ro: _Rollout, step: _DecodeStepCosts, weights: tuple, **kw):
+  """`plan.step_bound` of the rollout as compiled on `mesh`; weights: (a chip's rollout weights a
+  step reads, all chips' together); kw: the length distribution (`lengths`, `batches`, `seed`)."""
+  kernel = mcfg.decode_attention == "pallas" and step.grid.cost_analysis  # the bytes its estimate counts
+  kernel_slot = sampling.kv_bytes(mcfg, 1, mesh, ro.dtype) // mcfg.num_hidden_layers if kernel else 0
   costs = plan.DecodeCosts(
       rows=ro.rows,
       group_size=ro.group,
@@ -157,6 +159,8 @@ def _step_bound(cfg: Config, mcfg, target: Target, ro: _Rollout, step: _DecodeSt
       samples=ro.layout.samples,
       weights_total_bytes=weights[1],
       kv_slot_bytes=sampling.kv_bytes(mcfg, 1, None, ro.dtype),
+      kernel_slot_bytes=kernel_slot,
+      layers=mcfg.num_hidden_layers,
   )
   return plan.step_bound(
       mcfg,
@@ -301,6 +305,7 @@ def compile_sampler(
   report.step_bound = _step_bound(
       cfg,
       mcfg,
+      mesh,
       target,
       ro,
       step,

@@ -70,9 +70,14 @@ def blocks(b: int, group: int, slots: int, prompt_slots: int, slot_bytes: int) -
   cores); whole prompts a row block or whole parts of one. Of those, the fewest reads of the
   prompts' slots (a prompt split over n row blocks is read n times), then the fewest grid steps:
   a TPU grid step costs ~0.35 us whatever it reads (Pallas TPU docs, "Matrix Multiplication"),
-  and a step a prompt and KV head made that a good part of a 0.5B decode layer's time."""
+  and a step a prompt and KV head made that a good part of a 0.5B decode layer's time. With a
+  prompt copy a row (`group` 1: the rows after a compaction), the smallest prompt blocks: a row
+  block skips the leading blocks that are padding for all its rows (`_local`), and a row's copy
+  reads ~1/3 of 512 slots at the recipes' prompt lengths, for a few grid steps more."""
   cache_options = _slot_blocks(slots)
   prompt_options = _slot_blocks(prompt_slots) if prompt_slots else [0]  # bp 0: no prompt block
+  if group == 1:  # a prompt copy a row: the smallest blocks, as the leading padding ones are skipped
+    prompt_options = prompt_options[-1:]
   smallest = (cache_options[-1], prompt_options[-1])
   candidates = []  # (prompt reads, grid steps, -rows), blocks
   for rows in (r for r in range(1, b + 1) if b % r == 0 and (r == 1 or b // r >= 2)):
@@ -105,12 +110,13 @@ def _kernel(
   prompt block (row r's prompt: r // group), cache_ref [R, K, bs, W], cache_bias_ref
   [R | 1, 1, bs], out_ref [R, K, G, W], scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
   running maximum, sum and weighted value sum). Rows run in a loop, KV heads unrolled."""
-  del scalars_ref  # [layer, first row, first prompt]: read by the index maps
+  # scalars_ref [layer, first row, first prompt, then per row block its first prompt block holding a
+  # key]: read by the index maps, the last by the prompt blocks' condition below
   if prefix_blocks:
     prefix_ref, prefix_bias_ref, cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   else:
     cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
-  j = pl.program_id(1)
+  i, j = pl.program_id(0), pl.program_id(1)
   rows, heads, g, w = q_ref.shape
 
   def widen(x, n):  # [G, LANES] lane-replicated -> [G, n]
@@ -151,8 +157,8 @@ def _kernel(
 
   if prefix_blocks:
 
-    @pl.when(j < prefix_blocks)
-    def _prompt():  # one block of each prompt's slots, read once for its rows in this block
+    @pl.when((j < prefix_blocks) & (j >= scalars_ref[3 + i]))  # leading padding blocks: skipped (all
+    def _prompt():  # masked: they would add exact zeros); one block of each prompt's slots for its rows
       each_row(lambda r, h: update(r, h, prefix_ref[r // group, h], prefix_bias_ref[r // group]))
 
   @pl.when(j >= prefix_blocks)
@@ -170,7 +176,10 @@ def _kernel(
 def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, interpret: bool) -> Array:
   """One shard: q [B, K, G, W], new [B, K, 1, W], new_bias [B | 1, 1, 1], (prefix_kv
   [L, U, K, P, W], prefix_bias [U, 1, P],) kv [L, B, K, S, W], bias [B | 1, 1, s], and the
-  scalars [layer, first row, first prompt] of this shard -> [B, K, G, W]. `group`: rows a prompt."""
+  scalars [layer, first row, first prompt] of this shard -> [B, K, G, W]. `group`: rows a prompt.
+  A row block's prompt blocks before the first that holds a key of one of its prompts (left
+  padding: every bias finfo.min) are neither read (their index map repeats the first one read, so
+  no copy is issued) nor computed; the cost estimate counts them (a bound, `prompt_blocks_read`)."""
   if has_prefix:
     prefix_kv, prefix_bias, kv, bias, scalars = rest
   else:
@@ -193,10 +202,13 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   if has_prefix:  # a block holds whole prompts (pp of them) or a part of one: row // group, less the shard's first
     u, pp = prefix_kv.shape[1], max(1, rows // group)
     prompt = lambda i, sc: ((sc[1] + i * rows) // group - sc[2]) // pp
-    pre_j = lambda j: jnp.minimum(j, prefix_blocks - 1)
+    pre_j = lambda i, j, sc: jnp.minimum(jnp.maximum(j, sc[3 + i]), prefix_blocks - 1)
+    first = first_key_blocks(prefix_bias.reshape(u, p), bp)  # [U]
+    first = jnp.min(first.reshape(-1, pp), axis=1)[prompt(jnp.arange(b // rows), scalars)]  # [row blocks]
+    scalars = jnp.concatenate([scalars, first.astype(jnp.int32)])
     in_specs += [
-        pl.BlockSpec((None, pp, k, bp, w), lambda i, j, sc: (sc[0], prompt(i, sc), 0, pre_j(j), 0)),
-        pl.BlockSpec((pp, 1, bp), lambda i, j, sc: (prompt(i, sc), 0, pre_j(j))),
+        pl.BlockSpec((None, pp, k, bp, w), lambda i, j, sc: (sc[0], prompt(i, sc), 0, pre_j(i, j, sc), 0)),
+        pl.BlockSpec((pp, 1, bp), lambda i, j, sc: (prompt(i, sc), 0, pre_j(i, j, sc))),
     ]
     operands += [prefix_kv, prefix_bias]
     reads_a_prompt = max(1, group // rows)  # a prompt's slots are read once a row block
@@ -232,6 +244,23 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
       interpret=interpret,
       name="ict_decode_attention",
   )(scalars, *operands)
+
+
+def first_key_blocks(prompt_bias: Array, bp: int) -> Array:
+  """prompt_bias [U, P] (0 where a slot holds a key, finfo.min where not) -> [U] int32: each
+  prompt's first block of bp slots holding a key (P // bp for a prompt of none: a padding one)."""
+  u, p = prompt_bias.shape
+  keyed = jnp.any(prompt_bias.reshape(u, p // bp, bp) > 0.5 * jnp.finfo(jnp.float32).min, axis=2)  # [U, P / bp]
+  return jnp.where(jnp.any(keyed, axis=1), jnp.argmax(keyed, axis=1), p // bp).astype(jnp.int32)
+
+
+def prompt_blocks_read(prompt_lens, p: int, bp: int) -> int:
+  """The prompt blocks of bp slots a row block copies for its prompts' lengths (left-padded in p
+  slots): from the first holding a key of the longest to the last, for each of its prompts (the
+  last block once when none holds a key: its index map still points there)."""
+  n = p // bp
+  first = (p - max(prompt_lens)) // bp if max(prompt_lens) else n
+  return len(prompt_lens) * (n - min(first, n - 1))
 
 
 def _shard_start(spec_entry, local: int) -> Array:
