@@ -251,3 +251,27 @@ def test_prompt_bytes_skipped_counts_the_kernels_padding_blocks():
   assert plan.prompt_bytes_skipped(shared, prompt, 256, costs, shared=True) == 0
   no_kernel = dataclasses.replace(costs, kernel_slot_bytes=0)  # XLA's attention reads every slot
   assert plan.prompt_bytes_skipped(batch, prompt, 256, no_kernel, shared=False) == 0
+
+
+def test_cache_bytes_skipped_counts_the_slots_not_written_yet():
+  """The fused kernel's skipped cache bytes over a stretch (`plan.cache_bytes_skipped`), counted
+  by hand: 32 rows a chip read a 256-slot bound in 128-slot blocks; at step i the rows have
+  written i - 1 slots, so steps 100-129 (99-128 written) copy one block of two and steps 130-140
+  both; a stretch in the last phase skips what its steps have not written; XLA's attention, none."""
+  from ict_jax.aot import plan
+  from ict_jax.models import decode_kernel
+
+  costs = plan.DecodeCosts(
+      rows=512, group_size=8, decode_batch_size=512, prompt_len=512, completion_len=512, phases=(256, 512),
+      grid=None, weights_read_bytes=0, prompt_kv_bytes=0, shards=8, prompts_per_sub_batch=64, samples=8,
+      kernel_slot_bytes=1024, layers=3,
+  )  # fmt: skip
+  assert decode_kernel.blocks(32, 1, 256, 512, 1024).slots == 128
+  per_block = 128 * 32 * 1024 * 3  # slots x rows x a slot's bytes x layers
+  assert plan.cache_bytes_skipped(100, 140, 256, 32, False, costs) == 30 * per_block
+  assert plan.cache_bytes_skipped(130, 140, 256, 32, False, costs) == 0
+  bs = decode_kernel.blocks(32, 1, 512, 512, 1024).slots
+  written = np.arange(300, 321) - 1  # steps 300-320 in the phase of bound 512
+  blocks = np.minimum(512 // bs, np.maximum(1, -(-written // bs)))
+  assert plan.cache_bytes_skipped(300, 320, 512, 32, False, costs) == (512 // bs - blocks).sum() * bs * 32 * 1024 * 3
+  assert plan.cache_bytes_skipped(100, 140, 256, 32, False, dataclasses.replace(costs, kernel_slot_bytes=0)) == 0

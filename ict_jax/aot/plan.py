@@ -24,9 +24,10 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
   A step costs max(its bytes at the HBM bandwidth, its FLOPs at the peak) + its collectives' bytes
   at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
   not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
-  (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), less the prompt blocks the fused decode
-  kernel skips as left padding at the rows' prompt lengths (`prompt_bytes_skipped`: its cost
-  estimate counts them all), or, where the compiler gives no cost analysis (the CUDA plugin), its
+  (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), less the blocks the fused decode kernel
+  skips: the prompts' left padding at the rows' prompt lengths (`prompt_bytes_skipped`) and the
+  cache slots not written yet at each step (`cache_bytes_skipped`), which its cost estimate counts
+  (a stretch's steps at their mean bytes), or, where the compiler gives no cost analysis (the CUDA plugin), its
   minimum: the rollout weights + the KV cache read, and the decode matmuls.
 
 The decode limit (`decode_limit`), counted without the compiled programs: each decode step of a
@@ -252,10 +253,8 @@ def prompt_bytes_skipped(
   if not costs.kernel_slot_bytes:
     return 0.0
   group = costs.samples if shared else 1
-  r = batch.shape[1]
   p = costs.prompt_len
-  read = min(costs.completion_len, -(-bound // 16) * 16)  # as `decode_attention` reads the bound
-  rows, _, bp = decode_kernel.blocks(r, group, read, p, costs.kernel_slot_bytes)
+  rows, _, bp = _kernel_blocks(batch.shape[1], shared, bound, costs)[0]
   skipped = []
   for chip in batch:
     lens = prompt_lens[chip].reshape(-1, rows)  # [row blocks, rows]
@@ -277,6 +276,31 @@ def decode_limit(lens: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> fl
   return steps * costs.weights_total_bytes + costs.kv_slot_bytes * (row_slots + prompt_slots)
 
 
+def _kernel_blocks(r: int, shared: bool, bound: int, costs: DecodeCosts):
+  """(`decode_kernel.blocks`, the cache slots read) of the fused kernel at r rows a chip and a
+  phase's bound: the bound read up to a bf16 tile's 16 slots, as `decode_attention` reads it."""
+  from ict_jax.models import decode_kernel
+
+  read = min(costs.completion_len, -(-bound // 16) * 16)
+  group = costs.samples if shared else 1
+  return decode_kernel.blocks(r, group, read, costs.prompt_len, costs.kernel_slot_bytes), read
+
+
+def cache_bytes_skipped(first: int, last: int, bound: int, r: int, shared: bool, costs: DecodeCosts) -> float:
+  """The cache bytes the fused decode kernel skips over steps first..last of a stretch (r rows a
+  chip, the phase's `bound`), which the compiled bytes count: at step i the rows have written i - 1
+  completion slots, and a row block copies the cache blocks holding them, at least the first
+  (`decode_kernel.cache_blocks_read`), of the bound's. 0 without the kernel."""
+  from ict_jax.models import decode_kernel
+
+  if not costs.kernel_slot_bytes or last < first:
+    return 0.0
+  (_, bs, _), read = _kernel_blocks(r, shared, bound, costs)
+  written = np.arange(first, last + 1) - 1
+  skipped = int((read // bs - decode_kernel.cache_blocks_read(written, read, bs)).sum())
+  return float(skipped * bs * r * costs.kernel_slot_bytes * costs.layers)
+
+
 def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw: float, peak: float, ici: float):
   """One step's decode over its sub-batches: (steps a phase [phases], row-steps a phase [phases]
   (a chip), bytes, ICI bytes, seconds, limit bytes; bytes a chip, the limit all chips')."""
@@ -290,13 +314,16 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
   for sub, pre in zip(lens, prompt):
     limit += decode_limit(sub, pre, costs)
     row_prompt = np.repeat(pre, costs.samples)  # [rows]: each row's prompt length
-    for n, batch, k in zip(phase_steps(ends, int(sub.max())), stretch_batches(ends, sub, costs.shards), phase_of):
+    steps_in = phase_steps(ends, int(sub.max()))
+    for s, (n, batch, k) in enumerate(zip(steps_in, stretch_batches(ends, sub, costs.shards), phase_of)):
       if not n:
         continue
-      r = batch.shape[1]
+      r, first = batch.shape[1], (ends[s - 1] if s else 0) + 1  # the stretch's steps: first .. first + n - 1
       j = g.rows.index(r * costs.shards)
+      shared = r * costs.shards == sub.size
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
-      b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared=r * costs.shards == sub.size)
+      b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared)
+      b -= cache_bytes_skipped(first, first + n - 1, g.bounds[k], r, shared, costs) / n  # a step's mean
       steps[k] += n
       row_steps[k] += n * r
       nbytes, ici_bytes = nbytes + n * b, ici_bytes + n * x

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -102,6 +103,7 @@ def _kernel(
     prefix_blocks: int,
     scale: float,
     shared: tuple[bool, bool],
+    last_at: int,
 ):
   """Grid step (row block i, slot block j): j < prefix_blocks reads the j-th slots of the block's
   prompts (one [bs, W] block a prompt and KV head, for its `group` rows), then the rows' own cache
@@ -110,8 +112,9 @@ def _kernel(
   prompt block (row r's prompt: r // group), cache_ref [R, K, bs, W], cache_bias_ref
   [R | 1, 1, bs], out_ref [R, K, G, W], scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
   running maximum, sum and weighted value sum). Rows run in a loop, KV heads unrolled."""
-  # scalars_ref [layer, first row, first prompt, then per row block its first prompt block holding a
-  # key]: read by the index maps, the last by the prompt blocks' condition below
+  # scalars_ref [layer, first row, first prompt, (per row block its first prompt block holding a key,)
+  # from last_at per row block its last cache block holding a key]: read by the index maps, the
+  # blocks' own by the conditions below
   if prefix_blocks:
     prefix_ref, prefix_bias_ref, cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   else:
@@ -161,8 +164,8 @@ def _kernel(
     def _prompt():  # masked: they would add exact zeros); one block of each prompt's slots for its rows
       each_row(lambda r, h: update(r, h, prefix_ref[r // group, h], prefix_bias_ref[r // group]))
 
-  @pl.when(j >= prefix_blocks)
-  def _cache():
+  @pl.when((j >= prefix_blocks) & (j - prefix_blocks <= scalars_ref[last_at + i]))  # trailing blocks no row
+  def _cache():  # has written (all masked): skipped likewise
     each_row(lambda r, h: update(r, h, cache_ref[r, h], cache_bias_ref[0 if shared[1] else r]))
 
   @pl.when(j == pl.num_programs(1) - 1)
@@ -178,8 +181,10 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   [L, U, K, P, W], prefix_bias [U, 1, P],) kv [L, B, K, S, W], bias [B | 1, 1, s], and the
   scalars [layer, first row, first prompt] of this shard -> [B, K, G, W]. `group`: rows a prompt.
   A row block's prompt blocks before the first that holds a key of one of its prompts (left
-  padding: every bias finfo.min) are neither read (their index map repeats the first one read, so
-  no copy is issued) nor computed; the cost estimate counts them (a bound, `prompt_blocks_read`)."""
+  padding: every bias finfo.min), and its cache blocks after the last that holds a key of one of
+  its rows (slots not written yet), are neither read (their index map repeats the nearest one read,
+  so no copy is issued) nor computed; the cost estimate counts them (a bound: `prompt_blocks_read`
+  and `cache_blocks_read` count what is read)."""
   if has_prefix:
     prefix_kv, prefix_bias, kv, bias, scalars = rest
   else:
@@ -190,7 +195,9 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   p = prefix_kv.shape[3] if has_prefix else 0
   rows, bs, bp = blocks(b, group, s, p, k * w * kv.dtype.itemsize)
   prefix_blocks = p // bp if has_prefix else 0
-  cache_j = lambda j: jnp.maximum(j - prefix_blocks, 0)
+  nrb = b // rows  # row blocks
+  last_at = 3 + (nrb if has_prefix else 0)  # where the row blocks' last keyed cache blocks sit in the scalars
+  cache_j = lambda i, j, sc: jnp.clip(j - prefix_blocks, 0, jnp.maximum(sc[last_at + i], 0))
   per_row = lambda i, j, sc: (i, 0, 0, 0)
   in_specs = [
       pl.BlockSpec((rows, k, g, w), per_row),
@@ -214,11 +221,16 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
     reads_a_prompt = max(1, group // rows)  # a prompt's slots are read once a row block
     read += reads_a_prompt * (u * k * p * w * prefix_kv.dtype.itemsize + prefix_bias.size * 4)
   in_specs += [
-      pl.BlockSpec((None, rows, k, bs, w), lambda i, j, sc: (sc[0], i, 0, cache_j(j), 0)),
-      pl.BlockSpec((1 if shared[1] else rows, 1, bs), lambda i, j, sc: (0 if shared[1] else i, 0, cache_j(j))),
+      pl.BlockSpec((None, rows, k, bs, w), lambda i, j, sc: (sc[0], i, 0, cache_j(i, j, sc), 0)),
+      pl.BlockSpec((1 if shared[1] else rows, 1, bs), lambda i, j, sc: (0 if shared[1] else i, 0, cache_j(i, j, sc))),
   ]
   operands += [kv, bias]
-  kernel = functools.partial(_kernel, group=group, prefix_blocks=prefix_blocks, scale=scale, shared=shared)
+  last = last_key_blocks(bias.reshape(bias.shape[0], s), bs)  # [B | 1]
+  last = jnp.broadcast_to(last, (b,)).reshape(nrb, rows).max(axis=1)  # [row blocks]
+  scalars = jnp.concatenate([scalars, last.astype(jnp.int32)])
+  kernel = functools.partial(
+      _kernel, group=group, prefix_blocks=prefix_blocks, scale=scale, shared=shared, last_at=last_at
+  )
   slots = s + p
   cost = pl.CostEstimate(  # what the kernel moves: q and the output, the new tokens, the slots read
       flops=4 * b * k * g * slots * w,
@@ -252,6 +264,21 @@ def first_key_blocks(prompt_bias: Array, bp: int) -> Array:
   u, p = prompt_bias.shape
   keyed = jnp.any(prompt_bias.reshape(u, p // bp, bp) > 0.5 * jnp.finfo(jnp.float32).min, axis=2)  # [U, P / bp]
   return jnp.where(jnp.any(keyed, axis=1), jnp.argmax(keyed, axis=1), p // bp).astype(jnp.int32)
+
+
+def last_key_blocks(bias: Array, bs: int) -> Array:
+  """bias [N, s] (0 where a cache slot holds a key) -> [N] int32: each row's last block of bs
+  slots holding a key (-1 for a row of none)."""
+  n, s = bias.shape
+  keyed = jnp.any(bias.reshape(n, s // bs, bs) > 0.5 * jnp.finfo(jnp.float32).min, axis=2)  # [N, s / bs]
+  return jnp.where(jnp.any(keyed, axis=1), s // bs - 1 - jnp.argmax(keyed[:, ::-1], axis=1), -1).astype(jnp.int32)
+
+
+def cache_blocks_read(written, slots: int, bs: int):
+  """The cache blocks of bs slots (of `slots` read) a row block copies when its rows have written
+  `written` slots (an int or an array): those holding a key, at least the first (its index map
+  points there)."""
+  return np.minimum(slots // bs, np.maximum(1, -(-np.asarray(written) // bs)))
 
 
 def prompt_blocks_read(prompt_lens, p: int, bp: int) -> int:
