@@ -14,4 +14,8 @@ from ict_jax.paper_config import paper_config
 
 
 def get_config():
-  return paper_config("/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1)
+  c = paper_config("/ckpt/Qwen2.5-0.5B", "qwen2_5_0_5b", prompts_per_step=128, steps=500, mesh_fsdp=-1)
+  # the rollout copy's q/k/v/o whole on every chip (3.6 MiB a layer), the MLP and the head split over
+  # the chips: the decode step gathers the rows for the MLP only (sampling.policy, RESULTS issue 41)
+  c.rollout.decode_weights = "mlp"
+  return c
