@@ -257,11 +257,9 @@ def prompt_bytes_skipped(
   rows, _, bp = _kernel_blocks(batch.shape[1], shared, bound, costs)[0]
   skipped = []
   for chip in batch:
-    lens = prompt_lens[chip].reshape(-1, rows)  # [row blocks, rows]
-    prompts = max(1, rows // group)
-    full = len(lens) * prompts * (p // bp)
-    copied = sum(decode_kernel.prompt_blocks_read([int(x.max())] * prompts, p, bp) for x in lens)
-    skipped.append(full - copied)
+    blocks = [x[::group].tolist() for x in prompt_lens[chip].reshape(-1, rows)]  # each row block's prompts' lengths
+    copied = sum(decode_kernel.prompt_blocks_read(lens, p, bp) for lens in blocks)
+    skipped.append(sum(map(len, blocks)) * (p // bp) - copied)
   return float(min(skipped) * bp * costs.kernel_slot_bytes * costs.layers)
 
 

@@ -18,9 +18,9 @@ a weight. Three layouts (`DECODE_WEIGHTS`, the run config's `rollout.decode_weig
   "replicated" (whole on every row shard): the attention runs on the rows a chip holds with no
   collective, and only the MLP and the head gather the rows. A chip reads its q/k/v/o whole (11 MiB
   a layer on 1.5B) but writes, reads and exchanges far fewer gathered activations: compiled for
-  v5e-8 at 1,024 rows, 1.5B's decode step reads ~16% fewer bytes a layer and exchanges half the
-  collective bytes of "tensor" (benchmarks/RESULTS.md, issue 41). For models whose attention
-  weights a chip cannot hold whole (7B LoRA on v5e-8), "tensor".
+  v5e-8 at 1,024 rows (4 layers), 1.5B's decode step reads 13% fewer bytes and exchanges half the
+  collective bytes of "tensor"; at 256 rows 4% more bytes (benchmarks/RESULTS.md, issue 41). For
+  models whose attention weights a chip cannot hold whole (7B LoRA on v5e-8), "tensor".
 
 `abstract_rollout_policy` gives the same structure as `ShapeDtypeStruct`s, for compiling the
 sampler for devices that are absent (`lower_generate`).
