@@ -221,6 +221,27 @@ def test_stretch_batches_keep_the_live_rows_first_in_their_order():
   ]
 
 
+def test_stretch_batches_sort_the_live_rows_longest_prompt_first():
+  """With the rows' prompt lengths, each chip keeps its live rows longest prompt first (ties and
+  the finished rows in their order), as `compact._compact` sorts them: at step 9 chip 0 has rows
+  3 (60 tokens), 1 (50) live and chip 1 rows 6 (90), 4, 5 (30 each); at step 17 chip 0 rows 3, 1
+  and chip 1 row 5, then its first finished one."""
+  from ict_jax.aot import plan
+
+  import ict_jax.sampling.plan as sampling_plan
+
+  lens = np.array([5, 30, 9, 20, 12, 40, 11, 3])
+  prompt = np.array([10, 50, 7, 60, 30, 30, 90, 5])
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(sampling_plan, "_ROW_UNITS", 4)
+    batches = plan.stretch_batches((8, 16, 24), lens, 2, prompt)
+  assert [b.tolist() for b in batches] == [
+      [[0, 1, 2, 3], [4, 5, 6, 7]],
+      [[3, 1, 0], [6, 4, 5]],
+      [[3, 1], [5, 6]],
+  ]
+
+
 def test_prompt_bytes_skipped_counts_the_kernels_padding_blocks():
   """The fused kernel's skipped prompt bytes in one step (`plan.prompt_bytes_skipped`), counted by
   hand for 512 prompt slots in 128-slot blocks: after a compaction (a copy a row, row blocks of the
@@ -251,6 +272,20 @@ def test_prompt_bytes_skipped_counts_the_kernels_padding_blocks():
   assert plan.prompt_bytes_skipped(shared, prompt, 256, costs, shared=True) == 0
   no_kernel = dataclasses.replace(costs, kernel_slot_bytes=0)  # XLA's attention reads every slot
   assert plan.prompt_bytes_skipped(batch, prompt, 256, no_kernel, shared=False) == 0
+  # two steps, the second with row 6 (chip 0's 512-token prompt) finished: its prompt reads as
+  # padding (`decode._phase` masks it), so chip 0 skips more, and the mean over the steps is taken
+  live = np.ones((2, *batch.shape), bool)
+  live[1, 0, 3] = False
+  step2 = prompt.copy()
+  step2[6] = 0
+  per_step = []
+  for lens_now in (prompt, step2):
+    per_step.append(
+        min(sum(rows * (4 - need(int(b.max()))) for b in lens_now[chip].reshape(-1, rows)) for chip in batch)
+    )
+  assert per_step[1] > per_step[0]
+  got = plan.prompt_bytes_skipped(batch, prompt, 256, costs, shared=False, live=live)
+  assert got == pytest.approx(np.mean(per_step) * 128 * 1024 * 3)
 
 
 def test_cache_bytes_skipped_counts_the_slots_not_written_yet():

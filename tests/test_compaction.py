@@ -257,3 +257,58 @@ def test_compaction_over_the_joint_cache(case, monkeypatch):
   # padding, which the kernel skips (`decode_kernel.first_key_blocks`): the same tokens
   wide = _run(joint, eos, compact_rows=True, width=200, buckets=(64, 256), **kw)
   _check(wide, ref)
+
+
+def test_compaction_keeps_the_rows_the_bound_plans(model, mesh, case, monkeypatch):
+  """On the mesh, the rows each shard keeps at each compaction, in their order (the live rows, the
+  longest prompt first), are those `aot.plan.stretch_batches` lays out to count the bound's bytes;
+  greedy (a prompt a row), the order by prompt length is not the rows' own order."""
+  from ict_jax.aot import plan
+
+  kw, eos, ref = case
+  kept = []
+  real = compact._compact
+
+  def record(c, **k):
+    out = real(c, **k)
+    kept.append(np.asarray(out.row_ids))
+    return out
+
+  monkeypatch.setattr(compact, "_compact", record)
+  _check(_run(model, eos, compact_rows=True, mesh=mesh, **kw), ref)
+  _, mask = _prompts(16 // kw["samples"])
+  prompt = np.repeat(mask.sum(axis=1), kw["samples"])  # [rows]: each row's prompt length
+  lens = ref[1].sum(axis=1)  # a row decodes at step i while its tokens > i
+  ends = [end for end, _ in sampling.decode_stretches(decode_phases(64))]
+  compactions = lambda batches: [b.reshape(-1).tolist() for a, b in zip(batches, batches[1:]) if b.shape != a.shape]
+  planned = compactions(plan.stretch_batches(ends, lens, 4, prompt))
+  assert len(kept) >= 2 and [k.tolist() for k in kept] == planned[: len(kept)]
+  if kw["samples"] == 1:  # a shard's rows from 4 prompts of different lengths (sampled: one prompt)
+    assert compactions(plan.stretch_batches(ends, lens, 4))[: len(kept)] != planned[: len(kept)]
+
+
+def test_a_step_reads_a_prompt_only_while_a_row_of_it_decodes(model, case, monkeypatch):
+  """The prompt mask each decode step passes to the model (`decode.live_prompt_mask`) is the
+  prompt's own while one of its rows still decodes and all padding once every row of it has
+  emitted its stop token (the fused kernel skips a padding prompt's blocks), counted from the
+  reference lengths; the tokens stay the reference's. Every row kept to the end, one device."""
+  from ict_jax.sampling import decode
+
+  kw, eos, ref = case
+  seen = {}
+  real = decode.decode_one
+
+  def spy(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len=None):
+    jax.debug.callback(lambda i, m: seen.setdefault(int(i), np.asarray(m).sum(axis=1)), i, prompt_mask)
+    return real(model, tok, num_prompt, i, cache, prompt_cache, prompt_mask, read_len)
+
+  monkeypatch.setattr(decode, "decode_one", spy)
+  _check(_run(model, eos, compact_rows=False, width=24, **kw), ref)  # 24 columns: a shape no other test traces
+  samples = kw["samples"]
+  _, mask = _prompts(16 // samples)
+  lens = ref[1].sum(axis=1).reshape(-1, samples)  # [prompts, R]: each row's tokens
+  assert sorted(seen) == list(range(1, N_NEW))
+  for i, got in seen.items():
+    live = (lens > i).any(axis=1)  # step i: a row of n tokens has emitted its last at step n - 1
+    np.testing.assert_array_equal(got, np.where(live, mask.sum(axis=1), 0), err_msg=f"step {i}")
+  assert any(not (lens > i).any(axis=1).all() for i in seen)  # some prompt finished early

@@ -25,10 +25,11 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
   at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
   not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
   (b, r) (`DecodeGrid`, `cost_analysis()` and the HLO), less the blocks the fused decode kernel
-  skips: the prompts' left padding at the rows' prompt lengths (`prompt_bytes_skipped`) and the
-  cache slots not written yet at each step (`cache_bytes_skipped`), which its cost estimate counts
-  (a stretch's steps at their mean bytes), or, where the compiler gives no cost analysis (the CUDA plugin), its
-  minimum: the rollout weights + the KV cache read, and the decode matmuls.
+  skips: the prompts' left padding at the rows' prompt lengths and the prompts none of whose rows
+  still decodes (`prompt_bytes_skipped`), and the cache slots not written yet at each step
+  (`cache_bytes_skipped`), which its cost estimate counts (a stretch's steps at their mean bytes),
+  or, where the compiler gives no cost analysis (the CUDA plugin), its minimum: the rollout weights
+  + the KV cache read, and the decode matmuls.
 
 The decode limit (`decode_limit`), counted without the compiled programs: each decode step of a
 sub-batch reads the rollout weights once split over the chips, plus the KV cache really read:
@@ -211,23 +212,26 @@ def sub_batch_rows(completion: np.ndarray, prompt: np.ndarray, costs: DecodeCost
   return pre.reshape(u, n, r).transpose(1, 0, 2).reshape(n, u * r), pre_p.reshape(u, n).T
 
 
-def stretch_batches(ends, lens: np.ndarray, shards: int) -> list[np.ndarray]:
+def stretch_batches(ends, lens: np.ndarray, shards: int, prompt: np.ndarray | None = None) -> list[np.ndarray]:
   """The rows each chip computes in each stretch (or phase), [shards, rows a chip] indices into
   one sub-batch's completion lengths `lens` [rows] in the decode batch's order, `ends` the
   stretches' last steps (`sampling.decode_stretches`): all rows in the first; at each later one's
   start (step i = the previous end + 1) the rows still live (length > i) are counted and, when the
   fullest chip needs fewer than the batch holds (`sampling.compacted_rows`), every chip moves its
-  live rows to the front in their order and keeps that many (`sampling.compact._compact`)."""
+  live rows to the front, the longest of `prompt` [rows] (each row's prompt length; None: all
+  alike) first, ties in their order, and keeps that many (`sampling.compact._compact`)."""
   from ict_jax import sampling
 
   total = lens.size // shards
+  longest_first = -(np.zeros(lens.size, np.int64) if prompt is None else np.asarray(prompt, np.int64))
   batch, out, prev = np.arange(lens.size).reshape(shards, total), [], 0
   for k, end in enumerate(ends):
     if k:
       live = lens[batch] > prev + 1
       keep = sampling.compacted_rows(int(live.sum(axis=1).max()), total)
       if keep < batch.shape[1]:
-        batch = np.take_along_axis(batch, np.argsort(~live, axis=1, kind="stable"), axis=1)[:, :keep]
+        key = np.where(live, longest_first[batch], np.iinfo(np.int64).max)
+        batch = np.take_along_axis(batch, np.argsort(key, axis=1, kind="stable"), axis=1)[:, :keep]
     out.append(batch)
     prev = end
   return out
@@ -239,28 +243,40 @@ def phase_rows(ends, lens: np.ndarray, shards: int) -> list[int]:
 
 
 def prompt_bytes_skipped(
-    batch: np.ndarray, prompt_lens: np.ndarray, bound: int, costs: DecodeCosts, shared: bool
+    batch: np.ndarray,
+    prompt_lens: np.ndarray,
+    bound: int,
+    costs: DecodeCosts,
+    shared: bool,
+    live: np.ndarray | None = None,
 ) -> float:
-  """The prompt bytes the fused decode kernel skips in one decode step, on the chip that skips the
+  """The prompt bytes the fused decode kernel skips in a decode step, on the chip that skips the
   fewest (the step waits for it), which the decode step's compiled bytes count (its cost estimate
   reads every prompt block): `batch` [shards, r] the rows each chip computes (`stretch_batches`),
-  `prompt_lens` [rows] each row's prompt length. Until the first compaction (`shared`) the rows
-  read their prompts shared (`costs.samples` rows a prompt), after it a copy a row;
-  a row block (`decode_kernel.blocks`) skips the leading prompt blocks that are left padding for
-  all of its prompts (`decode_kernel.prompt_blocks_read`). 0 without the kernel."""
-  from ict_jax.models import decode_kernel
-
+  `prompt_lens` [rows] each row's prompt length, `live` [steps, shards, r] whether each row still
+  decodes at each step of a stretch (None: one step, all live): the mean over the steps.
+  Until the first compaction (`shared`) the rows read their prompts shared (`costs.samples` rows a
+  prompt), after it a copy a row; a prompt none of whose rows is live reads as all padding
+  (`sampling.decode._phase` masks it); a row block (`decode_kernel.blocks`) skips the leading prompt
+  blocks that are left padding for all of its prompts (`decode_kernel.prompt_blocks_read`, here
+  for every row block and step at once). 0 without the kernel."""
   if not costs.kernel_slot_bytes:
     return 0.0
   group = costs.samples if shared else 1
-  p = costs.prompt_len
   rows, _, bp = _kernel_blocks(batch.shape[1], shared, bound, costs)[0]
-  skipped = []
-  for chip in batch:
-    blocks = [x[::group].tolist() for x in prompt_lens[chip].reshape(-1, rows)]  # each row block's prompts' lengths
-    copied = sum(decode_kernel.prompt_blocks_read(lens, p, bp) for lens in blocks)
-    skipped.append(sum(map(len, blocks)) * (p // bp) - copied)
-  return float(min(skipped) * bp * costs.kernel_slot_bytes * costs.layers)
+  n = costs.prompt_len // bp
+  live = np.ones((1, *batch.shape), bool) if live is None else live
+  steps, chips, r = live.shape
+  lens = np.where(live, np.asarray(prompt_lens)[batch][None], 0).reshape(steps, chips, r // group, group)
+  lens = lens.max(axis=3)  # [steps, chips, prompts]: a prompt's length while a row of it lives, else 0
+  if rows < group:  # a prompt's rows over several row blocks: each reads it
+    lens = np.repeat(lens, group // rows, axis=2)
+  lens = lens.reshape(steps, chips, r // rows, -1)  # [steps, chips, row blocks, prompts a block]
+  longest = lens.max(axis=3)
+  first = np.where(longest > 0, (costs.prompt_len - longest) // bp, n)
+  copied = lens.shape[3] * (n - np.minimum(first, n - 1))  # [steps, chips, row blocks]
+  skipped = lens.shape[2] * lens.shape[3] * n - copied.sum(axis=2)  # [steps, chips]
+  return float(skipped.min(axis=1).mean() * bp * costs.kernel_slot_bytes * costs.layers)
 
 
 def decode_limit(lens: np.ndarray, prompt: np.ndarray, costs: DecodeCosts) -> float:
@@ -313,14 +329,16 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
     limit += decode_limit(sub, pre, costs)
     row_prompt = np.repeat(pre, costs.samples)  # [rows]: each row's prompt length
     steps_in = phase_steps(ends, int(sub.max()))
-    for s, (n, batch, k) in enumerate(zip(steps_in, stretch_batches(ends, sub, costs.shards), phase_of)):
+    batches = stretch_batches(ends, sub, costs.shards, row_prompt)
+    for s, (n, batch, k) in enumerate(zip(steps_in, batches, phase_of)):
       if not n:
         continue
       r, first = batch.shape[1], (ends[s - 1] if s else 0) + 1  # the stretch's steps: first .. first + n - 1
       j = g.rows.index(r * costs.shards)
       shared = r * costs.shards == sub.size
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
-      b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared)
+      live = sub[batch][None] > np.arange(first, first + n)[:, None, None]  # [n, chips, r]: rows live at each step
+      b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared, live)
       b -= cache_bytes_skipped(first, first + n - 1, g.bounds[k], r, shared, costs) / n  # a step's mean
       steps[k] += n
       row_steps[k] += n * r

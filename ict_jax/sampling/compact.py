@@ -7,8 +7,8 @@ row of the batch ends. Here the length-bounded phases of `plan.decode_phases(max
 into up to 4 stretches (`plan.decode_stretches`: 64 steps each at 2,048 columns), are run one
 program call a stretch, and between two of them the host reads (one small transfer) how many rows
 each row shard still decodes; when the fullest shard needs fewer rows than the batch holds, every
-shard moves its live rows to the front, in their order, and keeps `plan.compacted_rows(most live,
-rows a shard)` of them: the KV cache, the last tokens, the done flags, the row ids (the draws' keys)
+shard moves its live rows to the front, longest prompt first, and keeps `plan.compacted_rows(most
+live, rows a shard)` of them: the KV cache, the last tokens, the done flags, the row ids (the draws' keys)
 and the prompts' keys/values are gathered along. Rows never cross devices: the rows are sharded in
 blocks over ("data", "fsdp") and each shard gathers within its block (`_take_rows`). The outputs
 [B, max_len] stay whole, each shard's block permuted like its rows (the computed rows first), and
@@ -16,7 +16,8 @@ are put back in the rows' order once at the end (`_close`).
 
 The prompt cache: until the first compaction the R rows of a prompt read its one prefilled copy
 (`decode.prefill`); the first compaction gathers a copy per kept row (the rows of a prompt no longer
-sit together), so from then on a step reads each live row's prompt slots.
+sit together), so from then on a step reads each live row's prompt slots. A prompt none of whose
+rows still decodes is read as all padding (`decode._phase`), which the fused kernel skips.
 
 Tokens, masks and log-probs are those of `decode._decode_rows` (rows are computed independently
 and row r draws with its own key, `decode._emit`).
@@ -84,12 +85,16 @@ def _take_rows(x: Array, idx: Array, axis: int, names) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("shards", "keep"))
 def _compact(c: Decoding, *, shards: int, keep: int) -> Decoding:
-  """Each row shard's rows still decoding first (in their order), then its first `keep` computed
-  rows only: the cache, tokens, flags, row ids and prompts' keys/values gathered, the outputs'
-  rows permuted alike."""
+  """Each row shard's rows still decoding first, the longest prompts first (ties in their order,
+  so a prompt's rows stay together), then its first `keep` computed rows only: the cache, tokens,
+  flags, row ids and prompts' keys/values gathered, the outputs' rows permuted alike. Sorted by
+  prompt length, a row block of the fused decode kernel holds prompts of like length and skips
+  more of their left padding (`decode_kernel`)."""
   b = c.tok.shape[0]
   here = b // shards  # computed rows a shard
-  order = jnp.argsort(c.done.reshape(shards, here), axis=1, stable=True).astype(jnp.int32)  # live first
+  finished = jnp.iinfo(jnp.int32).max  # after every live row
+  key = jnp.where(c.done, finished, -c.num_prompt).reshape(shards, here)  # [S, here]
+  order = jnp.argsort(key, axis=1, stable=True).astype(jnp.int32)  # live first, longest prompt first
   take = order[:, :keep]  # [S, keep]
   rows = ("act_batch",)
   row = lambda x: _take_rows(x, take, 0, rows + (None,) * (x.ndim - 1))

@@ -194,10 +194,19 @@ def _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, 
   return _emit(model.cfg, c, logits, rng, scalars, flags)
 
 
+def live_prompt_mask(prompt_mask: Array, done: Array) -> Array:
+  """prompt_mask [u, P] with the prompts none of whose rows still decodes (done [b], rows
+  [k b/u, (k + 1) b/u) prompt k's) all padding: [u, P]."""
+  live = ~jnp.all(done.reshape(prompt_mask.shape[0], -1), axis=1)  # [u]
+  return prompt_mask * live[:, None].astype(prompt_mask.dtype)
+
+
 def _phase(model, c: Decoding, rng, scalars, flags: Flags, bound: int, stop=None) -> Decoding:
   """The steps i <= bound of the decode loop (completion slots [0, i - 1) within [0, bound)), one
   `lax.while_loop` that stops early when every row is done or num_new tokens are out; `stop` (a
-  traced int32, <= bound: not a new program) ends it after step `stop` (a stretch, `compact.py`)."""
+  traced int32, <= bound: not a new program) ends it after step `stop` (a stretch, `compact.py`).
+  A prompt whose rows have all finished is masked out of the step (its rows' tokens are padding
+  whatever they read), so the fused kernel skips its blocks (`decode_kernel`)."""
   num_new = scalars[0]
   last = bound if stop is None else jnp.minimum(stop, bound)
 
@@ -205,7 +214,8 @@ def _phase(model, c: Decoding, rng, scalars, flags: Flags, bound: int, stop=None
     return (c.i < num_new) & (c.i <= last) & ~jnp.all(c.done)
 
   def body(c):  # c.tok [b]: completion token i - 1, into slot i - 1
-    logits, cache = decode_one(model, c.tok, c.num_prompt, c.i, c.cache, c.prompt_cache, c.prompt_mask, bound)
+    read = live_prompt_mask(c.prompt_mask, c.done)
+    logits, cache = decode_one(model, c.tok, c.num_prompt, c.i, c.cache, c.prompt_cache, read, bound)
     return _emit(model.cfg, c._replace(cache=cache), logits, rng, scalars, flags)
 
   return jax.lax.while_loop(cond, body, c)
