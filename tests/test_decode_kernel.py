@@ -77,11 +77,21 @@ def test_kernel_matches_numpy_per_shard_with_two_prompts_a_row_block(monkeypatch
   with jax.set_mesh(sharding.make_mesh((2, 4, 1))), axis_rules(sampling.DECODE_RULES):
     _check_against_numpy(256, 40, 48, 2, 4, local_rows=12)
     _check_against_numpy(256, 512, 16, 1, 1, local_rows=2)
+    _check_against_numpy(256, 40, 48, 2, 2, local_rows=12, h=128)  # 128-lane heads: q not padded
 
 
-def _check_against_numpy(slots, prompt_len, prompts, group, rows, local_rows=None):
+def test_kernel_matches_numpy_with_128_lane_heads(monkeypatch):
+  """Heads of 128 values (Qwen2.5 1.5B, 7B): q goes in unpadded, the kernel scores against a
+  slot's key lanes and writes only the value lanes; a prompt block and a prompt copy a row."""
+  monkeypatch.setattr(decode_kernel, "BLOCK_BYTES", 2048 << 10)
+  _check_against_numpy(384, 256, 3, 2, 2, h=128)
+  _check_against_numpy(256, 512, 8, 1, 4, h=128)
+
+
+def _check_against_numpy(slots, prompt_len, prompts, group, rows, local_rows=None, h=64):
+  """h 64: q padded to the joint width by the caller; 128: q as it is, the key lanes sliced."""
   rng = np.random.default_rng(slots + prompt_len)
-  layers, heads, g, h, length = 3, 2, 3, 64, 512
+  layers, heads, g, length = 3, 2, 3, 512
   b = prompts * group
   f = lambda *shape: rng.normal(size=shape).astype(np.float32)
   q, k, v = f(b, heads, g, h), f(b, heads, h), f(b, heads, h)

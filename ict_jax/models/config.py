@@ -43,8 +43,9 @@ class Qwen2Config:
   attention: str = "einsum"
   # the decode step's attention over the KV cache: "xla" (einsums over a [L, B, K, S, H] keys
   # and values cache) or "pallas" (`models/decode_kernel.py`: a fused Pallas TPU kernel over a
-  # joint [L, B, K, S, 2H] cache, scores kept on-chip); "pallas_interpret" runs that kernel in the
-  # Pallas interpreter (any backend; tests). The run config's "auto" is resolved in `setup`.
+  # joint [L, B, K, S, 2H] cache, scores kept on-chip, and with the MLP split over the chips the
+  # fused MLP of `models/mlp_kernel.py`); "pallas_interpret" runs those kernels in the Pallas
+  # interpreter (any backend; tests). The run config's "auto" is resolved in `setup`.
   decode_attention: str = "xla"
   # the kernels' formulation (`ict_jax.cpu_paths`): "portable" (TPU, GPU, any mesh: what the
   # reference tests check) or "cpu" (XLA:CPU on one device). A concrete choice: the run config's

@@ -22,6 +22,10 @@ prompt blocks + cache blocks), 12 to 68 steps a layer on a v5e chip at Qwen2.5 0
   acc    = p @ kv_blk         [G, 2H]: lanes [H, 2H) hold p @ v (lanes [0, H) p @ k, unused)
 
 so neither needs a lane slice; the output is acc / sum, of which the caller keeps lanes [H, 2H).
+Heads of 128 values or more (a lane tile's multiple: Qwen2.5 1.5B, 7B) go in unpadded: the scores
+take a block's key lanes [0, H) and the kernel writes only lanes [H, 2H) of acc / sum, both slices
+on a tile's edge, so the padded query and the whole-width output (~3 MB a layer at 128 rows a chip
+of 1.5B, written and read back by XLA) are not made.
 Layer `layer` of the stacked caches is read in place (scalar-prefetched into the index maps), so
 no layer slice is copied. Biases (0 where a slot may be read, finfo.min where not) come from
 `Qwen2.hidden_states`. `interpret=True` runs it in the Pallas interpreter (any backend: the CPU
@@ -107,10 +111,11 @@ def _kernel(
 ):
   """Grid step (row block i, slot block j): j < prefix_blocks reads the j-th slots of the block's
   prompts (one [bs, W] block a prompt and KV head, for its `group` rows), then the rows' own cache
-  slots. q_ref [R, K, G, W]; new_ref [R, K, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token
+  slots. q_ref [R, K, G, W] (zeros in the value lanes) or [R, K, G, H] (H a multiple of 128: the
+  key lanes are sliced instead, on a lane tile's edge); new_ref [R, K, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token
   (its key | value, its bias); then (prefix_ref [U, K, bs, W], prefix_bias_ref [U, 1, bs]) if a
   prompt block (row r's prompt: r // group), cache_ref [R, K, bs, W], cache_bias_ref
-  [R | 1, 1, bs], out_ref [R, K, G, W], scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
+  [R | 1, 1, bs], out_ref as q_ref (the value lanes only when H wide), scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
   running maximum, sum and weighted value sum). Rows run in a loop, KV heads unrolled."""
   # scalars_ref [layer, first row, first prompt, (per row block its first prompt block holding a key,)
   # from last_at per row block its last cache block holding a key]: read by the index maps, the
@@ -120,7 +125,9 @@ def _kernel(
   else:
     cache_ref, cache_bias_ref, out_ref, m_ref, l_ref, acc_ref = refs
   i, j = pl.program_id(0), pl.program_id(1)
-  rows, heads, g, w = q_ref.shape
+  rows, heads, g, wq = q_ref.shape  # wq: W (q padded by the caller) or H (128-lane heads)
+  w = cache_ref.shape[-1]
+  keys = (lambda x: x) if wq == w else (lambda x: x[:, :wq])  # a slot's key lanes, as wide as q
 
   def widen(x, n):  # [G, LANES] lane-replicated -> [G, n]
     return jnp.tile(x, (1, n // LANES)) if n % LANES == 0 else jnp.broadcast_to(x[:, :1], (x.shape[0], n))
@@ -137,7 +144,7 @@ def _kernel(
   def _start():  # the softmax starts at the new token, which every row sees
     def start(r, h):
       new = new_ref[r, h].astype(jnp.float32)  # [1, W]: key | value
-      score = jnp.sum(q_ref[r, h].astype(jnp.float32) * new, axis=1, keepdims=True) * scale  # [G, 1]
+      score = jnp.sum(q_ref[r, h].astype(jnp.float32) * keys(new), axis=1, keepdims=True) * scale  # [G, 1]
       score = score + new_bias_ref[0 if shared[0] else r]
       m_ref[r, h] = jnp.broadcast_to(score, (g, LANES))
       l_ref[r, h] = jnp.ones((g, LANES), jnp.float32)
@@ -146,7 +153,7 @@ def _kernel(
     each_row(start)
 
   def update(r, h, kv, bias):  # kv [bs, W] slots, bias [1, bs]
-    s = jax.lax.dot_general(q_ref[r, h], kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = jax.lax.dot_general(q_ref[r, h], keys(kv), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale + bias  # [G, bs]
     m_prev = m_ref[r, h]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -171,7 +178,8 @@ def _kernel(
   @pl.when(j == pl.num_programs(1) - 1)
   def _done():
     def done(r, h):
-      out_ref[r, h] = (acc_ref[r, h] / widen(l_ref[r, h], w)).astype(out_ref.dtype)
+      out = acc_ref[r, h] / widen(l_ref[r, h], w)  # [G, W]: lanes [H, 2H) hold the attention's output
+      out_ref[r, h] = (out if wq == w else out[:, w - wq :]).astype(out_ref.dtype)
 
     each_row(done)
 
@@ -189,7 +197,8 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
     prefix_kv, prefix_bias, kv, bias, scalars = rest
   else:
     kv, bias, scalars = rest
-  b, k, g, w = q.shape
+  b, k, g, wq = q.shape  # wq: 2H (q padded) or H
+  w = kv.shape[-1]
   s = bias.shape[-1]
   shared = (new_bias.shape[0] == 1, bias.shape[0] == 1)  # a bias for every row alike
   p = prefix_kv.shape[3] if has_prefix else 0
@@ -200,7 +209,7 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
   cache_j = lambda i, j, sc: jnp.clip(j - prefix_blocks, 0, jnp.maximum(sc[last_at + i], 0))
   per_row = lambda i, j, sc: (i, 0, 0, 0)
   in_specs = [
-      pl.BlockSpec((rows, k, g, w), per_row),
+      pl.BlockSpec((rows, k, g, wq), per_row),
       pl.BlockSpec((rows, k, 1, w), per_row),
       pl.BlockSpec((1 if shared[0] else rows, 1, 1), lambda i, j, sc: (0 if shared[0] else i, 0, 0)),
   ]
@@ -243,14 +252,14 @@ def _local(q, new, new_bias, *rest, scale: float, group: int, has_prefix: bool, 
           num_scalar_prefetch=1,
           grid=(b // rows, prefix_blocks + s // bs),
           in_specs=in_specs,
-          out_specs=pl.BlockSpec((rows, k, g, w), per_row),
+          out_specs=pl.BlockSpec((rows, k, g, wq), per_row),
           scratch_shapes=[
               pltpu.VMEM((rows, k, g, LANES), jnp.float32),
               pltpu.VMEM((rows, k, g, LANES), jnp.float32),
               pltpu.VMEM((rows, k, g, w), jnp.float32),
           ],
       ),
-      out_shape=jax.ShapeDtypeStruct((b, k, g, w), q.dtype),
+      out_shape=jax.ShapeDtypeStruct((b, k, g, wq), q.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       cost_estimate=cost,
       interpret=interpret,
@@ -310,7 +319,8 @@ def decode_attention(
   b, t, kh, g, h = q.shape
   if t != 1:
     raise ValueError(f"decode_attention 'pallas' takes one new token a row, got {t}; decode_attention 'xla' takes more")
-  q_pad = jnp.pad(q[:, 0], [(0, 0), (0, 0), (0, 0), (0, h)])  # [B, K, G, 2H]: zeros in the value lanes
+  lanes = h % LANES == 0  # 128-lane heads: q goes in as it is, the kernel slicing the key lanes on a tile's edge
+  q_pad = q[:, 0] if lanes else jnp.pad(q[:, 0], [(0, 0), (0, 0), (0, 0), (0, h)])  # [B, K, G, H | 2H]
   new = jnp.concatenate([k, v], axis=-1).transpose(0, 2, 1, 3)  # [B, K, 1, 2H]
   old_bias, new_bias = mask[-2], mask[-1]
   has_prefix = prefix_kv is not None
@@ -349,4 +359,5 @@ def decode_attention(
     in_specs += [stacked(kv), per_row(args[-1]), P(None)]
     row_axes = rows[0]
     run = jax.shard_map(run, in_specs=tuple(in_specs), out_specs=rows, check_vma=False)
-  return run(*args, layer)[..., h:][:, None]  # [B, 1, K, G, H]
+  out = run(*args, layer)  # [B, K, G, H], or [B, K, G, 2H] whose value lanes hold it
+  return (out if lanes else out[..., h:])[:, None]  # [B, 1, K, G, H]

@@ -25,6 +25,7 @@ from flax import nnx
 from ict_jax.models.attention import PackedSegments, attend
 from ict_jax.models.axes import constrain
 from ict_jax.models.config import Qwen2Config
+from ict_jax.models import mlp_kernel
 from ict_jax.models.decode_kernel import decode_attention
 
 Array = jax.Array
@@ -88,10 +89,11 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:  # [..., D]
-    dtype = x.dtype
+    return self.scale[...].astype(x.dtype) * self.normalize(x)
+
+  def normalize(self, x: Array) -> Array:  # [..., D]: x / RMS(x) in x's dtype, before the scale
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(dtype) * x32.astype(dtype)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
@@ -258,12 +260,23 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False, prefix=None, layer=None):
-    """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`."""
+  def __call__(self, x, cos, sin, mask, cache=None, prefill: bool = False, prefix=None, layer=None, stacked=None):
+    """-> (x [B,T,D], the T new (keys, values) [B,K,T,H]); see `Attention`. stacked: all layers
+    stacked (decoding over a `JointCache`): with the MLP split over the chips, the fused decode MLP
+    (`models/mlp_kernel.py`) reads layer `layer` of its norm scale and weights in place, where a
+    chip's weights fit it."""
     h, new_kv = self.attn(self.input_norm(x), cos, sin, mask, cache, prefill, prefix, layer)
     x = x + h
-    split = self.attn.cfg.split_mlp and cache is not None and not prefill
-    x = x + self.mlp(self.post_attn_norm(x), split)  # split: reduce-scattered to rows by the constraint
+    cfg = self.attn.cfg
+    split = cfg.split_mlp and cache is not None and not prefill
+    d, f = self.mlp.gate_proj.kernel.shape[-2:]
+    if split and stacked is not None and mlp_kernel.fits(d, f, x.dtype.itemsize):
+      rows = constrain(self.post_attn_norm.normalize(x), (None, None, None))  # every row, gathered
+      mlp, scale = stacked.mlp, stacked.post_attn_norm.scale[...]
+      weights = [p.kernel[...] for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]  # [L, ...]
+      x = x + mlp_kernel.decode_mlp(rows, scale, *weights, layer, interpret=cfg.decode_attention == "pallas_interpret")
+    else:
+      x = x + self.mlp(self.post_attn_norm(x), split)  # split: reduce-scattered to rows by the constraint
     return constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
 
 
@@ -378,9 +391,11 @@ class Qwen2(nnx.Module):
     write = lambda c, n: jax.lax.dynamic_update_slice(c, constrain(n.astype(c.dtype), names), start)
     if isinstance(cache, JointCache):  # the kernel reads layer `index` of the whole caches in place
 
+      stacked = nnx.merge(graphdef, state)  # [L, ...]: the fused MLP reads its layer in place too
+
       def joint_layer(x, xs):
         layer_state, layer = xs
-        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, cache, False, prefix, layer)
+        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, cache, False, prefix, layer, stacked)
 
       x, new = jax.lax.scan(joint_layer, x, (state, index))
       x, new = jax.lax.optimization_barrier((x, new))  # read before write, as below
