@@ -267,11 +267,10 @@ def prompt_bytes_skipped(
   n = costs.prompt_len // bp
   live = np.ones((1, *batch.shape), bool) if live is None else live
   steps, chips, r = live.shape
-  lens = np.where(live, np.asarray(prompt_lens)[batch][None], 0).reshape(steps, chips, r // group, group)
-  lens = lens.max(axis=3)  # [steps, chips, prompts]: a prompt's length while a row of it lives, else 0
-  if rows < group:  # a prompt's rows over several row blocks: each reads it
-    lens = np.repeat(lens, group // rows, axis=2)
-  lens = lens.reshape(steps, chips, r // rows, -1)  # [steps, chips, row blocks, prompts a block]
+  if group > 1:  # shared: the batch is every row in order, a prompt's rows (maybe over chips) consecutive
+    live = np.repeat(live.reshape(steps, -1, group).any(axis=2), group, axis=1).reshape(live.shape)
+  lens = np.where(live, np.asarray(prompt_lens)[batch][None], 0)  # [steps, chips, r]: 0 once its prompt is dead
+  lens = lens.reshape(steps, chips, r // rows, rows)[..., ::group]  # [steps, chips, row blocks, prompts a block]
   longest = lens.max(axis=3)
   first = np.where(longest > 0, (costs.prompt_len - longest) // bp, n)
   copied = lens.shape[3] * (n - np.minimum(first, n - 1))  # [steps, chips, row blocks]

@@ -112,11 +112,12 @@ def _kernel(
   """Grid step (row block i, slot block j): j < prefix_blocks reads the j-th slots of the block's
   prompts (one [bs, W] block a prompt and KV head, for its `group` rows), then the rows' own cache
   slots. q_ref [R, K, G, W] (zeros in the value lanes) or [R, K, G, H] (H a multiple of 128: the
-  key lanes are sliced instead, on a lane tile's edge); new_ref [R, K, 1, W] and new_bias_ref [R | 1, 1, 1]: the new token
-  (its key | value, its bias); then (prefix_ref [U, K, bs, W], prefix_bias_ref [U, 1, bs]) if a
-  prompt block (row r's prompt: r // group), cache_ref [R, K, bs, W], cache_bias_ref
-  [R | 1, 1, bs], out_ref as q_ref (the value lanes only when H wide), scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the
-  running maximum, sum and weighted value sum). Rows run in a loop, KV heads unrolled."""
+  key lanes are sliced instead, on a lane tile's edge); new_ref [R, K, 1, W] and new_bias_ref
+  [R | 1, 1, 1]: the new token (its key | value, its bias); then (prefix_ref [U, K, bs, W],
+  prefix_bias_ref [U, 1, bs]) if a prompt block (row r's prompt: r // group), cache_ref
+  [R, K, bs, W], cache_bias_ref [R | 1, 1, bs], out_ref as wide as q_ref (H wide: the value lanes
+  only), scratch m, l [R, K, G, LANES] and acc [R, K, G, W] (the running maximum, sum and weighted
+  value sum). Rows run in a loop, KV heads unrolled."""
   # scalars_ref [layer, first row, first prompt, (per row block its first prompt block holding a key,)
   # from last_at per row block its last cache block holding a key]: read by the index maps, the
   # blocks' own by the conditions below

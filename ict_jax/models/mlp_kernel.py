@@ -11,14 +11,14 @@ weights a chip holds (`benchmarks/RESULTS.md`). Here one kernel call a layer kee
                                          x [B, D] (RMS-normalised), gate / up [D, F'], down [F', D]
 
 a grid step a block of rows, the three weights whole in VMEM (their index maps constant: copied
-once, into one buffer), so a step reads x once, each weight once and writes the partial sums [B, D] once; the
-post-attention norm's scale is applied to the rows in the kernel too. The
-partial sums of the chips' F' columns are then reduce-scattered to the rows' shards, as XLA does
+once, into one buffer), so a call reads x once and each weight once and writes the partial sums
+[B, D] once; the post-attention norm's scale is applied to the rows in the kernel too. The partial
+sums of the chips' F' columns are then reduce-scattered to the rows' shards, as XLA does
 (`jax.lax.psum_scatter`). The gate and up products are rounded to x's dtype before the gating, as
 the XLA path's einsums round them. `fits` says when the kernel applies: the chip's weights within
 `WEIGHT_VMEM_BYTES` (Qwen2.5 0.5B and 1.5B on 8 chips: 3.3 and 10.3 MB; not 7B, whose MLP weights
-take 51 MB a chip); otherwise `Qwen2`'s XLA path runs. `interpret=True` runs it in the
-Pallas interpreter (the CPU tests).
+take 51 MB a chip); otherwise `Qwen2`'s XLA path runs. `interpret=True` runs it in the Pallas
+interpreter (the CPU tests).
 """
 
 from __future__ import annotations
