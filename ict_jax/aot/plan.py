@@ -258,23 +258,22 @@ def prompt_bytes_skipped(
   Until the first compaction (`shared`) the rows read their prompts shared (`costs.samples` rows a
   prompt), after it a copy a row; a prompt none of whose rows is live reads as all padding
   (`sampling.decode._phase` masks it); a row block (`decode_kernel.blocks`) skips the leading prompt
-  blocks that are left padding for all of its prompts (`decode_kernel.prompt_blocks_read`, here
-  for every row block and step at once). 0 without the kernel."""
+  blocks that are left padding for all of its prompts (`decode_kernel.prompt_blocks_read`, for
+  every row block and step at once). 0 without the kernel."""
+  from ict_jax.models import decode_kernel
+
   if not costs.kernel_slot_bytes:
     return 0.0
   group = costs.samples if shared else 1
   rows, _, bp = _kernel_blocks(batch.shape[1], shared, bound, costs)[0]
-  n = costs.prompt_len // bp
   live = np.ones((1, *batch.shape), bool) if live is None else live
   steps, chips, r = live.shape
   if group > 1:  # shared: the batch is every row in order, a prompt's rows (maybe over chips) consecutive
     live = np.repeat(live.reshape(steps, -1, group).any(axis=2), group, axis=1).reshape(live.shape)
   lens = np.where(live, np.asarray(prompt_lens)[batch][None], 0)  # [steps, chips, r]: 0 once its prompt is dead
   lens = lens.reshape(steps, chips, r // rows, rows)[..., ::group]  # [steps, chips, row blocks, prompts a block]
-  longest = lens.max(axis=3)
-  first = np.where(longest > 0, (costs.prompt_len - longest) // bp, n)
-  copied = lens.shape[3] * (n - np.minimum(first, n - 1))  # [steps, chips, row blocks]
-  skipped = lens.shape[2] * lens.shape[3] * n - copied.sum(axis=2)  # [steps, chips]
+  copied = decode_kernel.prompt_blocks_read(lens, costs.prompt_len, bp)  # [steps, chips, row blocks]
+  skipped = lens.shape[2] * lens.shape[3] * (costs.prompt_len // bp) - copied.sum(axis=2)  # [steps, chips]
   return float(skipped.min(axis=1).mean() * bp * costs.kernel_slot_bytes * costs.layers)
 
 

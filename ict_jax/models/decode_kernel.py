@@ -291,13 +291,16 @@ def cache_blocks_read(written, slots: int, bs: int):
   return np.minimum(slots // bs, np.maximum(1, -(-np.asarray(written) // bs)))
 
 
-def prompt_blocks_read(prompt_lens, p: int, bp: int) -> int:
-  """The prompt blocks of bp slots a row block copies for its prompts' lengths (left-padded in p
-  slots): from the first holding a key of the longest to the last, for each of its prompts (the
-  last block once when none holds a key: its index map still points there)."""
+def prompt_blocks_read(prompt_lens, p: int, bp: int):
+  """The prompt blocks of bp slots a row block copies for its prompts' lengths [..., prompts]
+  (left-padded in p slots; any leading axes: many row blocks at once) -> [...]: from the first
+  holding a key of the longest to the last, for each of its prompts (the last block once when none
+  holds a key: its index map still points there)."""
+  lens = np.asarray(prompt_lens)
   n = p // bp
-  first = (p - max(prompt_lens)) // bp if max(prompt_lens) else n
-  return len(prompt_lens) * (n - min(first, n - 1))
+  longest = lens.max(axis=-1)
+  first = np.where(longest > 0, (p - longest) // bp, n)
+  return lens.shape[-1] * (n - np.minimum(first, n - 1))
 
 
 def _shard_start(spec_entry, local: int) -> Array:

@@ -44,7 +44,7 @@ def fits(d: int, f: int, itemsize: int) -> bool:
   chips = 1
   if not mesh.empty:
     shape = dict(mesh.shape)
-    for axis in _axes(logical_to_spec(("act_split",), (f,), shape)[0]):
+    for axis in _split_axes(f, shape):
       chips *= shape[axis]
   return 3 * d * (f // chips) * itemsize <= WEIGHT_VMEM_BYTES
 
@@ -113,6 +113,11 @@ def _axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _split_axes(f: int, shape: dict) -> tuple[str, ...]:
+  """The mesh axes the intermediate dimension (f) is split over: "act_split"'s that divide it."""
+  return _axes(logical_to_spec(("act_split",), (f,), shape)[0])
+
+
 def decode_mlp(
     x: Array,
     scale: Array,
@@ -141,7 +146,7 @@ def decode_mlp(
   if mesh.empty:
     return _local(flat, *weights, layer, interpret).reshape(b, t, d)
   shape = dict(mesh.shape)
-  split = _axes(logical_to_spec(("act_split",), (gate.shape[2],), shape)[0])  # the axes F is split over
+  split = _split_axes(gate.shape[2], shape)
   rows = _axes(logical_to_spec(("act_batch",), (b * t,), shape)[0])  # the axes the output rows are
   rows = tuple(a for a in rows if a in split)  # the partial sums are scattered over these, summed over the rest
   rest = tuple(a for a in split if a not in rows)
