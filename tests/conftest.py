@@ -47,6 +47,45 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: otherwise in file order
 
 
+# Each program XLA:CPU compiles stays in the process while jax's caches hold it (~0.7 MB and ~6
+# memory maps a small program), so a worker's memory grows over the suite (2.4 GB and 5,500 maps a
+# tenth of the way in). Workers have died of a segmentation fault inside XLA:CPU's compile late in
+# the suite (88-96% of the way, in whichever test compiled next: CI on 2026-12-07 and three runs
+# here). The suspects are the box's memory (two such workers and the training subprocesses the
+# tests start share 24 GB) and the kernel's 65,530 maps a process (vm.max_map_count); neither is
+# proven (10,000+ tiny programs in one process held 49,800 maps, 7 GB, and did not crash). Past
+# either limit below, jax's caches are cleared between two tests: the programs still needed
+# compile again.
+_MAX_MAPS = 20_000
+_MAX_RSS = 6 * 2**30
+
+
+def _process_load() -> tuple[int, int]:
+  """(memory maps, resident bytes) of this process; (0, 0) off Linux."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      maps = sum(1 for _ in f)
+    with open("/proc/self/statm", "rb") as f:
+      rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    return 0, 0
+  return maps, rss
+
+
+@pytest.fixture(autouse=True)
+def _bounded_process():
+  yield
+  maps, rss = _process_load()
+  if maps > _MAX_MAPS or rss > _MAX_RSS:
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture
 def blocked_at_any_vocab(monkeypatch):
   """kernels "cpu" takes the row-blocked ICT statistics at a test's small vocabulary too (a run
