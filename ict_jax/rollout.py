@@ -193,7 +193,8 @@ class Collector:
 
   decode_batch_size as in `sampling.generate` (an int that no longer divides the rows because
   over-long prompts were dropped shrinks to their gcd); compact_rows as `sampling.generate`'s
-  (config.rollout.compact_rows): the finished rows dropped from the decode batch between stretches."""
+  (config.rollout.compact_rows, compaction_units): the finished rows dropped from the decode batch
+  between stretches."""
 
   def __init__(
       self,
@@ -209,12 +210,13 @@ class Collector:
       decode_batch_size: int | str | None = None,
       decode_weights: str = "replicated",
       compact_rows: bool = True,
+      compaction_units: int = 8,
   ):
     self.tokenizer, self.sampling, self.scoring = tokenizer, sampling, scoring
     self.group_size, self.prompt_style, self.max_prompt_len = group_size, prompt_style, max_prompt_len
     self.mesh, self.rollout_dtype, self.decode_batch_size = mesh, rollout_dtype, decode_batch_size
     self.decode_weights = decode_weights
-    self.compact_rows = compact_rows
+    self.compact_rows, self.compaction_units = compact_rows, compaction_units
 
   @classmethod
   def from_config(
@@ -243,6 +245,7 @@ class Collector:
         decode_batch_size=decode_batch_size(cfg),
         decode_weights=rc.decode_weights,
         compact_rows=rc.compact_rows,
+        compaction_units=rc.compaction_units,
     )
 
   def policy(self, model_or_parts) -> RolloutPolicy:
@@ -260,6 +263,7 @@ class Collector:
         pad_id=tok.pad_id,
         mesh=self.mesh,
         compact_rows=self.compact_rows,
+        compaction_units=self.compaction_units,
     )
 
   # ---- the evaluator's sampler -----------------------------------------------------------------

@@ -34,9 +34,10 @@ def test_decode_bound_counts_live_rows_step_by_step(monkeypatch):
   lengths drawn with half at the cap: the bound's decode seconds, bytes, rows and limit equal a
   step-by-step count, in which a step i of stretch s (in the phase of bound b) costs the grid at
   (b, its rows): all rows (s = 0) or, from s = 1, the most rows of a chip still live at the
-  stretch's first step (length > that step; `compacted_rows` with 1-row units here), and the
-  limit reads the weights / 2 chips + i slots a live row + a prompt's slots while any of its rows
-  lives."""
+  stretch's first step (length > that step; `compacted_rows` with 1-row units here) once the fuller
+  chip has sent half the difference (up to 4 rows, its last live ones) to the other, and the limit
+  reads the weights / 2 chips + i slots a live row + a prompt's slots while any of its rows lives.
+  Row_bytes 0: the compactions cost nothing here."""
   from ict_jax import sampling
   from ict_jax.aot import plan
   from ict_jax.length_model import LengthDistribution
@@ -60,16 +61,29 @@ def test_decode_bound_counts_live_rows_step_by_step(monkeypatch):
       lengths=lengths, batches=3, seed=5,
   )  # fmt: skip
   rng = np.random.default_rng(5)
-  secs = nbytes = limit = row_steps = real = ici_bytes = 0.0
+  secs = nbytes = limit = row_steps = real = ici_bytes = shifted = copied = sent = 0.0
   for _ in range(3):
     p, c = lengths.sample(rng, 2, 8, 32, 64)
-    chip = c.reshape(2, 8)  # chip k: prompt k's rows
+    prompt = np.repeat(p, 8)
+    held = [list(range(8)), list(range(8, 16))]  # each chip's live rows, in the order it keeps them
     stretch_rows = {}
     for i in range(1, c.max()):
       s = next(j for j, (end, _) in enumerate(stretches) if i <= end)
       if s not in stretch_rows:
-        start = 0 if s == 0 else stretches[s - 1][0]
-        stretch_rows[s] = 8 if s == 0 else max(1, int((chip > start + 1).sum(axis=1).max()))
+        r = stretch_rows.get(s - 1, 8)
+        if s:  # drop the finished rows; the fuller chip sends its last live ones over (4 at most)
+          start = stretches[s - 1][0] + 1
+          held = [sorted((q for q in h if c[q] > start), key=lambda q: -prompt[q]) for h in held]
+          big = int(len(held[1]) > len(held[0]))
+          moved = min(4, (len(held[big]) - len(held[1 - big])) // 2)
+          keep = max(1, len(held[big]) - moved, len(held[1 - big]) + moved)
+          if keep < r:
+            r = keep
+            shifted, copied, sent = shifted + moved, copied + 2 * keep, sent + (8 if moved else 0)
+            if moved:
+              held[1 - big] += held[big][-moved:]
+              held[big] = held[big][:-moved]
+        stretch_rows[s] = r
       r, bound = stretch_rows[s], stretches[s][1]
       x = f(bound, 2 * r)
       secs += max(x / bw, bound * 2 * r / peak) + 2 * r / ici
@@ -78,13 +92,22 @@ def test_decode_bound_counts_live_rows_step_by_step(monkeypatch):
       slots = i * live.sum() + sum(p[q] for q in range(2) if live[8 * q : 8 * q + 8].any())
       limit += (2 * 10**6 + 100 * slots) / 2
     real += (c - 1).sum()
-  assert b.capped_fraction > 0.3 and b.decode_phase_rows[-1] < 8  # rows were dropped
+  assert b.capped_fraction > 0.3 and b.decode_phase_rows[-1] < 8 and shifted  # rows were dropped and moved
   assert b.decode_s == pytest.approx(secs / 3) and b.decode_bytes == pytest.approx(nbytes / 3)
   assert b.decode_ici_bytes == pytest.approx(ici_bytes / 3) and b.decode_ici_s == pytest.approx(ici_bytes / 3 / ici)
   assert b.decode_limit_bytes == pytest.approx(limit / 3) and b.decode_limit_s == pytest.approx(limit / 3 / bw)
   assert b.decode_bytes_over_limit == pytest.approx(nbytes / limit)
   assert b.live_row_steps == pytest.approx(row_steps / 3) and b.real_decode_tokens == pytest.approx(real / 3)
   assert b.live_row_steps_over_real == pytest.approx(row_steps / real)
+  # a row's state of 1,000 bytes: each compaction copies its kept rows' (2 x keep, read and written)
+  # and, when rows move, sends 4 rows each way
+  c = plan.step_bound(
+      Qwen2Config.preset("tiny"), dataclasses.replace(costs, row_bytes=1000), chips=2, peak_tflops=1, hbm_tb_s=1e-3,
+      ici_gb_s=0.1, train_steps=1, lengths=lengths, batches=3, seed=5,
+  )  # fmt: skip
+  assert c.decode_bytes - b.decode_bytes == pytest.approx(copied * 1000 / 3)
+  assert c.decode_ici_bytes - b.decode_ici_bytes == pytest.approx(sent * 1000 / 3)
+  assert c.decode_s - b.decode_s == pytest.approx((copied * 1000 / bw + sent * 1000 / ici) / 3)
 
 
 def test_live_rows_follow_the_samplers_layout():
@@ -214,7 +237,7 @@ def test_stretch_batches_keep_the_live_rows_first_in_their_order():
     m.setattr(sampling_plan, "_ROW_UNITS", 4)
     batches = plan.stretch_batches((8, 16, 24), lens, 2)
     assert plan.phase_rows((8, 16, 24), lens, 2) == [4, 3, 2]
-  assert [b.tolist() for b in batches] == [
+  assert [b.rows.tolist() for b in batches] == [
       [[0, 1, 2, 3], [4, 5, 6, 7]],
       [[1, 3, 0], [4, 5, 6]],
       [[1, 3], [5, 4]],
@@ -235,7 +258,7 @@ def test_stretch_batches_sort_the_live_rows_longest_prompt_first():
   with pytest.MonkeyPatch.context() as m:
     m.setattr(sampling_plan, "_ROW_UNITS", 4)
     batches = plan.stretch_batches((8, 16, 24), lens, 2, prompt)
-  assert [b.tolist() for b in batches] == [
+  assert [b.rows.tolist() for b in batches] == [
       [[0, 1, 2, 3], [4, 5, 6, 7]],
       [[3, 1, 0], [6, 4, 5]],
       [[3, 1], [5, 6]],

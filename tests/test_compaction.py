@@ -132,7 +132,7 @@ def test_compacted_rows_give_the_full_decodes_tokens(
   m = mesh if where == "mesh" else None
   kept = []
   real = compact._compact
-  monkeypatch.setattr(compact, "_compact", lambda c, **k: (kept.append(k["keep"]), real(c, **k))[1])
+  monkeypatch.setattr(compact, "_compact", lambda c, *a, **k: (kept.append(k["keep"]), real(c, *a, **k))[1])
   full = _run(model, eos, compact_rows=False, mesh=m, decode_batch_size=decode_batch_size, **kw)
   got = _run(model, eos, compact_rows=True, mesh=m, decode_batch_size=decode_batch_size, **kw)
   _check(full, ref)
@@ -140,6 +140,19 @@ def test_compacted_rows_give_the_full_decodes_tokens(
   shards = 1 if m is None else 4
   rows = (16 if decode_batch_size is None else decode_batch_size) // shards
   assert kept and all(k < rows for k in kept)  # the batch shrank
+
+
+def test_compaction_units_set_the_rows_kept(model, mesh, case, monkeypatch):
+  """compaction_units 2 (4 rows a shard): every compaction keeps a multiple of 2 rows a shard (1-row
+  units by default here), and the tokens stay the reference's."""
+  kw, eos, ref = case
+  kept = []
+  real = compact._compact
+  monkeypatch.setattr(compact, "_compact", lambda c, *a, **k: (kept.append(k["keep"]), real(c, *a, **k))[1])
+  _check(_run(model, eos, compact_rows=True, mesh=mesh, compaction_units=2, **kw), ref)
+  assert kept and all(k == 2 for k in kept)
+  with pytest.raises(ValueError, match="compaction_units must be an int >= 1"):
+    _run(model, eos, compact_rows=True, compaction_units=0, **kw)
 
 
 def test_sub_batches_one_by_one_match_generate(model, mesh, case):
@@ -168,29 +181,31 @@ def test_compiled_decode_programs_stay_within_the_bound(model, mesh, monkeypatch
   ids = np.random.RandomState(1).randint(1, VOCAB, (4, 20))  # prompt bucket 32
   mask = np.ones_like(ids)
   before = [f._cache_size() for f in (compact._open, compact._phase, compact._close)]
+  real, pairs = compact._phase, set()
+  spy = lambda state, c, *a, **k: (pairs.add((k["bound"], c.tok.shape[0])), real(state, c, *a, **k))[1]
   stream = np.asarray(
       generate(model, ids, mask, max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=(), pad_id=PAD,
                num_samples=8, mesh=mesh, compact_rows=False)[0]
   )  # fmt: skip
   eos = _stops(stream)
   kw = dict(max_new_tokens=N_NEW, temperature=0.0, eos_token_ids=eos, pad_id=PAD, num_samples=8, mesh=mesh)
+  monkeypatch.setattr(compact, "_phase", spy)
   got = generate(model, ids, mask, **kw)
   np.testing.assert_array_equal(np.asarray(got[0]), _cut(stream, np.zeros(stream.shape, np.float32), eos)[0])
   phases = len(decode_phases(64))
-  opened, phased, closed = (
-      f._cache_size() - b for f, b in zip((compact._open, compact._phase, compact._close), before)
-  )
+  opened, phased, closed = (f._cache_size() - b for f, b in zip((compact._open, real, compact._close), before))
   assert opened == 1 and closed == 1
   assert len(sampling.decode_stretches(decode_phases(64))) == 2 * phases
-  assert 1 <= phased <= phases
+  assert 1 <= phased == len(pairs) <= 8 * phases  # a program a (bound, rows) run
   generate(model, ids, mask, **kw)  # the same rollout again compiles nothing
-  assert compact._phase._cache_size() - before[1] == phased
-  assert compact._phase._cache_size() <= 8 * phases * 64  # a loose guard over the whole session
+  assert real._cache_size() - before[1] == phased
+  assert real._cache_size() <= 8 * phases * 64  # a loose guard over the whole session
 
 
-def test_compaction_moves_no_row_across_devices(model, mesh):
-  """The compaction program (a gather within each row shard) and the closing one have no
-  collective: rows never leave their devices."""
+def test_only_moved_rows_cross_devices(model, mesh):
+  """The compaction program without moves (cap 0: a gather within each row shard) has no
+  collective; with moves (cap 2) its only collectives are collective-permutes, which carry the
+  moved rows to the neighbouring shards (`balance`)."""
   from ict_jax.sampling import host
 
   ids, mask = _prompts()
@@ -203,10 +218,12 @@ def test_compaction_moves_no_row_across_devices(model, mesh):
     c, _ = compact._open(
         state, ids_, mask_, rows, rng, tuple(scalars), 16, graphdef=graphdef, flags=flags, samples=SAMPLES, bound=16
     )
-    for lowered in (compact._compact.lower(c, shards=4, keep=2), compact._close.lower(c, shards=4, names=("ids",))):
-      hlo = lowered.compile().as_text()
-      for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+    flows = jnp.array([1, -1, 0], jnp.int32)
+    for cap in (0, 2):
+      hlo = compact._compact.lower(c, flows, shards=4, keep=2, cap=cap).compile().as_text()
+      for op in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
         assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
+      assert ("collective-permute" in hlo) == (cap > 0)
 
 
 @pytest.mark.parametrize("kernels,greedy", [("portable", False), ("cpu", False), ("cpu", True)])
@@ -248,7 +265,7 @@ def test_compaction_over_the_joint_cache(case, monkeypatch):
   kw, eos, ref = case
   kept = []
   real = compact._compact
-  monkeypatch.setattr(compact, "_compact", lambda c, **k: (kept.append(k["keep"]), real(c, **k))[1])
+  monkeypatch.setattr(compact, "_compact", lambda c, *a, **k: (kept.append(k["keep"]), real(c, *a, **k))[1])
   joint = _model(decode_attention="pallas_interpret")
   got = _run(joint, eos, compact_rows=True, **kw)
   _check(got, ref)
@@ -261,17 +278,19 @@ def test_compaction_over_the_joint_cache(case, monkeypatch):
 
 def test_compaction_keeps_the_rows_the_bound_plans(model, mesh, case, monkeypatch):
   """On the mesh, the rows each shard keeps at each compaction, in their order (the live rows, the
-  longest prompt first), are those `aot.plan.stretch_batches` lays out to count the bound's bytes;
-  greedy (a prompt a row), the order by prompt length is not the rows' own order."""
+  longest prompt first, then those taken in from the neighbouring shards), are those
+  `aot.plan.stretch_batches` lays out to count the bound's bytes; greedy (a prompt a row), the
+  order by prompt length is not the rows' own order."""
   from ict_jax.aot import plan
 
   kw, eos, ref = case
-  kept = []
+  kept, caps = [], []
   real = compact._compact
 
-  def record(c, **k):
-    out = real(c, **k)
+  def record(c, *a, **k):
+    out = real(c, *a, **k)
     kept.append(np.asarray(out.row_ids))
+    caps.append(k["cap"])
     return out
 
   monkeypatch.setattr(compact, "_compact", record)
@@ -280,9 +299,10 @@ def test_compaction_keeps_the_rows_the_bound_plans(model, mesh, case, monkeypatc
   prompt = np.repeat(mask.sum(axis=1), kw["samples"])  # [rows]: each row's prompt length
   lens = ref[1].sum(axis=1)  # a row decodes at step i while its tokens > i
   ends = [end for end, _ in sampling.decode_stretches(decode_phases(64))]
-  compactions = lambda batches: [b.reshape(-1).tolist() for a, b in zip(batches, batches[1:]) if b.shape != a.shape]
+  compactions = lambda batches: [b.rows.reshape(-1).tolist() for b in batches if b.compacted]
   planned = compactions(plan.stretch_batches(ends, lens, 4, prompt))
   assert len(kept) >= 2 and [k.tolist() for k in kept] == planned[: len(kept)]
+  assert any(caps)  # rows crossed devices (`balance.plan`): the layouts compared include the moves
   if kw["samples"] == 1:  # a shard's rows from 4 prompts of different lengths (sampled: one prompt)
     assert compactions(plan.stretch_batches(ends, lens, 4))[: len(kept)] != planned[: len(kept)]
 

@@ -68,6 +68,7 @@ POSITIVE = {
     "train.num_iterations", "train.checkpoint_every", "train.keep_checkpoints", "ict.chunk_size",
     "data.max_prompt_len", "warm_start.sft_batch_size", "optim.learning_rate", "reward.timeout_s",
     "train.eval_samples", "train.eval_prompts", "train.heartbeat_timeout_s", "model.lora_alpha",
+    "rollout.compaction_units",
 }  # fmt: skip
 NON_NEGATIVE = {
     "ict.warmup_steps", "train.micro_batch_size", "train.token_budget", "train.micro_batch_tokens",

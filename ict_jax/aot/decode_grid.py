@@ -57,11 +57,11 @@ class GridResult:
   affine_miss: float | None = None  # "few": how far the rows' line missed its check point
 
 
-def row_counts(rows: int, shards: int) -> list[int]:
+def row_counts(rows: int, shards: int, units: int | None = None) -> list[int]:
   """The decode rows (the mesh's) a step may run at: `sampling.compacted_rows` of 1 .. all live
-  rows of a chip, x the row shards; ascending, the last all of a sub-batch's rows."""
+  rows of a chip (in `units`), x the row shards; ascending, the last all of a sub-batch's rows."""
   per_chip = rows // shards
-  return sorted({sampling.compacted_rows(n, per_chip) * shards for n in range(1, per_chip + 1)})
+  return sorted({sampling.compacted_rows(n, per_chip, units) * shards for n in range(1, per_chip + 1)})
 
 
 def prompt_rows(prompts: int, r: int, shared: bool) -> int:
@@ -128,7 +128,7 @@ def decode_grid(
   plugin) the bytes are the minimum and the FLOPs the decode matmuls'. weights: the rollout copy's
   layout (`rollout.decode_weights`)."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  bounds, rows = tuple(ro.phases), tuple(row_counts(ro.layout.rows, shards))
+  bounds, rows = tuple(ro.phases), tuple(row_counts(ro.layout.rows, shards, ro.units))
   layers = mcfg.num_hidden_layers
   ends = sorted({bounds[0], bounds[-1]})
   full = [(b, rows[-1], True) for b in (bounds if mode == "all" else ends)]  # before any compaction

@@ -46,6 +46,7 @@ steps (~0.35 us each on TPU whatever they read: `decode_phase_grid_steps` counts
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -124,6 +125,12 @@ class DecodeCosts:
   # slot of one row in one layer (its KV heads), and the layers; 0 without it (every prompt slot read)
   kernel_slot_bytes: int = 0
   layers: int = 0
+  units: int | None = (
+      None  # `sampling.compacted_rows`: a compacted batch keeps a multiple of 1/units (8) of a chip's rows
+  )
+  # one decode row's state a chip (its completion cache, its prompt copy, its outputs), which a
+  # compaction copies for each kept row and sends for each row moved to another chip
+  row_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -212,34 +219,57 @@ def sub_batch_rows(completion: np.ndarray, prompt: np.ndarray, costs: DecodeCost
   return pre.reshape(u, n, r).transpose(1, 0, 2).reshape(n, u * r), pre_p.reshape(u, n).T
 
 
-def stretch_batches(ends, lens: np.ndarray, shards: int, prompt: np.ndarray | None = None) -> list[np.ndarray]:
-  """The rows each chip computes in each stretch (or phase), [shards, rows a chip] indices into
-  one sub-batch's completion lengths `lens` [rows] in the decode batch's order, `ends` the
-  stretches' last steps (`sampling.decode_stretches`): all rows in the first; at each later one's
-  start (step i = the previous end + 1) the rows still live (length > i) are counted and, when the
-  fullest chip needs fewer than the batch holds (`sampling.compacted_rows`), every chip moves its
-  live rows to the front, the longest of `prompt` [rows] (each row's prompt length; None: all
-  alike) first, ties in their order, and keeps that many (`sampling.compact._compact`)."""
-  from ict_jax import sampling
+class Stretch(NamedTuple):
+  """The rows each chip computes in a stretch: rows [shards, r] indices into the sub-batch's rows,
+  held [shards, r] False where a slot repeats a row that moved away (computed as finished);
+  compacted: the stretch starts with a compaction, which sent `sent` rows each way an edge (the
+  buffers' size: 0 when no row moved)."""
+
+  rows: np.ndarray
+  held: np.ndarray
+  compacted: bool = False
+  sent: int = 0
+
+
+def stretch_batches(
+    ends, lens: np.ndarray, shards: int, prompt: np.ndarray | None = None, units: int | None = None
+) -> list[Stretch]:
+  """The rows each chip computes in each stretch (or phase), indices into one sub-batch's
+  completion lengths `lens` [rows] in the decode batch's order, `ends` the stretches' last steps
+  (`sampling.decode_stretches`): all rows in the first; at each later one's start (step i = the
+  previous end + 1) the rows still live (length > i) are counted and, when the chips can keep fewer
+  than the batch holds (`sampling.balance.plan`: the live rows evened out over the chips, a few
+  crossing to the neighbouring chips, then `sampling.compacted_rows` of the fullest), every chip
+  sorts its live rows to the front, the longest of `prompt` [rows] (each row's prompt length;
+  None: all alike) first, ties in their order, and keeps that many (multiples of 1/units of its
+  rows), laid out as
+  `sampling.balance.rows_after` says (`sampling.compact._compact`)."""
+  from ict_jax.sampling import balance
 
   total = lens.size // shards
+  cap = balance.move_cap(shards, total)
   longest_first = -(np.zeros(lens.size, np.int64) if prompt is None else np.asarray(prompt, np.int64))
-  batch, out, prev = np.arange(lens.size).reshape(shards, total), [], 0
+  now = Stretch(np.arange(lens.size).reshape(shards, total), np.ones((shards, total), bool))
+  out, prev = [], 0
   for k, end in enumerate(ends):
     if k:
-      live = lens[batch] > prev + 1
-      keep = sampling.compacted_rows(int(live.sum(axis=1).max()), total)
-      if keep < batch.shape[1]:
-        key = np.where(live, longest_first[batch], np.iinfo(np.int64).max)
-        batch = np.take_along_axis(batch, np.argsort(key, axis=1, kind="stable"), axis=1)[:, :keep]
-    out.append(batch)
+      live = now.held & (lens[now.rows] > prev + 1)
+      counts = live.sum(axis=1)
+      keep, flows = balance.plan(counts, total, cap, units)
+      if keep < now.rows.shape[1]:
+        key = np.where(live, longest_first[now.rows], np.iinfo(np.int64).max)
+        ordered = np.take_along_axis(now.rows, np.argsort(key, axis=1, kind="stable"), axis=1)
+        now = Stretch(*balance.rows_after(ordered, counts, flows, keep), True, cap if flows.any() else 0)
+      else:
+        now = now._replace(compacted=False, sent=0)
+    out.append(now)
     prev = end
   return out
 
 
 def phase_rows(ends, lens: np.ndarray, shards: int) -> list[int]:
   """The decode rows a chip each stretch (or phase) runs at (`stretch_batches`)."""
-  return [b.shape[1] for b in stretch_batches(ends, lens, shards)]
+  return [b.rows.shape[1] for b in stretch_batches(ends, lens, shards)]
 
 
 def prompt_bytes_skipped(
@@ -327,15 +357,21 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
     limit += decode_limit(sub, pre, costs)
     row_prompt = np.repeat(pre, costs.samples)  # [rows]: each row's prompt length
     steps_in = phase_steps(ends, int(sub.max()))
-    batches = stretch_batches(ends, sub, costs.shards, row_prompt)
-    for s, (n, batch, k) in enumerate(zip(steps_in, batches, phase_of)):
+    batches = stretch_batches(ends, sub, costs.shards, row_prompt, costs.units)
+    for s, (n, (batch, held, compacted, sent), k) in enumerate(zip(steps_in, batches, phase_of)):
       if not n:
         continue
+      if compacted:  # `compact._compact`: the kept rows' state copied, `sent` rows each way an edge
+        copied, moved = 2 * batch.shape[1] * costs.row_bytes, 2 * sent * costs.row_bytes
+        nbytes, ici_bytes = nbytes + copied, ici_bytes + moved
+        secs += copied / bw + (moved / ici if ici else 0.0)
       r, first = batch.shape[1], (ends[s - 1] if s else 0) + 1  # the stretch's steps: first .. first + n - 1
       j = g.rows.index(r * costs.shards)
       shared = r * costs.shards == sub.size
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
-      live = sub[batch][None] > np.arange(first, first + n)[:, None, None]  # [n, chips, r]: rows live at each step
+      live = held & (
+          sub[batch][None] > np.arange(first, first + n)[:, None, None]
+      )  # [n, chips, r]: rows live at each step
       b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared, live)
       b -= cache_bytes_skipped(first, first + n - 1, g.bounds[k], r, shared, costs) / n  # a step's mean
       steps[k] += n

@@ -89,6 +89,7 @@ class _Rollout:
   phases: tuple[int, ...]  # the decode phases' read bounds (`sampling.decode_phases`)
   shards: int  # row shards (mesh data x fsdp)
   dtype: str  # the rollout copy's (and its KV cache's)
+  units: int = 8  # rollout.compaction_units: a compacted batch keeps a multiple of 1/units of a chip's rows
 
 
 @dataclasses.dataclass
@@ -161,6 +162,9 @@ def _step_bound(cfg: Config, mcfg, mesh, target: Target, ro: _Rollout, step: _De
       kv_slot_bytes=sampling.kv_bytes(mcfg, 1, None, ro.dtype),
       kernel_slot_bytes=kernel_slot,
       layers=mcfg.num_hidden_layers,
+      units=ro.units,
+      row_bytes=sampling.kv_bytes(mcfg, ro.new_len + ro.prompt_len, mesh, ro.dtype)
+      + ro.new_len * 12,  # ids, mask, logprobs
   )
   return plan.step_bound(
       mcfg,
@@ -273,7 +277,7 @@ def compile_sampler(
   report.prefill_flops = layout.prefill_rows * prompt_len * mcfg.flops_per_token(prompt_len, training=False)
   phases = sampling.decode_phases(new_len)
   report.kv_read_over_filled = sampling.kv_read_over_filled(phases, layout.prompts, prompt_len, layout.rows)
-  ro = _Rollout(rows, group, prompt_len, new_len, sub, layout, phases, shards, dtype)
+  ro = _Rollout(rows, group, prompt_len, new_len, sub, layout, phases, shards, dtype, cfg.rollout.compaction_units)
   opts = HBM_BYTES_OPTIONS if target.platform == "tpu" else None
   report.decode_bytes_options = opts
   step = _decode_step_costs(

@@ -5,6 +5,7 @@ One module a concern:
   policy.py   the rollout copy of the policy: weights cast and laid out for decoding once a step.
   decode.py   the jitted prefill (once per prompt) + KV-cache decode loop, sub-batches (`sample_fn`).
   compact.py  the decode loop's phases driven from the host, the finished rows dropped between them.
+  balance.py  the host's plan of the live rows moved between row shards at a compaction.
   plan.py     length buckets, the decode sub-batch size, which rows share a prefilled prompt, and
               the decode loop's length-bounded phases.
   host.py     `generate` (validation, bucketing, the mesh), `generate_sub_batches` (the decode

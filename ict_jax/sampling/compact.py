@@ -6,13 +6,16 @@ token at step 30 still reads its KV cache and computes its logits at every step 
 row of the batch ends. Here the length-bounded phases of `plan.decode_phases(max_len)`, each cut
 into up to 4 stretches (`plan.decode_stretches`: 64 steps each at 2,048 columns), are run one
 program call a stretch, and between two of them the host reads (one small transfer) how many rows
-each row shard still decodes; when the fullest shard needs fewer rows than the batch holds, every
-shard moves its live rows to the front, longest prompt first, and keeps `plan.compacted_rows(most
-live, rows a shard)` of them: the KV cache, the last tokens, the done flags, the row ids (the draws' keys)
-and the prompts' keys/values are gathered along. Rows never cross devices: the rows are sharded in
-blocks over ("data", "fsdp") and each shard gathers within its block (`_take_rows`). The outputs
-[B, max_len] stay whole, each shard's block permuted like its rows (the computed rows first), and
-are put back in the rows' order once at the end (`_close`).
+each row shard still decodes. The rows are sharded in blocks over ("data", "fsdp"); when the shards
+can keep fewer rows than the batch holds (`balance.plan`), every shard sorts its live rows to the
+front, longest prompt first, sends a few of them to its neighbouring shards so that the live counts
+even out (`balance`: up to 8 rows each way an edge, two `ppermute`s, only when that lowers the
+rows kept) and keeps `plan.compacted_rows(the most live rows a shard now holds, rows a shard,
+units)` rows: the KV cache, the last tokens, the done flags, the row ids (the draws' keys) and the
+prompts' keys/values are gathered (or sent) along (`_compact_shard`, under `shard_map`). The
+outputs [B, max_len] keep their rows a shard, computed rows first: a row that moves takes its
+output row with it and a finished output row comes back; `order` names each output row's row, and
+`_close` puts them back in the rows' order once at the end.
 
 The prompt cache: until the first compaction the R rows of a prompt read its one prefilled copy
 (`decode.prefill`); the first compaction gathers a copy per kept row (the rows of a prompt no longer
@@ -24,33 +27,37 @@ and row r draws with its own key, `decode._emit`).
 
 Programs. A decode of max_len columns compiles, for each shape of prompts: `_open` (prefill and
 the first stretch) once; `_phase` per (phase bound, computed rows), the stretch's last step a
-traced argument: at most len(phases) x 8 (`plan.compacted_rows` keeps a multiple of 1/8 of a
-shard's rows); `_compact` per (rows in, rows out, prompts shared or not): gathers only, at most 7
-a decode (the kept rows only fall, by whole eighths); `_close` once.
+traced argument: at most len(phases) x units (`plan.compacted_rows` keeps a multiple of 1/units
+of a shard's rows; 8 by default, `generate`'s compaction_units); `_compact` per (rows in, rows
+out, prompts shared or not, rows moved or not): at most units - 1 a decode (the kept rows only
+fall, by whole units); `_close` once.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from ict_jax.models.axes import constrain
-from ict_jax.models.qwen2 import CACHE_AXES
-from ict_jax.sampling import decode
+from ict_jax.models.axes import constrain, logical_to_spec
+from ict_jax.models.qwen2 import CACHE_AXES, LayerCache
+from ict_jax.sampling import balance, decode
 from ict_jax.sampling.decode import Decoding, Flags
-from ict_jax.sampling.plan import compacted_rows, decode_phases, decode_stretches
+from ict_jax.sampling.plan import decode_phases, decode_stretches
 
 Array = jax.Array
 
 
 def _live(c: Decoding, shards: int) -> Array:
-  """[2] int32, replicated: (the next completion token, the most rows still decoding in a shard)."""
-  most = jnp.max(jnp.sum((~c.done).reshape(shards, -1), axis=1))
-  return constrain(jnp.stack([c.i, most.astype(jnp.int32)]), (None,))
+  """[1 + S] int32, replicated: (the next completion token, the rows still decoding on each of the
+  S row shards)."""
+  live = jnp.sum((~c.done).reshape(shards, -1), axis=1).astype(jnp.int32)
+  return constrain(jnp.concatenate([c.i[None], live]), (None,))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "samples", "bound"))
@@ -73,73 +80,151 @@ def _phase(state, c: Decoding, rng, scalars, stop, *, graphdef, flags: Flags, bo
   return c, _live(c, flags.shards)
 
 
-def _take_rows(x: Array, idx: Array, axis: int, names) -> Array:
-  """x with `axis` of S blocks of n rows (one a row shard) -> S blocks of k: block s holds its rows
-  idx[s] [k] (indices within the block). A gather batched over the blocks: no row crosses a shard."""
-  s = idx.shape[0]
-  blocks = x.reshape(*x.shape[:axis], s, x.shape[axis] // s, *x.shape[axis + 1 :])
-  take = jax.vmap(lambda a, j: jnp.take(a, j, axis=axis), in_axes=(axis, 0), out_axes=axis)
-  y = take(blocks, idx)
-  return constrain(y.reshape(*x.shape[:axis], s * idx.shape[1], *x.shape[axis + 1 :]), names)
+class _Rows(NamedTuple):
+  """A shard's per-row decode state (`Decoding`'s), the prompt a copy a row."""
+
+  cache: LayerCache  # [L, b, K, N, H]
+  tok: Array  # [b]
+  done: Array  # [b]
+  num_prompt: Array  # [b]
+  row_ids: Array  # [b]
+  prompt_cache: LayerCache  # [L, b, K, P, H]
+  prompt_mask: Array  # [b, P]
 
 
-@functools.partial(jax.jit, static_argnames=("shards", "keep"))
-def _compact(c: Decoding, *, shards: int, keep: int) -> Decoding:
-  """Each row shard's rows still decoding first, the longest prompts first (ties in their order,
-  so a prompt's rows stay together), then its first `keep` computed rows only: the cache, tokens,
-  flags, row ids and prompts' keys/values gathered, the outputs' rows permuted alike. Sorted by
-  prompt length, a row block of the fused decode kernel holds prompts of like length and skips
-  more of their left padding (`decode_kernel`)."""
-  b = c.tok.shape[0]
-  here = b // shards  # computed rows a shard
-  finished = jnp.iinfo(jnp.int32).max  # after every live row
-  key = jnp.where(c.done, finished, -c.num_prompt).reshape(shards, here)  # [S, here]
-  order = jnp.argsort(key, axis=1, stable=True).astype(jnp.int32)  # live first, longest prompt first
-  take = order[:, :keep]  # [S, keep]
-  rows = ("act_batch",)
-  row = lambda x: _take_rows(x, take, 0, rows + (None,) * (x.ndim - 1))
-  cache_rows = lambda tree, idx: jax.tree.map(lambda x: _take_rows(x, idx, 1, CACHE_AXES), tree)
-  u = c.prompt_mask.shape[0]
-  if u == b:  # a prompt copy a row already
-    prompt_cache, prompt_mask = cache_rows(c.prompt_cache, take), row(c.prompt_mask)
-  elif u % shards == 0:  # each shard's rows read its own prompts: local prompt = local row // R
-    r = b // u
-    prompt_cache = cache_rows(c.prompt_cache, take // r)
-    prompt_mask = _take_rows(c.prompt_mask, take // r, 0, rows + (None,))
-  else:  # fewer prompts than shards: a copy a row first
-    r = b // u
-    per_row = lambda x: constrain(jnp.repeat(x, r, axis=1), CACHE_AXES)
-    prompt_cache = cache_rows(jax.tree.map(per_row, c.prompt_cache), take)
-    prompt_mask = row(jnp.repeat(c.prompt_mask, r, axis=0))
-  total = c.order.shape[0] // shards  # all rows a shard
-  rest = jnp.broadcast_to(jnp.arange(here, total, dtype=jnp.int32), (shards, total - here))
-  full = jnp.concatenate([order, rest], axis=1)  # [S, total]: the out rows' new order
+_CACHES = ("cache", "prompt_cache")  # the _Rows fields whose rows are axis 1
+
+
+def _set_rows(x: Array, pos: Array, v: Array, axis: int) -> Array:
+  """x with its rows pos [k] along `axis` set to v's [k] (a position past the end: dropped)."""
+  index = (slice(None),) * axis + (pos,)
+  return x.at[index].set(v, mode="drop")
+
+
+def _compact_shard(
+    c: Decoding, flows: Array, shard, prompt0, *, shards: int, keep: int, cap: int, per_prompt: int, axes
+) -> Decoding:
+  """One row shard's compaction (`_compact`), on its own rows: c's arrays are the shard's (here
+  computed rows, `total` out rows, the prompts it holds from global prompt prompt0 on, each read by
+  per_prompt consecutive rows), flows [S - 1] the rows crossing each edge (`balance.plan`), axes
+  the mesh axes the rows are sharded over. The rows are sorted live first, longest prompt
+  first; the last live ones go to the neighbours (`balance.rows_after`), each with its out row,
+  and a finished out row comes back for each live row taken in."""
+  here, total = c.tok.shape[0], c.order.shape[0]
+  key = jnp.where(c.done, jnp.iinfo(jnp.int32).max, -c.num_prompt)  # live first, longest prompt first
+  srt = jnp.argsort(key, stable=True).astype(jnp.int32)  # [here]
+  n = jnp.sum(~c.done).astype(jnp.int32)
+  edge = jnp.pad(flows.astype(jnp.int32), 1)  # [S + 1]: edge[s] enters shard s from the left
+  left, right = edge[shard], edge[shard + 1]
+  send_r, send_l, from_l, from_r = (jnp.maximum(x, 0) for x in (right, -left, left, -right))
+  stay = n - send_r - send_l  # own live rows kept
+  came = from_l + from_r
+  full = jnp.concatenate([srt, jnp.arange(here, total, dtype=jnp.int32)])  # [total] out rows, the same order
+  clip = lambda x, hi: jnp.clip(x, 0, hi - 1)
+  prompt_of = lambda j: (shard * here + j) // per_prompt - prompt0  # a row's prompt, as held here
+
+  def rows(idx: Array) -> _Rows:  # the shard's rows idx [k]
+    take = lambda tree, j, axis: jax.tree.map(lambda x: jnp.take(x, j, axis=axis), tree)
+    p = prompt_of(idx)
+    return _Rows(take(c.cache, idx, 1), c.tok[idx], c.done[idx], c.num_prompt[idx], c.row_ids[idx],
+                 take(c.prompt_cache, p, 1), c.prompt_mask[p])  # fmt: skip
+
+  records = lambda idx: ({k: v[idx] for k, v in c.out.items()}, c.order[idx])  # out rows idx [k]
+
+  p = jnp.arange(keep, dtype=jnp.int32)
+  new = rows(srt[clip(jnp.where(p < stay, p, p - came + send_r + send_l), here)])
+  q = jnp.arange(total, dtype=jnp.int32)
+  out, order = records(full[clip(jnp.where(q < stay, q, q - came + send_r + send_l), total)])
+  if cap:
+    k = jnp.arange(cap, dtype=jnp.int32)
+    to_r = n - send_r + k  # the last live rows, or finished out rows for the live rows taken in
+    to_l = stay + k
+    msg_r = (rows(srt[clip(to_r, here)]), records(full[clip(jnp.where(k < send_r, to_r, total - from_r + k), total)]))
+    msg_l = (rows(srt[clip(to_l, here)]),
+             records(full[clip(jnp.where(k < send_l, to_l, total - from_r - from_l + k), total)]))  # fmt: skip
+    send = lambda m, pairs: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, pairs), m)
+    got_l = send(msg_r, [(j, j + 1) for j in range(shards - 1)])  # from the left neighbour
+    got_r = send(msg_l, [(j + 1, j) for j in range(shards - 1)])
+    for (got_rows, _), n_in, at in ((got_l, from_l, stay), (got_r, from_r, stay + from_l)):
+      pos = jnp.where(k < n_in, at + k, keep)  # the live rows taken in, after the shard's own
+      put = lambda axis, pos=pos: lambda x, v: _set_rows(x, pos, v, axis)
+      new = _Rows(*(jax.tree.map(put(1 if f in _CACHES else 0), a, b) for f, a, b in zip(_Rows._fields, new, got_rows)))
+    for (_, (rec, ordr)), n_live, at_live, n_fin, at_fin in (
+        (got_l, from_l, stay, send_l, total - send_r - send_l),
+        (got_r, from_r, stay + from_l, send_r, total - send_r),
+    ):
+      pos = jnp.where(k < n_live, at_live + k, jnp.where(k < n_fin, at_fin + k, total))
+      out = {name: _set_rows(v, pos, rec[name], 0) for name, v in out.items()}
+      order = _set_rows(order, pos, ordr, 0)
+  done = new.done | (p >= stay + came)  # past the live rows: finished rows, or a repeat marked finished
   return c._replace(
-      cache=cache_rows(c.cache, take),
-      tok=row(c.tok),
-      done=row(c.done),
-      num_prompt=row(c.num_prompt),
-      row_ids=row(c.row_ids),
-      prompt_cache=prompt_cache,
-      prompt_mask=prompt_mask,
-      out={k: _row_all(v, full) for k, v in c.out.items()},
-      order=_row_all(c.order, full),
+      cache=new.cache,
+      tok=new.tok,
+      done=done,
+      num_prompt=new.num_prompt,
+      row_ids=new.row_ids,
+      prompt_cache=new.prompt_cache,
+      prompt_mask=new.prompt_mask,
+      out=out,
+      order=order,
   )
 
 
-def _row_all(x: Array, full: Array) -> Array:
-  """x [B, ...] (all rows of the sub-batch) with each shard's rows in the order full [S, B / S]."""
-  return _take_rows(x, full, 0, ("act_batch",) + (None,) * (x.ndim - 1))
+@functools.partial(jax.jit, static_argnames=("shards", "keep", "cap"))
+def _compact(c: Decoding, flows: Array, *, shards: int, keep: int, cap: int = 0) -> Decoding:
+  """Each row shard keeps `keep` computed rows: its rows still decoding first, the longest prompts
+  first (ties in their order, so a prompt's rows stay together), then finished ones; the cache,
+  tokens, flags, row ids and prompts' keys/values gathered (a prompt copy a row), the out rows
+  permuted alike. With cap > 0 the live rows of flows [S - 1] (`balance.plan`) cross to the
+  neighbouring shards in buffers of cap rows (two `ppermute`s), so the shards hold even counts;
+  with cap 0 no row leaves its device. Sorted by prompt length, a row block of the fused decode
+  kernel holds prompts of like length and skips more of their left padding (`decode_kernel`)."""
+  per_prompt = c.tok.shape[0] // c.prompt_mask.shape[0]
+  kw = dict(shards=shards, keep=keep, cap=cap, per_prompt=per_prompt)
+  mesh = jax.sharding.get_abstract_mesh()
+  if shards == 1 or mesh.empty:
+    return _compact_shard(c, flows, 0, 0, axes=None, **kw)
+  shape = dict(mesh.shape)
+  spec = lambda names, x: logical_to_spec(names, x.shape, shape)
+  caches = lambda tree: jax.tree.map(lambda x: spec(CACHE_AXES, x), tree)
+  row = lambda x: spec(("act_batch",) + (None,) * (x.ndim - 1), x)
+  specs = Decoding(
+      P(), caches(c.cache), row(c.tok), row(c.done), row(c.num_prompt), row(c.row_ids), caches(c.prompt_cache),
+      row(c.prompt_mask), {k: row(v) for k, v in c.out.items()}, row(c.order),
+  )  # fmt: skip
+  axes, prompt_axes = specs.tok[0], specs.prompt_mask[0]
+  out_specs = specs._replace(prompt_cache=caches(c.cache), prompt_mask=P(axes, None))  # a prompt copy a row
+
+  def local(c: Decoding, flows: Array) -> Decoding:
+    prompt0 = 0 if prompt_axes is None else jax.lax.axis_index(prompt_axes) * c.prompt_mask.shape[0]
+    return _compact_shard(c, flows, jax.lax.axis_index(axes), prompt0, axes=axes, **kw)
+
+  return jax.shard_map(local, in_specs=(specs, P()), out_specs=out_specs, check_vma=False)(c, flows)
 
 
-@functools.partial(jax.jit, static_argnames=("shards", "names"))
-def _close(c: Decoding, *, shards: int, names: tuple) -> tuple:
-  """The outputs in the rows' order: out row p of shard s holds its row order[p]."""
-  back = jnp.argsort(c.order.reshape(shards, -1), axis=1).astype(jnp.int32)
-  return tuple(_row_all(c.out[k], back) for k in names)
+@functools.partial(jax.jit, static_argnames=("names",))
+def _close(c: Decoding, *, names: tuple) -> tuple:
+  """The outputs in the rows' order: out row p holds the sub-batch's row order[p] (rows that
+  crossed shards included: a gather over the mesh of the [B, N] outputs)."""
+  back = jnp.argsort(c.order).astype(jnp.int32)
+  rows = lambda x: constrain(jnp.take(x, back, axis=0), ("act_batch",) + (None,) * (x.ndim - 1))
+  return tuple(rows(c.out[k]) for k in names)
 
 
-def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags: Flags, samples: int, n_new: int):
+def decode_compacted(
+    state,
+    ids,
+    mask,
+    row_ids,
+    rng,
+    scalars,
+    *,
+    graphdef,
+    flags: Flags,
+    samples: int,
+    n_new: int,
+    units: int | None = None,
+):
   """`decode._decode_rows`'s outputs (ids, mask[, logprobs][, logits]) for one decode batch (placed
   as `host._place` does), the finished rows dropped between stretches. flags.shards: the row
   shards (("data", "fsdp") of the mesh); n_new: the tokens wanted (the loop's num_new). Blocks at
@@ -160,13 +245,15 @@ def decode_compacted(state, ids, mask, row_ids, rng, scalars, *, graphdef, flags
       bound=bound,
   )
   total = c.tok.shape[0] // flags.shards  # rows a shard
+  cap = balance.move_cap(flags.shards, total)
   for stop, bound in rest:
-    i, most = (int(v) for v in np.asarray(live.addressable_data(0)))
-    if i >= n_new or most == 0:
+    i, *live_rows = (int(v) for v in np.asarray(live.addressable_data(0)))
+    if i >= n_new or max(live_rows) == 0:
       break
-    keep = compacted_rows(most, total)
+    keep, flows = balance.plan(np.asarray(live_rows), total, cap, units)
     if keep < c.tok.shape[0] // flags.shards:
-      c = _compact(c, shards=flags.shards, keep=keep)
+      moved = cap if flows.any() else 0
+      c = _compact(c, jnp.asarray(flows, jnp.int32), shards=flags.shards, keep=keep, cap=moved)
     c, live = _phase(state, c, rng, scalars, stop_at(stop), graphdef=graphdef, flags=flags, bound=bound)
   names = decode.output_names(flags.return_logprobs, flags.return_logits)
-  return _close(c, shards=flags.shards, names=names)
+  return _close(c, names=names)

@@ -116,7 +116,7 @@ class Decoding(NamedTuple):
   prompt_cache: LayerCache  # [L, u, K, P, H]: rows [k b/u, (k + 1) b/u) read its row k
   prompt_mask: Array  # [u, P]
   out: dict  # {ids, mask[, logprobs][, logits]} [B, max_len(, V)]
-  order: Array  # [B] the index in the sub-batch of the row each out row holds, within its shard
+  order: Array  # [B] the index in the sub-batch of the row each out row holds
 
 
 def _write_column(o: Array, v: Array, i, shards: int) -> Array:
@@ -178,7 +178,6 @@ def _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, 
     out["logprobs"] = constrain(jnp.zeros((b, max_len), jnp.float32), rows)
   if flags.return_logits:
     out["logits"] = constrain(jnp.zeros((b, max_len, logits.shape[1]), jnp.float32), ("act_batch", None, None))
-  order = jnp.tile(jnp.arange(b // flags.shards, dtype=jnp.int32), flags.shards)
   c = Decoding(
       jnp.int32(0),
       model.init_cache(b, max_len),
@@ -189,7 +188,7 @@ def _start(model, prompt_ids, prompt_mask, row_ids, rng, scalars, flags: Flags, 
       prompt_cache,
       prompt_mask,
       out,
-      constrain(order, ("act_batch",)),
+      constrain(jnp.arange(b, dtype=jnp.int32), ("act_batch",)),
   )
   return _emit(model.cfg, c, logits, rng, scalars, flags)
 

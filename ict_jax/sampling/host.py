@@ -80,6 +80,7 @@ class _Job(NamedTuple):
   n_rows: int
   n_new: int
   compact: bool  # drop the finished rows between stretches (`compact.decode_compacted`)
+  units: int = 8  # a compacted batch keeps a multiple of 1/units of a shard's rows (`compacted_rows`)
 
   def rows(self, j: int) -> np.ndarray:
     """[prompts x R] the row of `generate`'s output each row of sub-batch j is (>= n_rows: batch
@@ -108,6 +109,7 @@ def _prepare(
     return_logprobs: bool = True,
     rollout_dtype: str | None = None,
     compact_rows: bool = True,
+    compaction_units: int = 8,
 ) -> _Job:
   """`generate`'s checks, buckets and layout, without touching a device."""
   if isinstance(model, RolloutPolicy):
@@ -183,7 +185,8 @@ def _prepare(
       np.int32(pad_id),
   )
   compact = bool(compact_rows) and len(decode_phases(n_bucket)) > 1  # one phase: no boundary to compact at
-  return _Job(ids, mask, rng, scalars, static, mesh, layout, n_rows, n_new, compact)
+  units = _check_int("compaction_units", compaction_units, 1)
+  return _Job(ids, mask, rng, scalars, static, mesh, layout, n_rows, n_new, compact, units)
 
 
 def generate(
@@ -206,6 +209,7 @@ def generate(
     return_logprobs: bool = True,
     rollout_dtype: str | None = None,
     compact_rows: bool = True,
+    compaction_units: int = 8,
 ):
   """Generate completions for left-padded prompts [B, P] with a `Qwen2` model or a
   `RolloutPolicy` (`make_rollout_policy`, used as is).
@@ -225,8 +229,10 @@ def generate(
   the rows in sub-batches, one KV cache at a time (see `decode._generate_impl`). compact_rows
   drops the rows that have finished from the decode batch at each boundary of the length-bounded
   phases (`compact.py`; the host drives the phases, one program each): the same tokens, masks and
-  log-probs as compact_rows=False (one program for the whole decode). Row r draws its token i with
-  fold_in(fold_in(rng, r), i): the same tokens whatever the sub-batches."""
+  log-probs as compact_rows=False (one program for the whole decode); the batch keeps a multiple of
+  1 / compaction_units of a shard's rows (8: up to 8 decode programs a phase; 16 drops the finished
+  rows sooner and may compile twice as many). Row r draws its token i with fold_in(fold_in(rng, r),
+  i): the same tokens whatever the sub-batches."""
   job = _prepare(
       model,
       prompt_ids,
@@ -246,6 +252,7 @@ def generate(
       return_logprobs=return_logprobs,
       rollout_dtype=rollout_dtype,
       compact_rows=compact_rows,
+      compaction_units=compaction_units,
   )
   with _mesh_ctx(job.mesh):
     graphdef, state = as_rollout_policy(model, dtype=rollout_dtype, mesh=job.mesh)  # as is if one already
@@ -279,6 +286,7 @@ def _decode_compacted(job: _Job, graphdef, state, j: int) -> tuple:
       flags=flags,
       samples=st["samples"],
       n_new=job.n_new,
+      units=job.units,
   )
 
 

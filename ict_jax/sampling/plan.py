@@ -73,13 +73,13 @@ def decode_stretches(phases: Sequence[int]) -> tuple[tuple[int, int], ...]:
 _ROW_UNITS = 8  # a compacted decode batch keeps a multiple of 1/8 of a shard's rows
 
 
-def compacted_rows(live_per_shard: int, rows_per_shard: int) -> int:
+def compacted_rows(live_per_shard: int, rows_per_shard: int, units: int | None = None) -> int:
   """The rows each data shard keeps in the decode batch after a compaction, when the fullest
   shard has `live_per_shard` rows still decoding: the smallest multiple of
-  ceil(rows_per_shard / 8) that holds them, capped at rows_per_shard. Every shard keeps the same
-  count (one program for the mesh), so a rollout compiles at most 8 batch sizes a phase bound;
-  0 live rows keep one unit (the loop has ended and is not run)."""
-  unit = -(-rows_per_shard // _ROW_UNITS)
+  ceil(rows_per_shard / units) (default 8) that holds them, capped at rows_per_shard. Every shard
+  keeps the same count (one program for the mesh), so a rollout compiles at most `units` batch
+  sizes a phase bound; 0 live rows keep one unit (the loop has ended and is not run)."""
+  unit = -(-rows_per_shard // (units or _ROW_UNITS))
   return min(rows_per_shard, max(1, -(-live_per_shard // unit)) * unit)
 
 
