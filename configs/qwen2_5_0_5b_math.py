@@ -18,7 +18,8 @@ def get_config():
   # the rollout copy's q/k/v/o whole on every chip (3.6 MiB a layer), the MLP and the head split over
   # the chips: the decode step gathers the rows for the MLP only (sampling.policy, RESULTS issue 41)
   c.rollout.decode_weights = "mlp"
-  # compaction keeps multiples of 1/16 of a chip's rows (8 rows on v5e-8): finished rows leave the
-  # decode batch sooner, for up to 16 decode programs a phase instead of 8 (RESULTS issue 41)
+  # compaction keeps multiples of 1/16 of a chip's rows where that is 8 rows or more (v5e-8, 8 GPUs:
+  # 8 of 128; v5p-32 stays at 8 of 64): finished rows leave the decode batch sooner, for up to 16
+  # decode programs a phase instead of 8 (RESULTS issue 41)
   c.rollout.compaction_units = 16
   return c

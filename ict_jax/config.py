@@ -227,8 +227,9 @@ class RolloutConfig:
   compact_rows: bool = True  # drop finished rows from the decode batch between stretches of the
   # length-bounded phases (sampling/compact.py; same tokens); False: every row decoded to the end
   compaction_units: int = field(8, positive)  # a compacted batch keeps a multiple of 1/units of a
-  # chip's rows: up to `units` decode programs a phase; 16 (1.5B's recipes) drops finished rows
-  # sooner, for twice the programs to compile
+  # chip's rows (`sampling.compacted_rows`; a unit finer than an eighth holds at least 8 rows): up
+  # to `units` decode programs a phase; 16 (the 0.5B/1.5B recipes: 8 rows of 128 a chip on v5e-8)
+  # drops finished rows sooner, for twice the programs to compile
 
   @property
   def rows(self) -> int:

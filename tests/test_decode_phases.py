@@ -70,6 +70,17 @@ def test_compacted_rows_keep_every_live_row_in_eighths_of_a_shard():
   assert [sampling.compacted_rows(n, 12) for n in (1, 2, 3, 11, 12)] == [2, 2, 4, 12, 12]
 
 
+def test_finer_compaction_units_hold_a_tile_of_rows():
+  """units 16: 128 rows a shard (v5e-8) in 16 units of 8 rows; 64 rows (v5p-32) keep units of 8 rows
+  (8 units: a unit finer than an eighth holds at least 8 rows, a TPU tile); 32 rows units of 4 (an
+  eighth); units 2 of 4 rows: 2 rows. Coarser units are taken as asked."""
+  assert sorted({sampling.compacted_rows(n, 128, 16) for n in range(129)}) == list(range(8, 129, 8))
+  assert sorted({sampling.compacted_rows(n, 64, 16) for n in range(65)}) == list(range(8, 65, 8))
+  assert sorted({sampling.compacted_rows(n, 32, 16) for n in range(33)}) == list(range(4, 33, 4))
+  assert [sampling.compacted_rows(n, 4, 2) for n in range(5)] == [2, 2, 2, 4, 4]
+  assert sorted({sampling.compacted_rows(n, 128, 4) for n in range(129)}) == [32, 64, 96, 128]
+
+
 def _sharp_model(seed, cfg=CFG):
   """Weights of std 0.2 (norm scales left at 1): greedy decoding that does not repeat one token."""
   model = init_model(cfg, seed=seed)

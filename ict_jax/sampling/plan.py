@@ -70,16 +70,20 @@ def decode_stretches(phases: Sequence[int]) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
-_ROW_UNITS = 8  # a compacted decode batch keeps a multiple of 1/8 of a shard's rows
+_ROW_UNITS = 8  # a compacted decode batch keeps a multiple of 1/8 of a shard's rows (by default)
+_TILE_ROWS = 8  # finer units hold at least 8 rows: a TPU tile's sublanes (`aot.decode_grid`)
 
 
 def compacted_rows(live_per_shard: int, rows_per_shard: int, units: int | None = None) -> int:
   """The rows each data shard keeps in the decode batch after a compaction, when the fullest
-  shard has `live_per_shard` rows still decoding: the smallest multiple of
-  ceil(rows_per_shard / units) (default 8) that holds them, capped at rows_per_shard. Every shard
-  keeps the same count (one program for the mesh), so a rollout compiles at most `units` batch
-  sizes a phase bound; 0 live rows keep one unit (the loop has ended and is not run)."""
-  unit = -(-rows_per_shard // (units or _ROW_UNITS))
+  shard has `live_per_shard` rows still decoding: the smallest multiple of the unit that holds
+  them, capped at rows_per_shard; the unit is ceil(rows_per_shard / units) (units default 8), and
+  one finer than an eighth of the rows holds at least 8 rows (16 units of 128 rows a chip: 8 rows;
+  of 64: 8 rows, 8 units). Every shard keeps the same count (one program for the mesh), so a
+  rollout compiles at most `units` batch sizes a phase bound; 0 live rows keep one unit (the loop
+  has ended and is not run)."""
+  eighth = -(-rows_per_shard // _ROW_UNITS)
+  unit = max(-(-rows_per_shard // (units or _ROW_UNITS)), min(_TILE_ROWS, eighth))
   return min(rows_per_shard, max(1, -(-live_per_shard // unit)) * unit)
 
 
