@@ -2,8 +2,8 @@
 a few compiles.
 
 A rollout's decode step runs at each phase's read bound b (`sampling.decode_phases`) and, once
-finished rows are dropped, at each compacted row count r (`sampling.compacted_rows`): up to 8 x 8
-programs, each a compile of many seconds to minutes for a 1.5B-7B model with its layer scan
+finished rows are dropped, at each compacted row count r (`sampling.compacted_rows`): up to 8 x
+units programs, each a compile of many seconds to minutes for a 1.5B-7B model with its layer scan
 unrolled. Their bytes, FLOPs and collectives are affine in b at a fixed r (the KV slots read), in
 r at a fixed b (the rows' activations, logits and cache), and in the layer count (identical layers,
 unrolled). So "few" (the default) compiles the four corners (first and last bound) x (fewest and

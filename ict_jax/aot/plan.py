@@ -16,11 +16,14 @@ HBM bandwidth), on the real tokens of a step drawn from a length distribution
   prompt's R rows consecutive, a sub-batch's rows in blocks over the chips); each sub-batch steps
   until its longest completion ends (i = 1 .. T - 1), in the length-bounded phases of
   `sampling.decode_phases`, each cut into the stretches of `sampling.decode_stretches`; at each
-  boundary between stretches the finished rows are dropped and every chip keeps
-  `sampling.compacted_rows(the most rows still live on a chip, its rows)` rows, so a step of a
-  stretch of the phase of bound b runs at that row count r (the first stretch at all rows; once
+  boundary between stretches the finished rows are dropped, the chips' live rows evened out by a
+  few sent to the neighbouring chips (`sampling.balance`), and every chip keeps
+  `sampling.compacted_rows(the most rows then live on a chip, its rows, units)` rows, so a step of
+  a stretch of the phase of bound b runs at that row count r (the first stretch at all rows; once
   rows are dropped, each reads its own copy of its prompt's slots, as the sampler's compaction
-  gathers them: `decode_grid.prompt_rows`).
+  gathers them: `decode_grid.prompt_rows`). A compaction costs its copy of the kept rows' state
+  (read and written: `DecodeCosts.row_bytes` a row) at the HBM bandwidth and the rows sent
+  (`sampling.balance.move_cap` each way an edge) at the inter-chip bandwidth.
   A step costs max(its bytes at the HBM bandwidth, its FLOPs at the peak) + its collectives' bytes
   at the inter-chip bandwidth (an all-reduce between a layer's matmuls is on the critical path:
   not overlapped), a chip's bytes, FLOPs and collective bytes of the decode step compiled at
