@@ -157,17 +157,7 @@ def _compact_shard(
       out = {name: _set_rows(v, pos, rec[name], 0) for name, v in out.items()}
       order = _set_rows(order, pos, ordr, 0)
   done = new.done | (p >= stay + came)  # past the live rows: finished rows, or a repeat marked finished
-  return c._replace(
-      cache=new.cache,
-      tok=new.tok,
-      done=done,
-      num_prompt=new.num_prompt,
-      row_ids=new.row_ids,
-      prompt_cache=new.prompt_cache,
-      prompt_mask=new.prompt_mask,
-      out=out,
-      order=order,
-  )
+  return c._replace(**new._replace(done=done)._asdict(), out=out, order=order)
 
 
 @functools.partial(jax.jit, static_argnames=("shards", "keep", "cap"))
@@ -228,7 +218,7 @@ def decode_compacted(
   """`decode._decode_rows`'s outputs (ids, mask[, logprobs][, logits]) for one decode batch (placed
   as `host._place` does), the finished rows dropped between stretches. flags.shards: the row
   shards (("data", "fsdp") of the mesh); n_new: the tokens wanted (the loop's num_new). Blocks at
-  each stretch's end (one [2] int32 transfer); call under the mesh (`jax.set_mesh`)."""
+  each stretch's end (one [1 + S] int32 transfer: `_live`); call under the mesh (`jax.set_mesh`)."""
   (stop, bound), *rest = decode_stretches(decode_phases(flags.max_len))
   stop_at = lambda n: jnp.asarray(n, jnp.int32)
   c, live = _open(
