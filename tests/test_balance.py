@@ -46,11 +46,13 @@ def test_flows_reach_the_fullest_shard_brute_force_finds(seed):
 def test_plan_moves_rows_only_when_fewer_are_kept():
   """4 rows a shard (units of 1 row): live (4, 1, 1) moves 2 then 1 row right, every shard keeps
   2 (4 without the moves); live (3, 2, 2) could only even out to (3, 2, 2) again: no move, 3 kept."""
-  keep, flows = balance.plan(np.array([4, 1, 1]), 4, cap=2)
-  assert keep == 2 and flows.tolist() == [2, 1]
-  keep, flows = balance.plan(np.array([3, 2, 2]), 4, cap=2)
-  assert keep == 3 and flows.tolist() == [0, 0]
-  assert balance.plan(np.array([5]), 8, cap=0) == (compacted_rows(5, 8), pytest.approx(np.zeros(0)))
+  keep, flows, sent = balance.plan(np.array([4, 1, 1]), 4, cap=2)
+  assert keep == 2 and flows.tolist() == [2, 1] and sent == 2
+  keep, flows, sent = balance.plan(np.array([3, 2, 2]), 4, cap=2)
+  assert keep == 3 and flows.tolist() == [0, 0] and sent == 0
+  one = balance.plan(np.array([5]), 8, cap=0)
+  assert one.keep == compacted_rows(5, 8) and one.flows.size == 0 and one.sent == 0
+  assert balance.plan(np.array([4, 1, 1]), 4, cap=2).counts.tolist() == [[2, 1, 0], [0, 0, 0], [0, 2, 1], [0, 0, 0]]
 
 
 def test_rows_after_lays_the_rows_out_as_worked_by_hand():

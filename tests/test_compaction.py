@@ -218,9 +218,9 @@ def test_only_moved_rows_cross_devices(model, mesh):
     c, _ = compact._open(
         state, ids_, mask_, rows, rng, tuple(scalars), 16, graphdef=graphdef, flags=flags, samples=SAMPLES, bound=16
     )
-    flows = jnp.array([1, -1, 0], jnp.int32)
+    counts = jnp.asarray(np.stack(sampling.balance.moves(np.array([1, -1, 0]))), jnp.int32)
     for cap in (0, 2):
-      hlo = compact._compact.lower(c, flows, shards=4, keep=2, cap=cap).compile().as_text()
+      hlo = compact._compact.lower(c, counts, shards=4, keep=2, cap=cap).compile().as_text()
       for op in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
         assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
       assert ("collective-permute" in hlo) == (cap > 0)

@@ -128,9 +128,8 @@ class DecodeCosts:
   # slot of one row in one layer (its KV heads), and the layers; 0 without it (every prompt slot read)
   kernel_slot_bytes: int = 0
   layers: int = 0
-  units: int | None = (
-      None  # `sampling.compacted_rows`: a compacted batch keeps a multiple of 1/units (8) of a chip's rows
-  )
+  # `sampling.compacted_rows`: a compacted batch keeps a multiple of 1/units (8) of a chip's rows
+  units: int | None = None
   # one decode row's state a chip (its completion cache, its prompt copy, its outputs), which a
   # compaction copies for each kept row and sends for each row moved to another chip
   row_bytes: int = 0
@@ -258,11 +257,11 @@ def stretch_batches(
     if k:
       live = now.held & (lens[now.rows] > prev + 1)
       counts = live.sum(axis=1)
-      keep, flows = balance.plan(counts, total, cap, units)
-      if keep < now.rows.shape[1]:
+      step = balance.plan(counts, total, cap, units)
+      if step.keep < now.rows.shape[1]:
         key = np.where(live, longest_first[now.rows], np.iinfo(np.int64).max)
         ordered = np.take_along_axis(now.rows, np.argsort(key, axis=1, kind="stable"), axis=1)
-        now = Stretch(*balance.rows_after(ordered, counts, flows, keep), True, cap if flows.any() else 0)
+        now = Stretch(*balance.rows_after(ordered, counts, step.flows, step.keep), True, step.sent)
       else:
         now = now._replace(compacted=False, sent=0)
     out.append(now)
@@ -372,9 +371,8 @@ def _decode_rollout(costs: DecodeCosts, lens: np.ndarray, prompt: np.ndarray, bw
       j = g.rows.index(r * costs.shards)
       shared = r * costs.shards == sub.size
       b, f, x = g.bytes[k][j], g.flops[k][j], g.ici_bytes[k][j]
-      live = held & (
-          sub[batch][None] > np.arange(first, first + n)[:, None, None]
-      )  # [n, chips, r]: rows live at each step
+      at = np.arange(first, first + n)[:, None, None]
+      live = held & (sub[batch][None] > at)  # [n, chips, r]: rows live at each step
       b -= prompt_bytes_skipped(batch, row_prompt, g.bounds[k], costs, shared, live)
       b -= cache_bytes_skipped(first, first + n - 1, g.bounds[k], r, shared, costs) / n  # a step's mean
       steps[k] += n

@@ -92,17 +92,32 @@ def edge_flows(live: np.ndarray, total: int, cap: int) -> np.ndarray:
   return np.zeros(s - 1, np.int64)
 
 
-def plan(live: np.ndarray, total: int, cap: int, units: int | None = None) -> tuple[int, np.ndarray]:
-  """(the rows every shard keeps, the edge flows [S - 1]) at a compaction with `live` [S] rows
-  still decoding on each shard of `total` (`compacted_rows` in `units`): the moves only when they
+class Compaction(NamedTuple):
+  """A compaction as the host plans it (`plan`): the rows every shard keeps, the edge flows [S - 1]
+  (positive: shard s to s + 1) and the rows each buffer sent across an edge holds (`move_cap`; 0
+  when no row moves: no exchange)."""
+
+  keep: int
+  flows: np.ndarray
+  sent: int
+
+  @property
+  def counts(self) -> np.ndarray:
+    """[4, S] int32: `moves(flows)` stacked, as `compact._compact` takes them."""
+    return np.stack(moves(self.flows)).astype(np.int32)
+
+
+def plan(live: np.ndarray, total: int, cap: int, units: int | None = None) -> Compaction:
+  """The compaction with `live` [S] rows still decoding on each shard of `total`: every shard keeps
+  `compacted_rows` (in `units`) of the fullest after the moves, which are made only when they
   lower the rows kept."""
   live = np.asarray(live, np.int64)
   stay = compacted_rows(int(live.max()), total, units)
   flows = edge_flows(live, total, cap)
   keep = compacted_rows(int((live + moves(flows).kept).max()), total, units)
   if keep < stay:
-    return keep, flows
-  return stay, np.zeros_like(flows)
+    return Compaction(keep, flows, cap if flows.any() else 0)
+  return Compaction(stay, np.zeros_like(flows), 0)
 
 
 def rows_after(ordered: np.ndarray, live: np.ndarray, flows: np.ndarray, keep: int) -> tuple[np.ndarray, np.ndarray]:

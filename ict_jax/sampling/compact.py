@@ -102,25 +102,25 @@ def _set_rows(x: Array, pos: Array, v: Array, axis: int) -> Array:
 
 
 def _compact_shard(
-    c: Decoding, flows: Array, shard, prompt0, *, shards: int, keep: int, cap: int, per_prompt: int, axes
+    c: Decoding, counts: Array, shard, prompt0, *, shards: int, keep: int, cap: int, per_prompt: int, axes
 ) -> Decoding:
   """One row shard's compaction (`_compact`), on its own rows: c's arrays are the shard's (here
   computed rows, `total` out rows, the prompts it holds from global prompt prompt0 on, each read by
-  per_prompt consecutive rows), flows [S - 1] the rows crossing each edge (`balance.plan`), axes
-  the mesh axes the rows are sharded over. The rows are sorted live first, longest prompt
+  per_prompt consecutive rows), counts [4, S] the rows each shard sends right and left and takes in
+  from the left and right (`balance.Compaction.counts`), axes the mesh axes the rows are sharded
+  over. The rows are sorted live first, longest prompt
   first; the last live ones go to the neighbours (`balance.rows_after`), each with its out row,
   and a finished out row comes back for each live row taken in."""
   here, total = c.tok.shape[0], c.order.shape[0]
   key = jnp.where(c.done, jnp.iinfo(jnp.int32).max, -c.num_prompt)  # live first, longest prompt first
   srt = jnp.argsort(key, stable=True).astype(jnp.int32)  # [here]
   n = jnp.sum(~c.done).astype(jnp.int32)
-  edge = jnp.pad(flows.astype(jnp.int32), 1)  # [S + 1]: edge[s] enters shard s from the left
-  left, right = edge[shard], edge[shard + 1]
-  send_r, send_l, from_l, from_r = (jnp.maximum(x, 0) for x in (right, -left, left, -right))
+  send_r, send_l, from_l, from_r = counts[:, shard]
   stay = n - send_r - send_l  # own live rows kept
   came = from_l + from_r
   full = jnp.concatenate([srt, jnp.arange(here, total, dtype=jnp.int32)])  # [total] out rows, the same order
   clip = lambda x, hi: jnp.clip(x, 0, hi - 1)
+  own = lambda x: jnp.where(x < stay, x, x - came + send_r + send_l)  # slot x's own row: past the rows taken in
   prompt_of = lambda j: (shard * here + j) // per_prompt - prompt0  # a row's prompt, as held here
 
   def rows(idx: Array) -> _Rows:  # the shard's rows idx [k]
@@ -132,9 +132,9 @@ def _compact_shard(
   records = lambda idx: ({k: v[idx] for k, v in c.out.items()}, c.order[idx])  # out rows idx [k]
 
   p = jnp.arange(keep, dtype=jnp.int32)
-  new = rows(srt[clip(jnp.where(p < stay, p, p - came + send_r + send_l), here)])
+  new = rows(srt[clip(own(p), here)])
   q = jnp.arange(total, dtype=jnp.int32)
-  out, order = records(full[clip(jnp.where(q < stay, q, q - came + send_r + send_l), total)])
+  out, order = records(full[clip(own(q), total)])
   if cap:
     k = jnp.arange(cap, dtype=jnp.int32)
     to_r = n - send_r + k  # the last live rows, or finished out rows for the live rows taken in
@@ -161,19 +161,19 @@ def _compact_shard(
 
 
 @functools.partial(jax.jit, static_argnames=("shards", "keep", "cap"))
-def _compact(c: Decoding, flows: Array, *, shards: int, keep: int, cap: int = 0) -> Decoding:
+def _compact(c: Decoding, counts: Array, *, shards: int, keep: int, cap: int = 0) -> Decoding:
   """Each row shard keeps `keep` computed rows: its rows still decoding first, the longest prompts
   first (ties in their order, so a prompt's rows stay together), then finished ones; the cache,
   tokens, flags, row ids and prompts' keys/values gathered (a prompt copy a row), the out rows
-  permuted alike. With cap > 0 the live rows of flows [S - 1] (`balance.plan`) cross to the
-  neighbouring shards in buffers of cap rows (two `ppermute`s), so the shards hold even counts;
+  permuted alike. With cap > 0 the live rows counts [4, S] says (`balance.Compaction.counts`) cross
+  to the neighbouring shards in buffers of cap rows (two `ppermute`s), so the shards hold even counts;
   with cap 0 no row leaves its device. Sorted by prompt length, a row block of the fused decode
   kernel holds prompts of like length and skips more of their left padding (`decode_kernel`)."""
   per_prompt = c.tok.shape[0] // c.prompt_mask.shape[0]
   kw = dict(shards=shards, keep=keep, cap=cap, per_prompt=per_prompt)
   mesh = jax.sharding.get_abstract_mesh()
   if shards == 1 or mesh.empty:
-    return _compact_shard(c, flows, 0, 0, axes=None, **kw)
+    return _compact_shard(c, counts, 0, 0, axes=None, **kw)
   shape = dict(mesh.shape)
   spec = lambda names, x: logical_to_spec(names, x.shape, shape)
   caches = lambda tree: jax.tree.map(lambda x: spec(CACHE_AXES, x), tree)
@@ -185,11 +185,11 @@ def _compact(c: Decoding, flows: Array, *, shards: int, keep: int, cap: int = 0)
   axes, prompt_axes = specs.tok[0], specs.prompt_mask[0]
   out_specs = specs._replace(prompt_cache=caches(c.cache), prompt_mask=P(axes, None))  # a prompt copy a row
 
-  def local(c: Decoding, flows: Array) -> Decoding:
+  def local(c: Decoding, counts: Array) -> Decoding:
     prompt0 = 0 if prompt_axes is None else jax.lax.axis_index(prompt_axes) * c.prompt_mask.shape[0]
-    return _compact_shard(c, flows, jax.lax.axis_index(axes), prompt0, axes=axes, **kw)
+    return _compact_shard(c, counts, jax.lax.axis_index(axes), prompt0, axes=axes, **kw)
 
-  return jax.shard_map(local, in_specs=(specs, P()), out_specs=out_specs, check_vma=False)(c, flows)
+  return jax.shard_map(local, in_specs=(specs, P()), out_specs=out_specs, check_vma=False)(c, counts)
 
 
 @functools.partial(jax.jit, static_argnames=("names",))
@@ -240,10 +240,9 @@ def decode_compacted(
     i, *live_rows = (int(v) for v in np.asarray(live.addressable_data(0)))
     if i >= n_new or max(live_rows) == 0:
       break
-    keep, flows = balance.plan(np.asarray(live_rows), total, cap, units)
-    if keep < c.tok.shape[0] // flags.shards:
-      moved = cap if flows.any() else 0
-      c = _compact(c, jnp.asarray(flows, jnp.int32), shards=flags.shards, keep=keep, cap=moved)
+    step = balance.plan(np.asarray(live_rows), total, cap, units)
+    if step.keep < c.tok.shape[0] // flags.shards:
+      c = _compact(c, jnp.asarray(step.counts), shards=flags.shards, keep=step.keep, cap=step.sent)
     c, live = _phase(state, c, rng, scalars, stop_at(stop), graphdef=graphdef, flags=flags, bound=bound)
   names = decode.output_names(flags.return_logprobs, flags.return_logits)
   return _close(c, names=names)

@@ -231,8 +231,9 @@ def generate(
   phases (`compact.py`; the host drives the phases, one program each): the same tokens, masks and
   log-probs as compact_rows=False (one program for the whole decode); the batch keeps a multiple of
   1 / compaction_units of a shard's rows (8: up to 8 decode programs a phase; 16 drops the finished
-  rows sooner and may compile twice as many; a unit finer than an eighth holds at least 8 rows). Row r draws its token i with fold_in(fold_in(rng, r),
-  i): the same tokens whatever the sub-batches."""
+  rows sooner and may compile twice as many; a unit finer than an eighth holds at least 8 rows).
+  Row r draws its token i with fold_in(fold_in(rng, r), i): the same tokens whatever the
+  sub-batches."""
   job = _prepare(
       model,
       prompt_ids,
